@@ -1,0 +1,86 @@
+"""kungfu: adaptive distributed training for TensorFlow 2 and Keras 3.
+
+This top-level package needs only numpy: collectives over numpy arrays and Python scalars, and
+the worker's identity. Launch workers with `kungfu-run -np N python train.py`; a process started
+without kungfu-run is rank 0 of a cluster of size 1.
+"""
+from __future__ import annotations
+
+from kungfu import errors
+from kungfu._collective import (
+    Handle,
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_async,
+    barrier,
+    broadcast,
+    broadcast_async,
+    consensus,
+    consensus_async,
+    gather,
+    gather_async,
+    reduce,
+    reduce_async,
+)
+
+__version__ = "0.1.0"
+
+
+def _identity():
+    from kungfu import _peer
+
+    if _peer.started():
+        return _peer.get()
+    return _peer.identity_from_env()
+
+
+def rank() -> int:
+    """This worker's rank, 0 <= rank < size()."""
+    return _identity().rank
+
+
+def size() -> int:
+    """The number of workers in the cluster."""
+    return _identity().size
+
+
+def local_rank() -> int:
+    """This worker's index among the workers on its host."""
+    return _identity().local_rank
+
+
+def local_size() -> int:
+    """The number of workers on this worker's host."""
+    return _identity().local_size
+
+
+def init() -> None:
+    """Connects to every peer now (otherwise the first collective does). Idempotent."""
+    from kungfu import _peer
+
+    _peer.get()
+
+
+__all__ = [
+    "errors",
+    "Handle",
+    "init",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "barrier",
+    "allreduce",
+    "allreduce_async",
+    "reduce",
+    "reduce_async",
+    "broadcast",
+    "broadcast_async",
+    "allgather",
+    "allgather_async",
+    "gather",
+    "gather_async",
+    "consensus",
+    "consensus_async",
+]

@@ -1,0 +1,242 @@
+"""Collectives over numpy arrays and Python scalars (no TensorFlow)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from kungfu import _peer
+from kungfu.errors import InvalidArgumentError, OpTimeoutError, raise_for_status
+
+_DTYPE_CODES = {
+    "int8": 1, "int16": 2, "int32": 3, "int64": 4,
+    "uint8": 5, "uint16": 6, "uint32": 7, "uint64": 8,
+    "float16": 9, "bfloat16": 10, "float32": 11, "float64": 12, "bool": 13,
+}
+_OPS = {"sum": 1, "min": 2, "max": 3, "prod": 4}
+_NO_TIMEOUT = -1
+
+
+def _dtype_code(dtype: np.dtype) -> int:
+    code = _DTYPE_CODES.get(np.dtype(dtype).name)
+    if code is None:
+        raise InvalidArgumentError(
+            f"dtype {np.dtype(dtype).name} is not supported (supported: {', '.join(_DTYPE_CODES)})"
+        )
+    return code
+
+
+def _strategy_code(strategy: Optional[str]) -> int:
+    if strategy is None:
+        return -1
+    from kungfu import _kungfu
+
+    try:
+        return _kungfu.parse_strategy(str(strategy))
+    except ValueError as e:
+        raise InvalidArgumentError(str(e)) from None
+
+
+def _timeout_ms(timeout: Optional[float]) -> int:
+    if timeout is None:
+        return _NO_TIMEOUT
+    if timeout <= 0:
+        raise InvalidArgumentError(f"timeout must be positive, got {timeout}")
+    return int(timeout * 1000)
+
+
+class _Input:
+    """A contiguous array view of x, and how to give a result back in x's own type."""
+
+    def __init__(self, x: Any):
+        if isinstance(x, np.ndarray):
+            self.kind = "array"
+        elif isinstance(x, np.generic):
+            self.kind = "numpy-scalar"
+        elif isinstance(x, (bool, int, float)):
+            self.kind = "python-scalar"
+        else:
+            raise InvalidArgumentError(
+                f"expected a numpy array or a Python/numpy scalar, got {type(x).__name__}"
+            )
+        self.array = np.ascontiguousarray(x)
+        self.code = _dtype_code(self.array.dtype)
+
+    def back(self, result: np.ndarray):
+        if self.kind == "array":
+            return result
+        if self.kind == "numpy-scalar":
+            return result.reshape(()).astype(self.array.dtype)[()]
+        return result.reshape(()).item()
+
+
+class Handle:
+    """An operation in flight. `wait()` returns its result or raises its error."""
+
+    def __init__(self, native, result: Callable[[], Any], keep: tuple):
+        self._native = native
+        self._result = result
+        self._keep = keep  # buffers the runtime reads or writes until completion
+
+    def done(self) -> bool:
+        return self._native.poll()
+
+    def wait(self, timeout: Optional[float] = None):
+        """Blocks until completion (at most `timeout` seconds) and returns the result.
+
+        A wait that times out raises OpTimeoutError but does not cancel the operation, which
+        still ends by its own deadline.
+        """
+        if not self._native.wait(-1.0 if timeout is None else float(timeout)):
+            raise OpTimeoutError(f"operation still running after {timeout} s")
+        raise_for_status(self._native.status())
+        return self._result()
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        """Calls fn(handle) once the operation completes (on a runtime thread, with the GIL)."""
+        self._native.add_done_callback(lambda _status: fn(self))
+
+
+def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
+                    timeout: Optional[float] = None) -> Handle:
+    if op not in _OPS and op != "avg":
+        raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, avg, min, max, prod)")
+    inp = _Input(x)
+    if op == "avg" and inp.array.dtype == np.bool_:
+        raise InvalidArgumentError("op 'avg' is not defined for bool")
+    peer = _peer.get()
+    send = inp.array
+    recv = np.empty_like(send)
+    native = peer.allreduce(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
+                            send.size, inp.code, _OPS.get(op, 1), name or "",
+                            _strategy_code(strategy), _timeout_ms(timeout))
+
+    def result():
+        out = recv
+        if op == "avg":
+            n = peer.size
+            if np.issubdtype(out.dtype, np.integer):
+                out = out // n
+            else:
+                out = (out.astype(np.float64) / n).astype(out.dtype)
+        return inp.back(out)
+
+    return Handle(native, result, (send, recv))
+
+
+def allreduce(x, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
+              timeout: Optional[float] = None):
+    """Reduces x across all workers with op (sum, avg, min, max, prod); every worker gets the result.
+
+    avg on integers is the floor of the mean. float16/bfloat16 are computed in float32 per step.
+    """
+    return allreduce_async(x, op, name, strategy, timeout).wait()
+
+
+def reduce_async(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
+                 strategy: Optional[str] = None, timeout: Optional[float] = None) -> Handle:
+    if op not in _OPS:
+        raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, min, max, prod)")
+    inp = _Input(x)
+    peer = _peer.get()
+    send = inp.array
+    recv = np.empty_like(send)
+    native = peer.reduce(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
+                         send.size, inp.code, _OPS[op], int(root), name or "",
+                         _strategy_code(strategy), _timeout_ms(timeout))
+    return Handle(native, lambda: inp.back(recv) if peer.rank == root else None, (send, recv))
+
+
+def reduce(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
+           strategy: Optional[str] = None, timeout: Optional[float] = None):
+    """Reduces x to worker `root`; returns the result there and None elsewhere."""
+    return reduce_async(x, op, root, name, strategy, timeout).wait()
+
+
+def broadcast_async(x, root: int = 0, name: Optional[str] = None, strategy: Optional[str] = None,
+                    timeout: Optional[float] = None) -> Handle:
+    inp = _Input(x)
+    peer = _peer.get()
+    send = inp.array
+    recv = np.empty_like(send)
+    native = peer.broadcast(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
+                            send.size, inp.code, int(root), name or "", _strategy_code(strategy),
+                            _timeout_ms(timeout))
+    return Handle(native, lambda: inp.back(recv), (send, recv))
+
+
+def broadcast(x, root: int = 0, name: Optional[str] = None, strategy: Optional[str] = None,
+              timeout: Optional[float] = None):
+    """Returns root's x on every worker. x must have the same shape and dtype everywhere."""
+    return broadcast_async(x, root, name, strategy, timeout).wait()
+
+
+def _gathered(native, inp: _Input, root: Optional[int]):
+    def result():
+        if root is not None and _peer.get().rank != root:
+            return None
+        counts, data = native.gathered()
+        row = inp.array.shape[1:] if inp.array.ndim > 0 else ()
+        row_size = int(np.prod(row)) if row else 1
+        flat = data.view(inp.array.dtype)
+        for c in counts:
+            if row_size and c % row_size:
+                raise InvalidArgumentError(
+                    f"workers passed arrays whose shapes differ beyond axis 0 (this one: "
+                    f"{inp.array.shape}, another has {c} elements)"
+                )
+        return flat.reshape((-1,) + tuple(row))
+
+    return result
+
+
+def allgather_async(x, name: Optional[str] = None, timeout: Optional[float] = None) -> Handle:
+    inp = _Input(x)
+    peer = _peer.get()
+    send = inp.array
+    native = peer.allgather(send.reshape(-1).view(np.uint8), send.size, inp.code, name or "",
+                            _timeout_ms(timeout))
+    return Handle(native, _gathered(native, inp, None), (send,))
+
+
+def allgather(x, name: Optional[str] = None, timeout: Optional[float] = None) -> np.ndarray:
+    """Concatenates every worker's x along axis 0 in rank order (sizes along axis 0 may differ;
+    a scalar counts as one row)."""
+    return allgather_async(x, name, timeout).wait()
+
+
+def gather_async(x, root: int = 0, name: Optional[str] = None,
+                 timeout: Optional[float] = None) -> Handle:
+    inp = _Input(x)
+    peer = _peer.get()
+    send = inp.array
+    native = peer.gather(send.reshape(-1).view(np.uint8), send.size, inp.code, int(root),
+                         name or "", _timeout_ms(timeout))
+    return Handle(native, _gathered(native, inp, int(root)), (send,))
+
+
+def gather(x, root: int = 0, name: Optional[str] = None, timeout: Optional[float] = None):
+    """Like allgather, but only `root` gets the concatenation; the others get None."""
+    return gather_async(x, root, name, timeout).wait()
+
+
+def barrier(name: Optional[str] = None, timeout: Optional[float] = None) -> None:
+    """Returns once every worker has entered the barrier."""
+    native = _peer.get().barrier(name or "", _timeout_ms(timeout))
+    Handle(native, lambda: None, ()).wait()
+
+
+def consensus_async(x, name: Optional[str] = None, timeout: Optional[float] = None) -> Handle:
+    if isinstance(x, str):
+        data = np.frombuffer(x.encode(), dtype=np.uint8)
+    elif isinstance(x, (bytes, bytearray, memoryview)):
+        data = np.frombuffer(bytes(x), dtype=np.uint8)
+    else:
+        data = np.ascontiguousarray(_Input(x).array).reshape(-1).view(np.uint8)
+    native = _peer.get().consensus(data, name or "", _timeout_ms(timeout))
+    return Handle(native, native.agreed, (data,))
+
+
+def consensus(x, name: Optional[str] = None, timeout: Optional[float] = None) -> bool:
+    """True on every worker iff every worker passed the same bytes (array, scalar, str or bytes)."""
+    return consensus_async(x, name, timeout).wait()

@@ -1,0 +1,84 @@
+"""Every KUNGFU_* environment variable, declared once: name, type, default, meaning.
+
+`kungfu-run` writes the identity variables for each worker; users may set the tuning ones.
+Nothing else in kungfu reads the environment: the native runtime takes these values as arguments.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from '90', '90s', '1.5m', '500ms', '2h' or a combination like '1m30s'."""
+    s = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", s):
+        return float(s)
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", s)
+    if not parts or "".join(n + u for n, u in parts) != s:
+        raise ValueError(f"bad duration {text!r} (examples: 30s, 500ms, 2m, 1h30m)")
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    parse: Callable[[str], object]
+    default: object
+    doc: str
+
+    def get(self, environ: Optional[dict] = None):
+        env = os.environ if environ is None else environ
+        raw = env.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"environment variable {self.name}={raw!r} is invalid: {e}") from None
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v <= 0:
+        raise ValueError("must be a positive integer")
+    return v
+
+
+def _positive_duration(s: str) -> float:
+    v = parse_duration(s)
+    if v <= 0:
+        raise ValueError("must be a positive duration")
+    return v
+
+
+# Identity: set by kungfu-run for each worker. Without SELF_SPEC a process is rank 0 of size 1.
+SELF_SPEC = Var("KUNGFU_SELF_SPEC", str, None, "this worker's host:port")
+INIT_PEERS = Var("KUNGFU_INIT_PEERS", str, None, "comma-separated host:port of all workers, in rank order")
+INIT_CLUSTER_VERSION = Var("KUNGFU_INIT_CLUSTER_VERSION", int, 0, "cluster version the worker starts in")
+ALLREDUCE_STRATEGY = Var("KUNGFU_ALLREDUCE_STRATEGY", str, "AUTO", "default collective strategy")
+
+# Tuning: users may set these.
+OP_TIMEOUT = Var("KUNGFU_OP_TIMEOUT", _positive_duration, 300.0, "deadline of one collective")
+PEER_TIMEOUT = Var("KUNGFU_PEER_TIMEOUT", _positive_duration, 10.0,
+                   "silence after which a peer is declared dead")
+CONNECT_TIMEOUT = Var("KUNGFU_CONNECT_TIMEOUT", _positive_duration, 120.0,
+                      "how long a worker waits for all peers to come up")
+CHUNK_BYTES = Var("KUNGFU_CHUNK_BYTES", _positive_int, 1 << 20, "largest message; bigger tensors are pipelined")
+PARALLELISM = Var("KUNGFU_PARALLELISM", _positive_int, 2, "independent pipelines per large allreduce")
+
+ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, OP_TIMEOUT, PEER_TIMEOUT,
+       CONNECT_TIMEOUT, CHUNK_BYTES, PARALLELISM]
+
+
+def worker_env(self_spec: str, peers: list[str], version: int, strategy: str) -> dict:
+    """The identity variables kungfu-run gives one worker."""
+    return {
+        SELF_SPEC.name: self_spec,
+        INIT_PEERS.name: ",".join(peers),
+        INIT_CLUSTER_VERSION.name: str(version),
+        ALLREDUCE_STRATEGY.name: strategy,
+    }

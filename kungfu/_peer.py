@@ -1,0 +1,93 @@
+"""The process-wide native peer: created from the environment on first use, stopped at exit."""
+from __future__ import annotations
+
+import atexit
+import threading
+from dataclasses import dataclass
+from typing import List, Optional
+
+from kungfu import _env
+from kungfu.errors import raise_for_status
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who this process is, as kungfu-run described it (rank 0 of 1 when run alone)."""
+
+    self_spec: Optional[str]
+    peers: List[str]
+    version: int
+
+    @property
+    def rank(self) -> int:
+        return self.peers.index(self.self_spec) if self.self_spec else 0
+
+    @property
+    def size(self) -> int:
+        return max(len(self.peers), 1)
+
+    def _host(self, spec: str) -> str:
+        return spec.rsplit(":", 1)[0]
+
+    @property
+    def local_rank(self) -> int:
+        if not self.self_spec:
+            return 0
+        me = self._host(self.self_spec)
+        return [self._host(p) for p in self.peers[: self.rank]].count(me)
+
+    @property
+    def local_size(self) -> int:
+        if not self.self_spec:
+            return 1
+        me = self._host(self.self_spec)
+        return [self._host(p) for p in self.peers].count(me)
+
+
+def identity_from_env(environ=None) -> Identity:
+    spec = _env.SELF_SPEC.get(environ)
+    peers_raw = _env.INIT_PEERS.get(environ)
+    if not spec:
+        return Identity(None, [], 0)
+    peers = [p for p in (peers_raw or spec).split(",") if p]
+    if spec not in peers:
+        raise ValueError(
+            f"{_env.SELF_SPEC.name}={spec!r} is not in {_env.INIT_PEERS.name}={peers_raw!r}"
+        )
+    return Identity(spec, peers, _env.INIT_CLUSTER_VERSION.get(environ))
+
+
+_lock = threading.Lock()
+_peer = None
+
+
+def get():
+    """The started native peer of this process."""
+    global _peer
+    if _peer is not None:
+        return _peer
+    with _lock:
+        if _peer is None:
+            from kungfu import _kungfu
+
+            ident = identity_from_env()
+            multi = ident.size > 1
+            peer = _kungfu.Peer(
+                self_id=ident.self_spec if multi else "127.0.0.1:1",
+                peers=ident.peers if multi else [],
+                version=ident.version,
+                strategy=_kungfu.parse_strategy(_env.ALLREDUCE_STRATEGY.get()),
+                op_timeout_ms=int(_env.OP_TIMEOUT.get() * 1000),
+                peer_timeout_ms=int(_env.PEER_TIMEOUT.get() * 1000),
+                connect_timeout_ms=int(_env.CONNECT_TIMEOUT.get() * 1000),
+                chunk_bytes=_env.CHUNK_BYTES.get(),
+                parallelism=_env.PARALLELISM.get(),
+            )
+            raise_for_status(peer.start())
+            atexit.register(peer.stop)
+            _peer = peer
+    return _peer
+
+
+def started() -> bool:
+    return _peer is not None

@@ -1,0 +1,54 @@
+"""Exceptions raised by kungfu. Each subclasses the matching builtin, so callers may catch either.
+
+Raised from the status codes of the native runtime (see `raise_for_status`).
+"""
+
+
+class KungFuError(Exception):
+    """Base class of kungfu's errors."""
+
+
+class InvalidArgumentError(KungFuError, ValueError):
+    """Bad input, or peers disagree on an operation (size, dtype)."""
+
+
+class OpTimeoutError(KungFuError, TimeoutError):
+    """An operation did not complete before its deadline."""
+
+
+class PeerFailedError(KungFuError, ConnectionError):
+    """A peer died, left or could not be reached; the message names it."""
+
+
+class InternalError(KungFuError, RuntimeError):
+    """An unexpected failure inside the runtime."""
+
+
+class CancelledError(KungFuError, RuntimeError):
+    """The local peer was stopped while the operation was pending."""
+
+
+_BY_CODE = {
+    1: InvalidArgumentError,
+    2: OpTimeoutError,
+    3: PeerFailedError,
+    4: InternalError,
+    5: CancelledError,
+}
+
+
+def raise_for_status(status) -> None:
+    """Raises the exception for a native (code, message) status; returns if code is 0."""
+    code, message = status
+    if code != 0:
+        raise _BY_CODE.get(code, InternalError)(message)
+
+
+__all__ = [
+    "KungFuError",
+    "InvalidArgumentError",
+    "OpTimeoutError",
+    "PeerFailedError",
+    "InternalError",
+    "CancelledError",
+]

@@ -1,0 +1,217 @@
+// pybind11 binding of the runtime. Buffers come in as Python buffer objects (the Python layer
+// passes contiguous numpy arrays and keeps them alive until the handle completes); statuses go
+// out as (code, message) and are turned into kungfu.errors exceptions in Python. Waiting releases
+// the GIL.
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+
+#include "kungfu/peer.h"
+
+namespace py = pybind11;
+using namespace kungfu;
+
+namespace {
+
+py::tuple StatusTuple(const Status& s) {
+  return py::make_tuple(static_cast<int>(s.code()), s.message());
+}
+
+void* WritablePtr(py::buffer& b) {
+  py::buffer_info info = b.request(true);
+  return info.ptr;
+}
+const void* ReadPtr(py::buffer& b, size_t* bytes) {
+  py::buffer_info info = b.request();
+  *bytes = static_cast<size_t>(info.size * info.itemsize);
+  return info.ptr;
+}
+
+OpOptions Options(const std::string& name, int strategy, int64_t timeout_ms) {
+  OpOptions o;
+  o.name = name;
+  o.strategy = strategy;
+  o.timeout_ms = timeout_ms;
+  return o;
+}
+
+// A handle plus whatever its result needs (gather output, consensus flag).
+struct PyHandle {
+  Handle handle;
+  std::shared_ptr<GatherResult> gathered;
+  std::shared_ptr<bool> agreed;
+
+  bool Wait(double timeout_s) {
+    py::gil_scoped_release release;
+    return handle.Wait(timeout_s < 0 ? -1 : static_cast<int64_t>(timeout_s * 1000));
+  }
+};
+
+std::unique_ptr<Peer> CreatePeer(const std::string& self, const std::vector<std::string>& peers,
+                                 uint64_t version, int strategy, int64_t op_timeout_ms,
+                                 int64_t peer_timeout_ms, int64_t connect_timeout_ms,
+                                 size_t chunk_bytes, int parallelism) {
+  PeerConfig c;
+  Status s = PeerID::Parse(self, &c.self);
+  for (const auto& p : peers) {
+    if (!s.ok()) break;
+    PeerID id;
+    s = PeerID::Parse(p, &id);
+    c.peers.push_back(id);
+  }
+  if (s.ok() && (strategy < 0 || strategy > static_cast<int>(StrategyKind::kAuto))) {
+    s = InvalidArgument("unknown strategy code " + std::to_string(strategy));
+  }
+  c.version = version;
+  c.strategy = static_cast<StrategyKind>(strategy);
+  c.op_timeout_ms = op_timeout_ms;
+  c.peer_timeout_ms = peer_timeout_ms;
+  c.connect_timeout_ms = connect_timeout_ms;
+  c.chunk_bytes = chunk_bytes;
+  c.parallelism = parallelism;
+  std::unique_ptr<Peer> peer;
+  if (s.ok()) s = Peer::Create(c, &peer);
+  if (!s.ok()) throw std::invalid_argument(s.message());
+  return peer;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_kungfu, m) {
+  m.doc() = "kungfu native runtime";
+
+  m.def("parse_strategy", [](const std::string& name) {
+    StrategyKind k;
+    Status s = ParseStrategy(name, &k);
+    if (!s.ok()) throw std::invalid_argument(s.message());
+    return static_cast<int>(k);
+  });
+  m.def("strategy_name", [](int k) { return std::string(StrategyName(static_cast<StrategyKind>(k))); });
+  m.def("validate_tree", [](const std::vector<int>& fathers, int n) {
+    return StatusTuple(ValidateTree(fathers, n));
+  });
+
+  py::class_<PyHandle, std::shared_ptr<PyHandle>>(m, "Handle")
+      .def("wait", &PyHandle::Wait, py::arg("timeout_s") = -1.0)
+      .def("poll", [](PyHandle& h) { return h.handle.Poll(); })
+      .def("status", [](PyHandle& h) { return StatusTuple(h.handle.status()); })
+      .def("agreed", [](PyHandle& h) { return h.agreed ? *h.agreed : false; })
+      .def("gathered",
+           [](PyHandle& h) -> py::object {
+             if (!h.gathered || !h.handle.Poll()) return py::none();
+             auto g = h.gathered;
+             // The array borrows the result's memory; the capsule keeps it alive.
+             auto* keep = new std::shared_ptr<GatherResult>(g);
+             py::capsule owner(keep, [](void* p) {
+               delete static_cast<std::shared_ptr<GatherResult>*>(p);
+             });
+             py::array_t<uint8_t> data({static_cast<py::ssize_t>(g->data.size())},
+                                       {static_cast<py::ssize_t>(1)},
+                                       reinterpret_cast<uint8_t*>(g->data.data()), owner);
+             return py::make_tuple(g->counts, data);
+           })
+      .def("add_done_callback", [](PyHandle& h, std::function<void(py::tuple)> fn) {
+        h.handle.OnComplete([fn](const Status& s) {
+          if (!Py_IsInitialized()) return;
+          py::gil_scoped_acquire gil;
+          try {
+            fn(StatusTuple(s));
+          } catch (py::error_already_set& e) {
+            e.discard_as_unraisable("kungfu done callback");
+          }
+        });
+      });
+
+  py::class_<Peer>(m, "Peer")
+      .def(py::init(&CreatePeer), py::arg("self_id"), py::arg("peers"), py::arg("version"),
+           py::arg("strategy"), py::arg("op_timeout_ms"), py::arg("peer_timeout_ms"),
+           py::arg("connect_timeout_ms"), py::arg("chunk_bytes"), py::arg("parallelism"))
+      .def("start",
+           [](Peer& p) {
+             Status s;
+             {
+               py::gil_scoped_release release;
+               s = p.Start();
+             }
+             return StatusTuple(s);
+           })
+      .def("stop", [](Peer& p) {
+        py::gil_scoped_release release;
+        p.Stop();
+      })
+      .def_property_readonly("rank", &Peer::rank)
+      .def_property_readonly("size", &Peer::size)
+      .def_property_readonly("local_rank", &Peer::local_rank)
+      .def_property_readonly("local_size", &Peer::local_size)
+      .def_property_readonly("host_count", &Peer::host_count)
+      .def_property_readonly("version", &Peer::version)
+      .def("allreduce",
+           [](Peer& p, py::buffer send, py::buffer recv, size_t count, int dtype, int op,
+              const std::string& name, int strategy, int64_t timeout_ms) {
+             size_t n;
+             const void* s = ReadPtr(send, &n);
+             auto h = std::make_shared<PyHandle>();
+             h->handle = p.AllReduce(s, WritablePtr(recv), count, static_cast<DType>(dtype),
+                                     static_cast<ReduceOp>(op), Options(name, strategy, timeout_ms));
+             return h;
+           })
+      .def("reduce",
+           [](Peer& p, py::buffer send, py::buffer recv, size_t count, int dtype, int op, int root,
+              const std::string& name, int strategy, int64_t timeout_ms) {
+             size_t n;
+             const void* s = ReadPtr(send, &n);
+             auto h = std::make_shared<PyHandle>();
+             h->handle = p.Reduce(s, WritablePtr(recv), count, static_cast<DType>(dtype),
+                                  static_cast<ReduceOp>(op), root, Options(name, strategy, timeout_ms));
+             return h;
+           })
+      .def("broadcast",
+           [](Peer& p, py::buffer send, py::buffer recv, size_t count, int dtype, int root,
+              const std::string& name, int strategy, int64_t timeout_ms) {
+             size_t n;
+             const void* s = ReadPtr(send, &n);
+             auto h = std::make_shared<PyHandle>();
+             h->handle = p.Broadcast(s, WritablePtr(recv), count, static_cast<DType>(dtype), root,
+                                     Options(name, strategy, timeout_ms));
+             return h;
+           })
+      .def("allgather",
+           [](Peer& p, py::buffer send, size_t count, int dtype, const std::string& name,
+              int64_t timeout_ms) {
+             size_t n;
+             const void* s = ReadPtr(send, &n);
+             auto h = std::make_shared<PyHandle>();
+             h->gathered = std::make_shared<GatherResult>();
+             h->handle = p.AllGather(s, count, static_cast<DType>(dtype), h->gathered,
+                                     Options(name, -1, timeout_ms));
+             return h;
+           })
+      .def("gather",
+           [](Peer& p, py::buffer send, size_t count, int dtype, int root, const std::string& name,
+              int64_t timeout_ms) {
+             size_t n;
+             const void* s = ReadPtr(send, &n);
+             auto h = std::make_shared<PyHandle>();
+             h->gathered = std::make_shared<GatherResult>();
+             h->handle = p.Gather(s, count, static_cast<DType>(dtype), root, h->gathered,
+                                  Options(name, -1, timeout_ms));
+             return h;
+           })
+      .def("barrier",
+           [](Peer& p, const std::string& name, int64_t timeout_ms) {
+             auto h = std::make_shared<PyHandle>();
+             h->handle = p.Barrier(Options(name, -1, timeout_ms));
+             return h;
+           })
+      .def("consensus", [](Peer& p, py::buffer data, const std::string& name, int64_t timeout_ms) {
+        size_t n;
+        const void* d = ReadPtr(data, &n);
+        auto h = std::make_shared<PyHandle>();
+        h->agreed = std::make_shared<bool>(false);
+        h->handle = p.Consensus(d, n, h->agreed.get(), Options(name, -1, timeout_ms));
+        return h;
+      });
+}

@@ -1,0 +1,124 @@
+// Peer: this process's place in a cluster. Owns the listening sockets, the current session (one
+// immutable version + peer list + strategy with its connections) and the worker threads that run
+// operations. Every operation is named, returns a Handle at once, and runs inside the session that
+// was current when it was issued.
+//
+// Operation protocol:
+//  1. The caller issues op (name, ...). The peer assigns it the next sequence number of that name,
+//     so the k-th use of a name on every peer is the same operation (names may be reused every
+//     step; unnamed ops get the name "auto:<kind>").
+//  2. A worker thread runs the collective's graph of sends and receives over the transport. Peers
+//     may issue operations in any order: messages are matched by (source, name, seq, tag).
+//  3. On failure other than a dead or departed peer, the op is aborted on every peer with the
+//     same message, so one peer's bad input never leaves the others waiting.
+//  4. The handle completes with the status; nothing ever waits past the op deadline.
+#pragma once
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kungfu/dtype.h"
+#include "kungfu/handle.h"
+#include "kungfu/peer_id.h"
+#include "kungfu/status.h"
+#include "kungfu/strategy.h"
+#include "kungfu/transport.h"
+
+namespace kungfu {
+
+struct PeerConfig {
+  PeerID self;
+  PeerList peers;  // empty or {self}: a single process, no sockets
+  uint64_t version = 0;
+  StrategyKind strategy = StrategyKind::kAuto;
+  int64_t op_timeout_ms = 300000;       // default deadline of one operation
+  int64_t peer_timeout_ms = 10000;      // silence after which a peer is declared dead
+  int64_t connect_timeout_ms = 120000;  // how long Start() waits for every peer to come up
+  size_t chunk_bytes = 1 << 20;         // largest message; large tensors pipeline in chunks
+  int parallelism = 2;                  // independent pipelines per large allreduce
+};
+
+struct OpOptions {
+  std::string name;      // empty: "auto:<kind>"
+  int strategy = -1;     // a StrategyKind, or -1 for the peer's default
+  int64_t timeout_ms = -1;  // < 0: the peer's op_timeout_ms
+};
+
+// Output of allgather and gather: the per-peer element counts and their concatenation.
+struct GatherResult {
+  std::vector<uint64_t> counts;
+  Buffer data;
+};
+
+class Session;
+
+class Peer {
+ public:
+  static Status Create(const PeerConfig& config, std::unique_ptr<Peer>* out);
+  ~Peer();
+
+  // Listens, connects to every peer and waits until every peer has connected back.
+  Status Start();
+  // Says goodbye to every peer and releases all sockets and threads. Pending ops fail.
+  void Stop();
+
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(config_.peers.size()); }
+  int local_rank() const;
+  int local_size() const;
+  int host_count() const;
+  uint64_t version() const { return config_.version; }
+  const PeerConfig& config() const { return config_; }
+
+  Handle AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+                   const OpOptions& options);
+  Handle Reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, int root,
+                const OpOptions& options);
+  Handle Broadcast(const void* send, void* recv, size_t count, DType dtype, int root,
+                   const OpOptions& options);
+  // Counts may differ per peer; the result is ordered by rank.
+  Handle AllGather(const void* send, size_t count, DType dtype,
+                   std::shared_ptr<GatherResult> out, const OpOptions& options);
+  // Like AllGather, but only `root` gets the result.
+  Handle Gather(const void* send, size_t count, DType dtype, int root,
+                std::shared_ptr<GatherResult> out, const OpOptions& options);
+  Handle Barrier(const OpOptions& options);
+  // *agreed becomes true on every peer iff every peer passed the same bytes.
+  Handle Consensus(const void* data, size_t bytes, bool* agreed, const OpOptions& options);
+
+ private:
+  explicit Peer(const PeerConfig& config);
+  using Body = std::function<Status(Session&, const struct OpContext&)>;
+  Handle Run(const char* kind, const OpOptions& options, Body body);
+  void AcceptLoop();
+  void HandleIncoming(int fd);
+  void Submit(std::function<void()> task);
+  void WorkerLoop();
+
+  const PeerConfig config_;
+  const int rank_;
+  std::shared_ptr<Session> session_;
+
+  int listen_fds_[2] = {-1, -1};
+  std::thread acceptor_;
+  std::atomic<bool> stopping_{false};
+
+  std::mutex seq_mu_;
+  std::map<std::string, uint64_t> next_seq_;
+
+  // A pool that grows whenever every worker is busy: an operation may block on its peers, so a
+  // bounded pool could deadlock when peers issue operations in different orders.
+  std::mutex pool_mu_;
+  std::condition_variable pool_cv_;
+  std::vector<std::function<void()>> tasks_;
+  std::vector<std::thread> workers_;
+  int idle_workers_ = 0;
+  bool pool_stopping_ = false;
+};
+
+}  // namespace kungfu

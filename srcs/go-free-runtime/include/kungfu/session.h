@@ -1,0 +1,63 @@
+// Session: one immutable (cluster version, peer list, strategy) with its transport. Every
+// collective runs inside exactly one session; a new version builds a new session.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kungfu/dtype.h"
+#include "kungfu/peer.h"
+#include "kungfu/strategy.h"
+#include "kungfu/transport.h"
+
+namespace kungfu {
+
+struct OpContext {
+  std::string name;
+  uint64_t seq = 0;
+  TimePoint deadline;
+};
+
+class Session {
+ public:
+  Session(uint64_t version, PeerList peers, int rank, StrategyKind strategy,
+          TransportOptions transport_options, size_t chunk_bytes, int parallelism);
+
+  Transport& transport() { return transport_; }
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(peers_.size()); }
+  const PeerList& peers() const { return peers_; }
+  // The strategy an operation of `bytes` runs with when it asks for `requested` (-1: default).
+  Strategy StrategyFor(int requested, size_t bytes) const;
+
+  // `run_parallel` runs independent parts of one op concurrently (the peer's worker pool).
+  using Spawner = std::function<void(std::function<void()>)>;
+  Status AllReduce(const OpContext& ctx, const void* send, void* recv, size_t count, DType dtype,
+                   ReduceOp op, int strategy, const Spawner& spawn);
+  Status Reduce(const OpContext& ctx, const void* send, void* recv, size_t count, DType dtype,
+                ReduceOp op, int root, int strategy);
+  Status Broadcast(const OpContext& ctx, const void* send, void* recv, size_t count, DType dtype,
+                   int root, int strategy);
+  Status AllGather(const OpContext& ctx, const void* send, size_t count, DType dtype,
+                   GatherResult* out);
+  Status Gather(const OpContext& ctx, const void* send, size_t count, DType dtype, int root,
+                GatherResult* out);
+  Status Consensus(const OpContext& ctx, const void* data, size_t bytes, bool* agreed);
+
+ private:
+  struct Part;
+  Status RingPart(const OpContext& ctx, const Part& p);
+  Status TreePart(const OpContext& ctx, const Part& p, const Strategy& s);
+  Status ReduceTree(const OpContext& ctx, const Part& p, const Tree& tree);
+  Status BroadcastTree(const OpContext& ctx, const Part& p, const Tree& tree);
+  Status ExchangeCounts(const OpContext& ctx, uint64_t count, int root, std::vector<uint64_t>* counts);
+
+  const PeerList peers_;
+  const int rank_;
+  const StrategyKind default_strategy_;
+  const size_t chunk_bytes_;
+  const int parallelism_;
+  Transport transport_;
+};
+
+}  // namespace kungfu

@@ -1,0 +1,63 @@
+// Status: the error type of the runtime. Converted to Python exceptions in the pybind11 module
+// and to TensorFlow errors in kernels, nowhere else.
+#pragma once
+#include <string>
+#include <utility>
+
+namespace kungfu {
+
+enum class Code : int {
+  kOk = 0,
+  kInvalidArgument = 1,   // bad input, or peers disagree on an operation's size/dtype
+  kDeadlineExceeded = 2,  // an operation ran past its deadline
+  kUnavailable = 3,       // a peer died, left, or could not be reached
+  kInternal = 4,          // a broken invariant or an OS error we cannot attribute to a peer
+  kCancelled = 5,         // the peer was stopped while the operation was pending
+};
+
+class Status {
+ public:
+  Status() = default;
+  Status(Code code, std::string message) : code_(code), message_(std::move(message)) {}
+  static Status OK() { return Status(); }
+
+  bool ok() const { return code_ == Code::kOk; }
+  Code code() const { return code_; }
+  const std::string& message() const { return message_; }
+  // Returns a copy whose message starts with `context: `.
+  Status WithContext(const std::string& context) const {
+    if (ok()) return *this;
+    return Status(code_, context + ": " + message_);
+  }
+  std::string ToString() const;
+
+ private:
+  Code code_ = Code::kOk;
+  std::string message_;
+};
+
+inline Status InvalidArgument(std::string m) { return Status(Code::kInvalidArgument, std::move(m)); }
+inline Status DeadlineExceeded(std::string m) { return Status(Code::kDeadlineExceeded, std::move(m)); }
+inline Status Unavailable(std::string m) { return Status(Code::kUnavailable, std::move(m)); }
+inline Status Internal(std::string m) { return Status(Code::kInternal, std::move(m)); }
+inline Status Cancelled(std::string m) { return Status(Code::kCancelled, std::move(m)); }
+
+const char* CodeName(Code code);
+
+}  // namespace kungfu
+
+#define KF_RETURN_IF_ERROR(expr)         \
+  do {                                   \
+    ::kungfu::Status _kf_s = (expr);     \
+    if (!_kf_s.ok()) return _kf_s;       \
+  } while (0)
+
+// A broken invariant: report file:line and abort. Never used for peer or input errors.
+#define KF_CHECK(cond)                                                               \
+  do {                                                                               \
+    if (!(cond)) ::kungfu::internal::CheckFailed(__FILE__, __LINE__, #cond);         \
+  } while (0)
+
+namespace kungfu::internal {
+[[noreturn]] void CheckFailed(const char* file, int line, const char* cond);
+}

@@ -1,0 +1,224 @@
+#include "kungfu/dtype.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace kungfu {
+
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kInt8: case DType::kUInt8: case DType::kBool: return 1;
+    case DType::kInt16: case DType::kUInt16: case DType::kFloat16: case DType::kBFloat16: return 2;
+    case DType::kInt32: case DType::kUInt32: case DType::kFloat32: return 4;
+    case DType::kInt64: case DType::kUInt64: case DType::kFloat64: return 8;
+  }
+  return 0;
+}
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kInt8: return "int8";
+    case DType::kInt16: return "int16";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+    case DType::kUInt8: return "uint8";
+    case DType::kUInt16: return "uint16";
+    case DType::kUInt32: return "uint32";
+    case DType::kUInt64: return "uint64";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat32: return "float32";
+    case DType::kFloat64: return "float64";
+    case DType::kBool: return "bool";
+  }
+  return "unknown";
+}
+
+const char* ReduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kProd: return "prod";
+  }
+  return "unknown";
+}
+
+bool IsValidDType(int code) { return code >= 1 && code <= 13; }
+bool IsValidReduceOp(int code) { return code >= 1 && code <= 4; }
+
+Status CheckReducible(DType dtype, ReduceOp op) {
+  if (!IsValidDType(static_cast<int>(dtype))) return InvalidArgument("unknown dtype code");
+  if (!IsValidReduceOp(static_cast<int>(op))) return InvalidArgument("unknown reduce op code");
+  if (dtype == DType::kBool && (op == ReduceOp::kSum || op == ReduceOp::kProd)) {
+    return InvalidArgument(std::string("reduce op '") + ReduceOpName(op) +
+                           "' is not defined for bool (use min or max)");
+  }
+  return Status::OK();
+}
+
+// IEEE 754 binary16 <-> binary32, round to nearest even.
+float HalfToFloat(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do {
+        ++e;
+        mant <<= 1;
+      } while ((mant & 0x400) == 0);
+      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mant & 0x3ff) << 13;
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToHalf(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000;
+  uint32_t abs = x & 0x7fffffff;
+  if (abs >= 0x7f800000u) {  // inf or nan
+    return static_cast<uint16_t>(sign | 0x7c00 | (abs > 0x7f800000u ? 0x200 : 0));
+  }
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00);  // overflow -> inf
+  if (abs < 0x38800000u) {  // result is subnormal or zero
+    if (abs < 0x33000000u) return static_cast<uint16_t>(sign);
+    uint32_t e = abs >> 23;
+    uint32_t m = (abs & 0x7fffff) | 0x800000;
+    uint32_t shift = 126 - e;  // 14 + (113 - e) - 1
+    uint32_t half = m >> shift;
+    uint32_t rem = m & ((1u << shift) - 1);
+    uint32_t mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1))) ++half;
+    return static_cast<uint16_t>(sign | half);
+  }
+  uint32_t half = ((abs >> 13) - (112u << 10));
+  uint32_t rem = abs & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (half & 1))) ++half;
+  return static_cast<uint16_t>(sign | half);
+}
+
+float BFloat16ToFloat(uint16_t b) {
+  uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToBFloat16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffff) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);  // quiet nan
+  uint32_t rounding = 0x7fff + ((x >> 16) & 1);
+  return static_cast<uint16_t>((x + rounding) >> 16);
+}
+
+namespace {
+
+template <typename T, ReduceOp kOp>
+inline __attribute__((always_inline)) T Apply(T a, T b) {
+  if constexpr (kOp == ReduceOp::kSum) return static_cast<T>(a + b);
+  if constexpr (kOp == ReduceOp::kProd) return static_cast<T>(a * b);
+  if constexpr (kOp == ReduceOp::kMin) return b < a ? b : a;
+  if constexpr (kOp == ReduceOp::kMax) return a < b ? b : a;
+}
+
+// Separate in-place and out-of-place loops, so that both vectorise without run-time alias checks
+// (all four ops are commutative, so dst == b is the in-place case too).
+template <typename T, ReduceOp kOp>
+inline __attribute__((always_inline)) void Loop(T* dst, const T* a, const T* b, size_t n) {
+  if (dst == a || dst == b) {
+    T* __restrict__ d = dst;
+    const T* __restrict__ y = dst == a ? b : a;
+    for (size_t i = 0; i < n; ++i) d[i] = Apply<T, kOp>(d[i], y[i]);
+    return;
+  }
+  T* __restrict__ d = dst;
+  const T* __restrict__ x = a;
+  const T* __restrict__ y = b;
+  for (size_t i = 0; i < n; ++i) d[i] = Apply<T, kOp>(x[i], y[i]);
+}
+
+template <typename T>
+inline __attribute__((always_inline)) void ReduceTyped(void* dst, const void* a, const void* b,
+                                                       size_t n, ReduceOp op) {
+  T* d = static_cast<T*>(dst);
+  const T* x = static_cast<const T*>(a);
+  const T* y = static_cast<const T*>(b);
+  switch (op) {
+    case ReduceOp::kSum: Loop<T, ReduceOp::kSum>(d, x, y, n); break;
+    case ReduceOp::kMin: Loop<T, ReduceOp::kMin>(d, x, y, n); break;
+    case ReduceOp::kMax: Loop<T, ReduceOp::kMax>(d, x, y, n); break;
+    case ReduceOp::kProd: Loop<T, ReduceOp::kProd>(d, x, y, n); break;
+  }
+}
+
+// The hot kernels get an AVX2 clone chosen at load time; the default clone runs anywhere.
+#define KF_CLONES __attribute__((target_clones("avx2", "default")))
+
+KF_CLONES void ReduceF32(void* d, const void* a, const void* b, size_t n, ReduceOp op) {
+  ReduceTyped<float>(d, a, b, n, op);
+}
+KF_CLONES void ReduceF64(void* d, const void* a, const void* b, size_t n, ReduceOp op) {
+  ReduceTyped<double>(d, a, b, n, op);
+}
+KF_CLONES void ReduceI32(void* d, const void* a, const void* b, size_t n, ReduceOp op) {
+  ReduceTyped<int32_t>(d, a, b, n, op);
+}
+KF_CLONES void ReduceI64(void* d, const void* a, const void* b, size_t n, ReduceOp op) {
+  ReduceTyped<int64_t>(d, a, b, n, op);
+}
+
+template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
+void ReduceHalfLike(void* dst, const void* a, const void* b, size_t n, ReduceOp op) {
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  const uint16_t* x = static_cast<const uint16_t*>(a);
+  const uint16_t* y = static_cast<const uint16_t*>(b);
+  for (size_t i = 0; i < n; ++i) {
+    float u = ToFloat(x[i]), v = ToFloat(y[i]), r = 0;
+    switch (op) {
+      case ReduceOp::kSum: r = u + v; break;
+      case ReduceOp::kProd: r = u * v; break;
+      case ReduceOp::kMin: r = v < u ? v : u; break;
+      case ReduceOp::kMax: r = u < v ? v : u; break;
+    }
+    d[i] = FromFloat(r);
+  }
+}
+
+}  // namespace
+
+void Reduce(void* dst, const void* a, const void* b, size_t n, DType dtype, ReduceOp op) {
+  switch (dtype) {
+    case DType::kFloat32: ReduceF32(dst, a, b, n, op); return;
+    case DType::kFloat64: ReduceF64(dst, a, b, n, op); return;
+    case DType::kInt32: ReduceI32(dst, a, b, n, op); return;
+    case DType::kInt64: ReduceI64(dst, a, b, n, op); return;
+    case DType::kInt8: ReduceTyped<int8_t>(dst, a, b, n, op); return;
+    case DType::kInt16: ReduceTyped<int16_t>(dst, a, b, n, op); return;
+    case DType::kUInt8: ReduceTyped<uint8_t>(dst, a, b, n, op); return;
+    case DType::kUInt16: ReduceTyped<uint16_t>(dst, a, b, n, op); return;
+    case DType::kUInt32: ReduceTyped<uint32_t>(dst, a, b, n, op); return;
+    case DType::kUInt64: ReduceTyped<uint64_t>(dst, a, b, n, op); return;
+    case DType::kBool: ReduceTyped<uint8_t>(dst, a, b, n, op); return;  // min = and, max = or
+    case DType::kFloat16: ReduceHalfLike<HalfToFloat, FloatToHalf>(dst, a, b, n, op); return;
+    case DType::kBFloat16:
+      ReduceHalfLike<BFloat16ToFloat, FloatToBFloat16>(dst, a, b, n, op);
+      return;
+  }
+  KF_CHECK(false && "unknown dtype");
+}
+
+}  // namespace kungfu

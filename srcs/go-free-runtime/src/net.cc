@@ -1,0 +1,193 @@
+#include "net.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <vector>
+
+namespace kungfu::net {
+
+std::string ErrnoString(int err) {
+  char buf[128];
+  return std::string(strerror_r(err, buf, sizeof(buf)));
+}
+
+Status WriteFull(int fd, struct iovec* iov, int iovcnt) {
+  while (iovcnt > 0) {
+    struct msghdr msg;
+    std::memset(&msg, 0, sizeof(msg));
+    msg.msg_iov = iov;
+    msg.msg_iovlen = std::min(iovcnt, 64);
+    ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return Unavailable("send timed out");
+      return Unavailable("send failed: " + ErrnoString(errno));
+    }
+    size_t left = static_cast<size_t>(n);
+    while (iovcnt > 0 && left >= iov->iov_len) {
+      left -= iov->iov_len;
+      ++iov;
+      --iovcnt;
+    }
+    if (iovcnt > 0) {
+      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
+      iov->iov_len -= left;
+    }
+  }
+  return Status::OK();
+}
+
+Status ReadFull(int fd, void* buf, size_t n, bool* eof_at_start) {
+  char* p = static_cast<char*>(buf);
+  size_t got = 0;
+  if (eof_at_start) *eof_at_start = false;
+  while (got < n) {
+    ssize_t r = recv(fd, p + got, n - got, 0);
+    if (r == 0) {
+      if (got == 0 && eof_at_start) *eof_at_start = true;
+      return Unavailable("connection closed");
+    }
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return Unavailable("no data within the peer timeout");
+      return Unavailable("receive failed: " + ErrnoString(errno));
+    }
+    got += static_cast<size_t>(r);
+  }
+  return Status::OK();
+}
+
+Status Discard(int fd, uint64_t n) {
+  std::vector<char> sink(std::min<uint64_t>(n, 1 << 20));
+  while (n > 0) {
+    size_t k = static_cast<size_t>(std::min<uint64_t>(n, sink.size()));
+    KF_RETURN_IF_ERROR(ReadFull(fd, sink.data(), k));
+    n -= k;
+  }
+  return Status::OK();
+}
+
+void SetTimeouts(int fd, int64_t ms) {
+  struct timeval tv;
+  tv.tv_sec = ms / 1000;
+  tv.tv_usec = (ms % 1000) * 1000;
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+void TuneStream(int fd, bool tcp) {
+  int one = 1;
+  if (tcp) setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  int buf = 4 << 20;
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
+}
+
+namespace {
+
+Status Resolve(const PeerID& id, struct sockaddr_in* addr) {
+  std::memset(addr, 0, sizeof(*addr));
+  addr->sin_family = AF_INET;
+  addr->sin_port = htons(id.port);
+  if (inet_pton(AF_INET, id.host.c_str(), &addr->sin_addr) == 1) return Status::OK();
+  struct addrinfo hints;
+  std::memset(&hints, 0, sizeof(hints));
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  struct addrinfo* res = nullptr;
+  int rc = getaddrinfo(id.host.c_str(), nullptr, &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    return InvalidArgument("cannot resolve host '" + id.host + "': " + gai_strerror(rc));
+  }
+  addr->sin_addr = reinterpret_cast<struct sockaddr_in*>(res->ai_addr)->sin_addr;
+  freeaddrinfo(res);
+  return Status::OK();
+}
+
+socklen_t UnixAddress(const PeerID& id, struct sockaddr_un* addr) {
+  // Abstract namespace: no file to clean up, and scoped to the network namespace, so two
+  // namespaces (two test "hosts") never collide.
+  std::memset(addr, 0, sizeof(*addr));
+  addr->sun_family = AF_UNIX;
+  std::string name = "kungfu-" + id.ToString();
+  name = name.substr(0, sizeof(addr->sun_path) - 2);
+  std::memcpy(addr->sun_path + 1, name.data(), name.size());
+  return static_cast<socklen_t>(offsetof(struct sockaddr_un, sun_path) + 1 + name.size());
+}
+
+}  // namespace
+
+Status Listen(const PeerID& self, int* tcp_fd, int* unix_fd) {
+  *tcp_fd = *unix_fd = -1;
+  struct sockaddr_in addr;
+  KF_RETURN_IF_ERROR(Resolve(self, &addr));
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return Internal("socket: " + ErrnoString(errno));
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (bind(fd, reinterpret_cast<struct sockaddr*>(&addr), sizeof(addr)) != 0) {
+    int err = errno;
+    close(fd);
+    return Unavailable("cannot listen on " + self.ToString() + ": " + ErrnoString(err));
+  }
+  if (listen(fd, 128) != 0) {
+    int err = errno;
+    close(fd);
+    return Unavailable("listen on " + self.ToString() + ": " + ErrnoString(err));
+  }
+  struct sockaddr_un uaddr;
+  socklen_t ulen = UnixAddress(self, &uaddr);
+  int ufd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (ufd < 0 || bind(ufd, reinterpret_cast<struct sockaddr*>(&uaddr), ulen) != 0 ||
+      listen(ufd, 128) != 0) {
+    int err = errno;
+    if (ufd >= 0) close(ufd);
+    close(fd);
+    return Unavailable("cannot listen on the local socket of " + self.ToString() + ": " +
+                       ErrnoString(err));
+  }
+  *tcp_fd = fd;
+  *unix_fd = ufd;
+  return Status::OK();
+}
+
+Status Dial(const PeerID& target, bool local, int* out) {
+  *out = -1;
+  int fd;
+  int rc;
+  if (local) {
+    struct sockaddr_un uaddr;
+    socklen_t ulen = UnixAddress(target, &uaddr);
+    fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return Internal("socket: " + ErrnoString(errno));
+    rc = connect(fd, reinterpret_cast<struct sockaddr*>(&uaddr), ulen);
+  } else {
+    struct sockaddr_in addr;
+    KF_RETURN_IF_ERROR(Resolve(target, &addr));
+    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return Internal("socket: " + ErrnoString(errno));
+    SetTimeouts(fd, 2000);  // bounds connect() to an unreachable host
+    rc = connect(fd, reinterpret_cast<struct sockaddr*>(&addr), sizeof(addr));
+  }
+  if (rc != 0) {
+    int err = errno;
+    close(fd);
+    return Unavailable("cannot connect to " + target.ToString() + ": " + ErrnoString(err));
+  }
+  TuneStream(fd, !local);
+  *out = fd;
+  return Status::OK();
+}
+
+}  // namespace kungfu::net

@@ -1,0 +1,60 @@
+// POSIX socket helpers and the wire frame. Internal to the runtime.
+#pragma once
+#include <sys/uio.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kungfu/peer_id.h"
+#include "kungfu/status.h"
+
+namespace kungfu::net {
+
+// Every frame starts with this header (little-endian, no padding), then name_len bytes of name,
+// then payload_len bytes of payload.
+struct Frame {
+  uint32_t magic;
+  uint16_t proto;
+  uint8_t type;
+  uint8_t dtype;
+  uint64_t version;      // cluster version of the sender's session
+  uint64_t seq;          // sequence number of the op name
+  uint64_t tag;          // which message of the op
+  uint64_t total_count;  // element count of the whole op buffer
+  uint64_t payload_len;
+  uint32_t name_len;
+  uint32_t flags;
+};
+static_assert(sizeof(Frame) == 56, "frame header must be packed");
+
+constexpr uint32_t kMagic = 0x3155464b;  // "KFU1"
+constexpr uint16_t kProto = 1;
+constexpr uint32_t kMaxNameLen = 4096;
+constexpr uint64_t kMaxPayload = uint64_t(1) << 40;
+
+enum FrameType : uint8_t {
+  kHello = 1,
+  kHelloReply = 2,
+  kData = 3,
+  kAbort = 4,
+  kHeartbeat = 5,
+  kBye = 6,
+};
+
+// Status codes for I/O. kEof is returned by ReadFull only when the stream ended before any byte.
+Status WriteFull(int fd, struct iovec* iov, int iovcnt);
+Status ReadFull(int fd, void* buf, size_t n, bool* eof_at_start = nullptr);
+Status Discard(int fd, uint64_t n);
+
+// Sends/receives timeouts on a blocking socket; a timed-out call fails with Unavailable.
+void SetTimeouts(int fd, int64_t ms);
+void TuneStream(int fd, bool tcp);
+
+// Listens on host:port (TCP) and on the abstract Unix socket of that address.
+Status Listen(const PeerID& self, int* tcp_fd, int* unix_fd);
+// One connection attempt; Unix socket when `local`, TCP otherwise.
+Status Dial(const PeerID& target, bool local, int* fd);
+
+std::string ErrnoString(int err);
+
+}  // namespace kungfu::net

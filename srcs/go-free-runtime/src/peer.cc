@@ -1,0 +1,276 @@
+#include "kungfu/peer.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "kungfu/session.h"
+#include "net.h"
+
+namespace kungfu {
+
+namespace {
+Status ValidateConfig(const PeerConfig& c) {
+  if (c.peers.empty()) return Status::OK();
+  KF_RETURN_IF_ERROR(ValidatePeerList(c.peers));
+  if (RankOf(c.peers, c.self) < 0) {
+    return InvalidArgument("this peer " + c.self.ToString() + " is not in the peer list");
+  }
+  if (!(c.strategy >= StrategyKind::kStar && c.strategy <= StrategyKind::kAuto)) {
+    return InvalidArgument("unknown strategy code");
+  }
+  if (c.op_timeout_ms <= 0 || c.peer_timeout_ms <= 0 || c.connect_timeout_ms <= 0) {
+    return InvalidArgument("timeouts must be positive");
+  }
+  return Status::OK();
+}
+}  // namespace
+
+Status Peer::Create(const PeerConfig& config, std::unique_ptr<Peer>* out) {
+  KF_RETURN_IF_ERROR(ValidateConfig(config));
+  out->reset(new Peer(config));
+  return Status::OK();
+}
+
+Peer::Peer(const PeerConfig& config)
+    : config_([&] {
+        PeerConfig c = config;
+        if (c.peers.empty()) c.peers = {c.self};
+        return c;
+      }()),
+      rank_(RankOf(config_.peers, config_.self)) {
+  TransportOptions t;
+  t.peer_timeout_ms = config_.peer_timeout_ms;
+  t.heartbeat_ms = std::max<int64_t>(10, std::min<int64_t>(1000, config_.peer_timeout_ms / 4));
+  session_ = std::make_shared<Session>(config_.version, config_.peers, rank_, config_.strategy, t,
+                                       config_.chunk_bytes, config_.parallelism);
+}
+
+Peer::~Peer() { Stop(); }
+
+int Peer::local_rank() const { return MakeHostLayout(config_.peers).local_rank[rank_]; }
+int Peer::local_size() const {
+  HostLayout l = MakeHostLayout(config_.peers);
+  return static_cast<int>(l.ranks_of_host[l.host_of[rank_]].size());
+}
+int Peer::host_count() const { return MakeHostLayout(config_.peers).host_count(); }
+
+Status Peer::Start() {
+  if (size() == 1) return Status::OK();
+  KF_RETURN_IF_ERROR(net::Listen(config_.self, &listen_fds_[0], &listen_fds_[1]));
+  acceptor_ = std::thread([this] { AcceptLoop(); });
+  const TimePoint deadline = Clock::now() + std::chrono::milliseconds(config_.connect_timeout_ms);
+  Transport& t = session_->transport();
+  KF_RETURN_IF_ERROR(t.ConnectAll(deadline));
+  return t.WaitIncoming(deadline);
+}
+
+void Peer::AcceptLoop() {
+  while (!stopping_) {
+    struct pollfd fds[2] = {{listen_fds_[0], POLLIN, 0}, {listen_fds_[1], POLLIN, 0}};
+    int rc = poll(fds, 2, 200);
+    if (rc <= 0) continue;
+    for (auto& f : fds) {
+      if (!(f.revents & POLLIN)) continue;
+      int fd = accept4(f.fd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) HandleIncoming(fd);
+    }
+  }
+}
+
+// Handshake: the dialer names itself and whom it meant to reach, with its cluster version. A
+// stranger, a wrong destination or another version is refused and the stream closed.
+void Peer::HandleIncoming(int fd) {
+  net::SetTimeouts(fd, 2000);
+  uint64_t version = 0;
+  std::string src, dst;
+  Status s = Transport::ReadHello(fd, &version, &src, &dst);
+  int src_rank = -1;
+  if (s.ok()) {
+    PeerID id;
+    if (PeerID::Parse(src, &id).ok()) src_rank = RankOf(config_.peers, id);
+    if (dst != config_.self.ToString()) {
+      s = InvalidArgument("this is " + config_.self.ToString() + ", not " + dst);
+    } else if (src_rank < 0 || src_rank == rank_) {
+      s = InvalidArgument(src + " is not a peer of this cluster");
+    } else if (version != config_.version) {
+      s = Unavailable("cluster version " + std::to_string(version) + " does not match " +
+                      std::to_string(config_.version));
+    }
+  }
+  if (s.ok()) {
+    net::TuneStream(fd, true);
+    s = session_->transport().AttachIncoming(src_rank, fd);
+  }
+  Transport::WriteHelloReply(fd, s);
+  if (!s.ok()) close(fd);
+}
+
+void Peer::Stop() {
+  if (stopping_.exchange(true)) return;
+  if (acceptor_.joinable()) acceptor_.join();
+  for (int& fd : listen_fds_) {
+    if (fd >= 0) close(fd);
+    fd = -1;
+  }
+  session_->transport().Close();
+  {
+    std::lock_guard<std::mutex> lk(pool_mu_);
+    pool_stopping_ = true;
+    pool_cv_.notify_all();
+  }
+  for (auto& w : workers_) w.join();
+  workers_.clear();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Worker pool.
+
+void Peer::Submit(std::function<void()> task) {
+  std::lock_guard<std::mutex> lk(pool_mu_);
+  tasks_.push_back(std::move(task));
+  if (idle_workers_ == 0) {
+    workers_.emplace_back([this] { WorkerLoop(); });
+  } else {
+    pool_cv_.notify_one();
+  }
+}
+
+void Peer::WorkerLoop() {
+  std::unique_lock<std::mutex> lk(pool_mu_);
+  while (true) {
+    ++idle_workers_;
+    pool_cv_.wait(lk, [&] { return pool_stopping_ || !tasks_.empty(); });
+    --idle_workers_;
+    if (tasks_.empty()) return;  // stopping
+    auto task = std::move(tasks_.front());
+    tasks_.erase(tasks_.begin());
+    lk.unlock();
+    task();
+    lk.lock();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Operations.
+
+Handle Peer::Run(const char* kind, const OpOptions& options, Body body) {
+  Handle h;
+  OpContext ctx;
+  ctx.name = options.name.empty() ? std::string("auto:") + kind : options.name;
+  {
+    std::lock_guard<std::mutex> lk(seq_mu_);
+    ctx.seq = next_seq_[ctx.name]++;
+  }
+  int64_t timeout = options.timeout_ms < 0 ? config_.op_timeout_ms : options.timeout_ms;
+  ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout);
+  std::shared_ptr<Session> session = session_;
+  const std::string what = std::string(kind) + " '" + ctx.name + "'";
+  auto task = [=]() {
+    Status s = stopping_ ? Cancelled("peer stopped") : body(*session, ctx);
+    if (!s.ok()) {
+      s = s.WithContext(what);
+      // Peers cannot be waiting on a dead peer's behalf, and they learn of it themselves;
+      // anything else (bad input, disagreement, a deadline) is told to the others at once.
+      if (s.code() == Code::kInvalidArgument || s.code() == Code::kDeadlineExceeded) {
+        session->transport().AbortOp(
+            ctx.name, ctx.seq,
+            Status(s.code(), "on peer " + config_.self.ToString() + ": " + s.message()));
+      }
+    }
+    h.Complete(s);
+  };
+  if (size() == 1) {
+    task();  // nothing to wait for
+  } else {
+    Submit(task);
+  }
+  return h;
+}
+
+namespace {
+Status CheckRoot(int root, int n) {
+  if (root < 0 || root >= n) {
+    return InvalidArgument("root " + std::to_string(root) + " is out of range for cluster size " +
+                           std::to_string(n));
+  }
+  return Status::OK();
+}
+Status CheckStrategy(int s) {
+  if (s < -1 || s > static_cast<int>(StrategyKind::kAuto)) {
+    return InvalidArgument("unknown strategy code " + std::to_string(s));
+  }
+  return Status::OK();
+}
+Status CheckDType(DType d) {
+  return IsValidDType(static_cast<int>(d)) ? Status::OK() : InvalidArgument("unknown dtype code");
+}
+}  // namespace
+
+Handle Peer::AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+                       const OpOptions& options) {
+  return Run("allreduce", options, [=](Session& s, const OpContext& ctx) {
+    KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
+    KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
+    return s.AllReduce(ctx, send, recv, count, dtype, op, options.strategy,
+                       [this](std::function<void()> f) { Submit(std::move(f)); });
+  });
+}
+
+Handle Peer::Reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, int root,
+                    const OpOptions& options) {
+  return Run("reduce", options, [=](Session& s, const OpContext& ctx) {
+    KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
+    KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
+    KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
+    return s.Reduce(ctx, send, recv, count, dtype, op, root, options.strategy);
+  });
+}
+
+Handle Peer::Broadcast(const void* send, void* recv, size_t count, DType dtype, int root,
+                       const OpOptions& options) {
+  return Run("broadcast", options, [=](Session& s, const OpContext& ctx) {
+    KF_RETURN_IF_ERROR(CheckDType(dtype));
+    KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
+    KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
+    return s.Broadcast(ctx, send, recv, count, dtype, root, options.strategy);
+  });
+}
+
+Handle Peer::AllGather(const void* send, size_t count, DType dtype,
+                       std::shared_ptr<GatherResult> out, const OpOptions& options) {
+  return Run("allgather", options, [=](Session& s, const OpContext& ctx) {
+    KF_RETURN_IF_ERROR(CheckDType(dtype));
+    return s.AllGather(ctx, send, count, dtype, out.get());
+  });
+}
+
+Handle Peer::Gather(const void* send, size_t count, DType dtype, int root,
+                    std::shared_ptr<GatherResult> out, const OpOptions& options) {
+  return Run("gather", options, [=](Session& s, const OpContext& ctx) {
+    KF_RETURN_IF_ERROR(CheckDType(dtype));
+    KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
+    return s.Gather(ctx, send, count, dtype, root, out.get());
+  });
+}
+
+Handle Peer::Barrier(const OpOptions& options) {
+  OpOptions o = options;
+  if (o.name.empty()) o.name = "kungfu::barrier";
+  return Run("barrier", o, [](Session& s, const OpContext& ctx) {
+    uint8_t x = 1;
+    return s.AllReduce(ctx, &x, &x, 1, DType::kUInt8, ReduceOp::kMax,
+                       static_cast<int>(StrategyKind::kBinaryTreeStar),
+                       [](std::function<void()> f) { f(); });
+  });
+}
+
+Handle Peer::Consensus(const void* data, size_t bytes, bool* agreed, const OpOptions& options) {
+  return Run("consensus", options, [=](Session& s, const OpContext& ctx) {
+    return s.Consensus(ctx, data, bytes, agreed);
+  });
+}
+
+}  // namespace kungfu

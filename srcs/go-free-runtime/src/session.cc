@@ -1,0 +1,402 @@
+#include "kungfu/session.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+
+namespace kungfu {
+
+namespace {
+
+// Tags: which message of an operation. phase | part | step | chunk.
+enum Phase : uint64_t { kReducePhase = 1, kBcastPhase = 2, kGatherPhase = 3, kCountPhase = 4 };
+uint64_t Tag(Phase phase, uint64_t part, uint64_t step, uint64_t chunk) {
+  return phase << 60 | (part & 0xfff) << 48 | (step & 0xffff) << 32 | (chunk & 0xffffffff);
+}
+
+// [begin, end) of piece i when n elements split into k pieces that differ by at most one.
+std::pair<size_t, size_t> EvenPiece(size_t n, size_t k, size_t i) {
+  size_t q = n / k, r = n % k;
+  size_t begin = i * q + std::min(i, r);
+  return {begin, begin + q + (i < r ? 1 : 0)};
+}
+
+size_t ChunkCount(size_t count, size_t esize, size_t chunk_bytes) {
+  size_t bytes = count * esize;
+  return std::max<size_t>(1, (bytes + chunk_bytes - 1) / chunk_bytes);
+}
+
+}  // namespace
+
+// A contiguous slice of an operation's buffers that one pipeline works on.
+struct Session::Part {
+  const char* send;
+  char* recv;
+  size_t count;        // elements in this part
+  uint64_t total;      // elements in the whole operation (checked against every message)
+  DType dtype;
+  ReduceOp op;
+  size_t index;        // part number, for tags
+  size_t esize() const { return DTypeSize(dtype); }
+  MsgExpect Expect(size_t elems) const { return MsgExpect{dtype, total, elems * esize()}; }
+};
+
+Session::Session(uint64_t version, PeerList peers, int rank, StrategyKind strategy,
+                 TransportOptions transport_options, size_t chunk_bytes, int parallelism)
+    : peers_(peers),
+      rank_(rank),
+      default_strategy_(strategy),
+      chunk_bytes_(std::max<size_t>(chunk_bytes, 4096)),
+      parallelism_(std::max(parallelism, 1)),
+      transport_(version, std::move(peers), rank, transport_options) {}
+
+Strategy Session::StrategyFor(int requested, size_t bytes) const {
+  StrategyKind kind = requested < 0 ? default_strategy_ : static_cast<StrategyKind>(requested);
+  return MakeStrategy(ResolveAuto(kind, peers_, bytes), peers_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Allreduce
+
+Status Session::AllReduce(const OpContext& ctx, const void* send, void* recv, size_t count,
+                          DType dtype, ReduceOp op, int strategy, const Spawner& spawn) {
+  const size_t esize = DTypeSize(dtype);
+  const size_t bytes = count * esize;
+  if (size() == 1) {
+    if (send != recv && bytes > 0) std::memcpy(recv, send, bytes);
+    return Status::OK();
+  }
+  Strategy s = StrategyFor(strategy, bytes);
+  // Large buffers run as independent pipelines over contiguous parts.
+  size_t parts = 1;
+  if (parallelism_ > 1 && bytes >= 4 * chunk_bytes_) {
+    parts = std::min<size_t>(parallelism_, bytes / (2 * chunk_bytes_));
+  }
+  auto run_part = [&](size_t i) {
+    auto [b, e] = EvenPiece(count, parts, i);
+    Part p{static_cast<const char*>(send) + b * esize, static_cast<char*>(recv) + b * esize,
+           e - b, count, dtype, op, i};
+    return s.ring ? RingPart(ctx, p) : TreePart(ctx, p, s);
+  };
+  if (parts == 1) return run_part(0);
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t finished = 0;
+  Status first;
+  for (size_t i = 1; i < parts; ++i) {
+    spawn([&, i] {
+      Status st = run_part(i);
+      std::lock_guard<std::mutex> lk(mu);
+      if (!st.ok() && first.ok()) first = st;
+      ++finished;
+      cv.notify_all();
+    });
+  }
+  Status st = run_part(0);
+  std::unique_lock<std::mutex> lk(mu);
+  if (!st.ok() && first.ok()) first = st;
+  cv.wait(lk, [&] { return finished == parts - 1; });
+  return first;
+}
+
+// Ring allreduce: reduce-scatter then allgather over ranks in order, each of the n segments
+// pipelined in chunks. Rank r sends segment r-k at reduce-scatter step k and ends owning segment
+// r+1; at allgather step k it receives segment r-k. The first step reads the send buffer, so no
+// initial copy is made; allgather chunks are received straight into the output.
+Status Session::RingPart(const OpContext& ctx, const Part& p) {
+  const int n = size(), r = rank_;
+  const int left = (r - 1 + n) % n, right = (r + 1) % n;
+  const size_t es = p.esize();
+  struct Piece {
+    size_t off, len;  // elements, relative to the part
+  };
+  // chunks[j][c]: chunk c of segment j.
+  std::vector<std::vector<Piece>> chunks(n);
+  for (int j = 0; j < n; ++j) {
+    auto [sb, se] = EvenPiece(p.count, n, j);
+    size_t k = ChunkCount(se - sb, es, chunk_bytes_);
+    for (size_t c = 0; c < k; ++c) {
+      auto [cb, ce] = EvenPiece(se - sb, k, c);
+      chunks[j].push_back({sb + cb, ce - cb});
+    }
+  }
+  auto seg = [n](int x) { return ((x % n) + n) % n; };
+  // Post every allgather receive up front.
+  std::vector<std::vector<std::shared_ptr<Transport::Posted>>> posted(n - 1);
+  for (int k = 0; k < n - 1; ++k) {
+    for (size_t c = 0; c < chunks[seg(r - k)].size(); ++c) {
+      const Piece& pc = chunks[seg(r - k)][c];
+      posted[k].push_back(transport_.Post(left, {ctx.name, ctx.seq, Tag(kBcastPhase, p.index, k, c)},
+                                          p.Expect(pc.len), p.recv + pc.off * es));
+    }
+  }
+  // Reduce-scatter.
+  for (size_t c = 0; c < chunks[r].size(); ++c) {
+    const Piece& pc = chunks[r][c];
+    KF_RETURN_IF_ERROR(transport_.Send(right, {ctx.name, ctx.seq, Tag(kReducePhase, p.index, 0, c)},
+                                       p.Expect(pc.len), p.send + pc.off * es));
+  }
+  for (int k = 0; k < n - 1; ++k) {
+    const int j = seg(r - k - 1);
+    for (size_t c = 0; c < chunks[j].size(); ++c) {
+      const Piece& pc = chunks[j][c];
+      Buffer in;
+      KF_RETURN_IF_ERROR(transport_.Recv(left, {ctx.name, ctx.seq, Tag(kReducePhase, p.index, k, c)},
+                                         p.Expect(pc.len), ctx.deadline, &in));
+      char* out = p.recv + pc.off * es;
+      ::kungfu::Reduce(out, p.send + pc.off * es, in.data(), pc.len, p.dtype, p.op);
+      uint64_t next = k < n - 2 ? Tag(kReducePhase, p.index, k + 1, c) : Tag(kBcastPhase, p.index, 0, c);
+      KF_RETURN_IF_ERROR(transport_.Send(right, {ctx.name, ctx.seq, next}, p.Expect(pc.len), out));
+    }
+  }
+  // Allgather.
+  for (int k = 0; k < n - 1; ++k) {
+    const int j = seg(r - k);
+    for (size_t c = 0; c < chunks[j].size(); ++c) {
+      KF_RETURN_IF_ERROR(transport_.Wait(posted[k][c], ctx.deadline));
+      if (k < n - 2) {
+        const Piece& pc = chunks[j][c];
+        KF_RETURN_IF_ERROR(transport_.Send(right, {ctx.name, ctx.seq, Tag(kBcastPhase, p.index, k + 1, c)},
+                                           p.Expect(pc.len), p.recv + pc.off * es));
+      }
+    }
+  }
+  return Status::OK();
+}
+
+// Tree allreduce: chunk c reduces up and broadcasts down tree c mod T. All reduce-phase chunks go
+// first, so the broadcast of early chunks overlaps the reduction of later ones on other peers.
+Status Session::TreePart(const OpContext& ctx, const Part& p, const Strategy& s) {
+  const size_t es = p.esize();
+  const size_t k = ChunkCount(p.count, es, chunk_bytes_);
+  std::vector<std::vector<std::vector<int>>> children;
+  for (const auto& t : s.trees) children.push_back(ChildrenOf(t));
+  auto tree_of = [&](size_t c) { return (c + p.index) % s.trees.size(); };
+  std::vector<std::shared_ptr<Transport::Posted>> posted(k);
+  for (size_t c = 0; c < k; ++c) {
+    const Tree& t = s.trees[tree_of(c)];
+    if (t[rank_] != rank_) {
+      auto [b, e] = EvenPiece(p.count, k, c);
+      posted[c] = transport_.Post(t[rank_], {ctx.name, ctx.seq, Tag(kBcastPhase, p.index, 0, c)},
+                                  p.Expect(e - b), p.recv + b * es);
+    }
+  }
+  for (size_t c = 0; c < k; ++c) {
+    const size_t ti = tree_of(c);
+    const Tree& t = s.trees[ti];
+    auto [b, e] = EvenPiece(p.count, k, c);
+    const char* mine = p.send + b * es;
+    char* out = p.recv + b * es;
+    const char* acc = mine;
+    for (int child : children[ti][rank_]) {
+      Buffer in;
+      KF_RETURN_IF_ERROR(transport_.Recv(child, {ctx.name, ctx.seq, Tag(kReducePhase, p.index, 0, c)},
+                                         p.Expect(e - b), ctx.deadline, &in));
+      ::kungfu::Reduce(out, acc, in.data(), e - b, p.dtype, p.op);
+      acc = out;
+    }
+    if (t[rank_] != rank_) {
+      KF_RETURN_IF_ERROR(transport_.Send(t[rank_], {ctx.name, ctx.seq, Tag(kReducePhase, p.index, 0, c)},
+                                         p.Expect(e - b), acc));
+    } else if (acc != out && e > b) {
+      std::memcpy(out, acc, (e - b) * es);
+    }
+  }
+  for (size_t c = 0; c < k; ++c) {
+    const size_t ti = tree_of(c);
+    auto [b, e] = EvenPiece(p.count, k, c);
+    if (posted[c]) KF_RETURN_IF_ERROR(transport_.Wait(posted[c], ctx.deadline));
+    for (int child : children[ti][rank_]) {
+      KF_RETURN_IF_ERROR(transport_.Send(child, {ctx.name, ctx.seq, Tag(kBcastPhase, p.index, 0, c)},
+                                         p.Expect(e - b), p.recv + b * es));
+    }
+  }
+  return Status::OK();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reduce and broadcast along one rooted tree, chunk-pipelined.
+
+Status Session::ReduceTree(const OpContext& ctx, const Part& p, const Tree& tree) {
+  const size_t es = p.esize();
+  const size_t k = ChunkCount(p.count, es, chunk_bytes_);
+  auto children = ChildrenOf(tree);
+  for (size_t c = 0; c < k; ++c) {
+    auto [b, e] = EvenPiece(p.count, k, c);
+    const char* acc = p.send + b * es;
+    char* out = p.recv + b * es;
+    for (int child : children[rank_]) {
+      Buffer in;
+      KF_RETURN_IF_ERROR(transport_.Recv(child, {ctx.name, ctx.seq, Tag(kReducePhase, 0, 0, c)},
+                                         p.Expect(e - b), ctx.deadline, &in));
+      ::kungfu::Reduce(out, acc, in.data(), e - b, p.dtype, p.op);
+      acc = out;
+    }
+    if (tree[rank_] != rank_) {
+      KF_RETURN_IF_ERROR(transport_.Send(tree[rank_], {ctx.name, ctx.seq, Tag(kReducePhase, 0, 0, c)},
+                                         p.Expect(e - b), acc));
+    } else if (acc != out && e > b) {
+      std::memcpy(out, acc, (e - b) * es);
+    }
+  }
+  return Status::OK();
+}
+
+Status Session::BroadcastTree(const OpContext& ctx, const Part& p, const Tree& tree) {
+  const size_t es = p.esize();
+  const size_t k = ChunkCount(p.count, es, chunk_bytes_);
+  auto children = ChildrenOf(tree);
+  const bool root = tree[rank_] == rank_;
+  if (root && p.send != p.recv && p.count > 0) std::memcpy(p.recv, p.send, p.count * es);
+  std::vector<std::shared_ptr<Transport::Posted>> posted(k);
+  if (!root) {
+    for (size_t c = 0; c < k; ++c) {
+      auto [b, e] = EvenPiece(p.count, k, c);
+      posted[c] = transport_.Post(tree[rank_], {ctx.name, ctx.seq, Tag(kBcastPhase, 0, 0, c)},
+                                  p.Expect(e - b), p.recv + b * es);
+    }
+  }
+  for (size_t c = 0; c < k; ++c) {
+    auto [b, e] = EvenPiece(p.count, k, c);
+    if (!root) KF_RETURN_IF_ERROR(transport_.Wait(posted[c], ctx.deadline));
+    for (int child : children[rank_]) {
+      KF_RETURN_IF_ERROR(transport_.Send(child, {ctx.name, ctx.seq, Tag(kBcastPhase, 0, 0, c)},
+                                         p.Expect(e - b), p.recv + b * es));
+    }
+  }
+  return Status::OK();
+}
+
+Status Session::Reduce(const OpContext& ctx, const void* send, void* recv, size_t count,
+                       DType dtype, ReduceOp op, int root, int strategy) {
+  Part p{static_cast<const char*>(send), static_cast<char*>(recv), count, count, dtype, op, 0};
+  if (size() == 1) {
+    if (send != recv && count > 0) std::memcpy(recv, send, count * DTypeSize(dtype));
+    return Status::OK();
+  }
+  return ReduceTree(ctx, p, StrategyFor(strategy, count * DTypeSize(dtype)).TreeRootedAt(root, size()));
+}
+
+Status Session::Broadcast(const OpContext& ctx, const void* send, void* recv, size_t count,
+                          DType dtype, int root, int strategy) {
+  Part p{static_cast<const char*>(send), static_cast<char*>(recv), count, count, dtype,
+         ReduceOp::kSum, 0};
+  if (size() == 1) {
+    if (send != recv && count > 0) std::memcpy(recv, send, count * DTypeSize(dtype));
+    return Status::OK();
+  }
+  return BroadcastTree(ctx, p, StrategyFor(strategy, count * DTypeSize(dtype)).TreeRootedAt(root, size()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Allgather and gather: counts first (they may differ per peer), then every block goes straight
+// from its owner to each receiver's output, chunked.
+
+Status Session::ExchangeCounts(const OpContext& ctx, uint64_t count, int root,
+                               std::vector<uint64_t>* counts) {
+  const int n = size();
+  counts->assign(n, 0);
+  (*counts)[rank_] = count;
+  MsgExpect e{DType::kUInt64, 1, sizeof(uint64_t)};
+  for (int i = 1; i < n; ++i) {
+    int dst = (rank_ + i) % n;
+    if (root < 0 || dst == root) {
+      KF_RETURN_IF_ERROR(transport_.Send(dst, {ctx.name, ctx.seq, Tag(kCountPhase, 0, 0, 0)}, e, &count));
+    }
+  }
+  if (root >= 0 && rank_ != root) return Status::OK();
+  for (int src = 0; src < n; ++src) {
+    if (src == rank_) continue;
+    Buffer in;
+    KF_RETURN_IF_ERROR(transport_.Recv(src, {ctx.name, ctx.seq, Tag(kCountPhase, 0, 0, 0)}, e,
+                                       ctx.deadline, &in));
+    std::memcpy(&(*counts)[src], in.data(), sizeof(uint64_t));
+  }
+  return Status::OK();
+}
+
+Status Session::AllGather(const OpContext& ctx, const void* send, size_t count, DType dtype,
+                          GatherResult* out) {
+  return Gather(ctx, send, count, dtype, -1, out);
+}
+
+// root < 0: every peer gets the result (allgather).
+Status Session::Gather(const OpContext& ctx, const void* send, size_t count, DType dtype, int root,
+                       GatherResult* out) {
+  const int n = size();
+  const size_t es = DTypeSize(dtype);
+  std::vector<uint64_t> counts;
+  KF_RETURN_IF_ERROR(ExchangeCounts(ctx, count, root, &counts));
+  const bool receiving = root < 0 || rank_ == root;
+  std::vector<uint64_t> offsets(n + 1, 0);
+  for (int i = 0; i < n; ++i) offsets[i + 1] = offsets[i] + counts[i];
+  std::vector<std::shared_ptr<Transport::Posted>> posted;
+  if (receiving) {
+    out->counts = counts;
+    out->data = Buffer(offsets[n] * es);
+    if (count > 0) std::memcpy(out->data.data() + offsets[rank_] * es, send, count * es);
+    for (int src = 0; src < n; ++src) {
+      if (src == rank_) continue;
+      size_t k = ChunkCount(counts[src], es, chunk_bytes_);
+      for (size_t c = 0; c < k; ++c) {
+        auto [b, e] = EvenPiece(counts[src], k, c);
+        posted.push_back(transport_.Post(src, {ctx.name, ctx.seq, Tag(kGatherPhase, 0, 0, c)},
+                                         MsgExpect{dtype, counts[src], (e - b) * es},
+                                         out->data.data() + (offsets[src] + b) * es));
+      }
+    }
+  }
+  const size_t k = ChunkCount(count, es, chunk_bytes_);
+  for (int i = 1; i < n; ++i) {
+    int dst = (rank_ + i) % n;
+    if (root >= 0 && dst != root) continue;
+    for (size_t c = 0; c < k; ++c) {
+      auto [b, e] = EvenPiece(count, k, c);
+      KF_RETURN_IF_ERROR(transport_.Send(dst, {ctx.name, ctx.seq, Tag(kGatherPhase, 0, 0, c)},
+                                         MsgExpect{dtype, count, (e - b) * es},
+                                         static_cast<const char*>(send) + b * es));
+    }
+  }
+  for (auto& ps : posted) KF_RETURN_IF_ERROR(transport_.Wait(ps, ctx.deadline));
+  return Status::OK();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consensus: two allreduces. (1) MIN of [len, -len] gives the shortest and the longest length;
+// (2) if they are equal, MIN of [bytes, ~bytes] gives the byte-wise min and (negated) max. The
+// bytes agree iff min == max everywhere. Both results are the same on every peer.
+
+Status Session::Consensus(const OpContext& ctx, const void* data, size_t bytes, bool* agreed) {
+  *agreed = true;
+  if (size() == 1) return Status::OK();
+  const Spawner inline_spawn = [](std::function<void()> f) { f(); };
+  int64_t lens[2] = {static_cast<int64_t>(bytes), -static_cast<int64_t>(bytes)};
+  OpContext c1 = ctx;
+  c1.name = ctx.name + "/len";
+  KF_RETURN_IF_ERROR(AllReduce(c1, lens, lens, 2, DType::kInt64, ReduceOp::kMin,
+                               static_cast<int>(StrategyKind::kBinaryTreeStar), inline_spawn));
+  if (lens[0] != -lens[1]) {
+    *agreed = false;
+    return Status::OK();
+  }
+  std::vector<uint8_t> both(2 * bytes);
+  const uint8_t* in = static_cast<const uint8_t*>(data);
+  for (size_t i = 0; i < bytes; ++i) {
+    both[i] = in[i];
+    both[bytes + i] = static_cast<uint8_t>(~in[i]);
+  }
+  OpContext c2 = ctx;
+  c2.name = ctx.name + "/bytes";
+  KF_RETURN_IF_ERROR(AllReduce(c2, both.data(), both.data(), both.size(), DType::kUInt8,
+                               ReduceOp::kMin, -1, inline_spawn));
+  for (size_t i = 0; i < bytes; ++i) {
+    if (both[i] != static_cast<uint8_t>(~both[bytes + i])) {
+      *agreed = false;
+      break;
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace kungfu

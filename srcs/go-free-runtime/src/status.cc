@@ -1,0 +1,32 @@
+#include "kungfu/status.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+namespace kungfu {
+
+const char* CodeName(Code code) {
+  switch (code) {
+    case Code::kOk: return "OK";
+    case Code::kInvalidArgument: return "INVALID_ARGUMENT";
+    case Code::kDeadlineExceeded: return "DEADLINE_EXCEEDED";
+    case Code::kUnavailable: return "UNAVAILABLE";
+    case Code::kInternal: return "INTERNAL";
+    case Code::kCancelled: return "CANCELLED";
+  }
+  return "UNKNOWN";
+}
+
+std::string Status::ToString() const {
+  if (ok()) return "OK";
+  return std::string(CodeName(code_)) + ": " + message_;
+}
+
+namespace internal {
+void CheckFailed(const char* file, int line, const char* cond) {
+  std::fprintf(stderr, "kungfu: check failed at %s:%d: %s\n", file, line, cond);
+  std::abort();
+}
+}  // namespace internal
+
+}  // namespace kungfu
