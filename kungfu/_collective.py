@@ -70,6 +70,22 @@ class _Input:
         return result.reshape(()).item()
 
 
+def _output(inp: "_Input", out) -> np.ndarray:
+    """The buffer a result is written to: `out` (checked) or a new array like the input."""
+    if out is None:
+        return np.empty_like(inp.array)
+    if not isinstance(out, np.ndarray):
+        raise InvalidArgumentError(f"out must be a numpy array, got {type(out).__name__}")
+    if out.shape != inp.array.shape or out.dtype != inp.array.dtype:
+        raise InvalidArgumentError(
+            f"out has shape {out.shape} and dtype {out.dtype}, expected {inp.array.shape} "
+            f"and {inp.array.dtype}"
+        )
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise InvalidArgumentError("out must be C-contiguous and writeable")
+    return out
+
+
 class Handle:
     """An operation in flight. `wait()` returns its result or raises its error."""
 
@@ -98,7 +114,7 @@ class Handle:
 
 
 def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
-                    timeout: Optional[float] = None) -> Handle:
+                    timeout: Optional[float] = None, out: Optional[np.ndarray] = None) -> Handle:
     if op not in _OPS and op != "avg":
         raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, avg, min, max, prod)")
     inp = _Input(x)
@@ -106,31 +122,32 @@ def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Op
         raise InvalidArgumentError("op 'avg' is not defined for bool")
     peer = _peer.get()
     send = inp.array
-    recv = np.empty_like(send)
+    recv = _output(inp, out)
     native = peer.allreduce(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
                             send.size, inp.code, _OPS.get(op, 1), name or "",
                             _strategy_code(strategy), _timeout_ms(timeout))
 
     def result():
-        out = recv
         if op == "avg":
             n = peer.size
-            if np.issubdtype(out.dtype, np.integer):
-                out = out // n
+            if np.issubdtype(recv.dtype, np.integer):
+                np.floor_divide(recv, n, out=recv)
             else:
-                out = (out.astype(np.float64) / n).astype(out.dtype)
-        return inp.back(out)
+                recv[...] = recv.astype(np.float64) / n
+        return inp.back(recv)
 
     return Handle(native, result, (send, recv))
 
 
 def allreduce(x, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
-              timeout: Optional[float] = None):
+              timeout: Optional[float] = None, out: Optional[np.ndarray] = None):
     """Reduces x across all workers with op (sum, avg, min, max, prod); every worker gets the result.
 
     avg on integers is the floor of the mean. float16/bfloat16 are computed in float32 per step.
+    `out` (an array of x's shape and dtype, x itself for in place) receives the result without a
+    new allocation.
     """
-    return allreduce_async(x, op, name, strategy, timeout).wait()
+    return allreduce_async(x, op, name, strategy, timeout, out).wait()
 
 
 def reduce_async(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
@@ -154,11 +171,11 @@ def reduce(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
 
 
 def broadcast_async(x, root: int = 0, name: Optional[str] = None, strategy: Optional[str] = None,
-                    timeout: Optional[float] = None) -> Handle:
+                    timeout: Optional[float] = None, out: Optional[np.ndarray] = None) -> Handle:
     inp = _Input(x)
     peer = _peer.get()
     send = inp.array
-    recv = np.empty_like(send)
+    recv = _output(inp, out)
     native = peer.broadcast(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
                             send.size, inp.code, int(root), name or "", _strategy_code(strategy),
                             _timeout_ms(timeout))
@@ -166,9 +183,9 @@ def broadcast_async(x, root: int = 0, name: Optional[str] = None, strategy: Opti
 
 
 def broadcast(x, root: int = 0, name: Optional[str] = None, strategy: Optional[str] = None,
-              timeout: Optional[float] = None):
+              timeout: Optional[float] = None, out: Optional[np.ndarray] = None):
     """Returns root's x on every worker. x must have the same shape and dtype everywhere."""
-    return broadcast_async(x, root, name, strategy, timeout).wait()
+    return broadcast_async(x, root, name, strategy, timeout, out).wait()
 
 
 def _gathered(native, inp: _Input, root: Optional[int]):

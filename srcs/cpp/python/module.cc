@@ -62,7 +62,7 @@ std::unique_ptr<Peer> CreatePeer(const std::string& self, const std::vector<std:
     s = PeerID::Parse(p, &id);
     c.peers.push_back(id);
   }
-  if (s.ok() && (strategy < 0 || strategy > static_cast<int>(StrategyKind::kAuto))) {
+  if (s.ok() && !IsValidStrategy(strategy)) {
     s = InvalidArgument("unknown strategy code " + std::to_string(strategy));
   }
   c.version = version;

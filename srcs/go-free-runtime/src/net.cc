@@ -191,3 +191,28 @@ Status Dial(const PeerID& target, bool local, int* out) {
 }
 
 }  // namespace kungfu::net
+
+#include <sys/uio.h>
+
+namespace kungfu::net {
+
+Status ReadRemote(int pid, uint64_t remote, void* local, size_t bytes) {
+  char* dst = static_cast<char*>(local);
+  while (bytes > 0) {
+    struct iovec l = {dst, bytes};
+    struct iovec r = {reinterpret_cast<void*>(remote), bytes};
+    ssize_t n = process_vm_readv(pid, &l, 1, &r, 1, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Unavailable("cannot read memory of process " + std::to_string(pid) + ": " +
+                         ErrnoString(errno));
+    }
+    if (n == 0) return Unavailable("read no bytes from process " + std::to_string(pid));
+    dst += n;
+    remote += static_cast<uint64_t>(n);
+    bytes -= static_cast<size_t>(n);
+  }
+  return Status::OK();
+}
+
+}  // namespace kungfu::net

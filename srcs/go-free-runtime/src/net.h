@@ -58,3 +58,9 @@ Status Dial(const PeerID& target, bool local, int* fd);
 std::string ErrnoString(int err);
 
 }  // namespace kungfu::net
+
+namespace kungfu::net {
+// Copies `bytes` from address `remote` of process `pid` into `local` (process_vm_readv): one copy,
+// no socket. Fails with Unavailable if the process is gone or reading it is not permitted.
+Status ReadRemote(int pid, uint64_t remote, void* local, size_t bytes);
+}  // namespace kungfu::net

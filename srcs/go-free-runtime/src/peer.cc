@@ -18,7 +18,7 @@ Status ValidateConfig(const PeerConfig& c) {
   if (RankOf(c.peers, c.self) < 0) {
     return InvalidArgument("this peer " + c.self.ToString() + " is not in the peer list");
   }
-  if (!(c.strategy >= StrategyKind::kStar && c.strategy <= StrategyKind::kAuto)) {
+  if (!IsValidStrategy(static_cast<int>(c.strategy))) {
     return InvalidArgument("unknown strategy code");
   }
   if (c.op_timeout_ms <= 0 || c.peer_timeout_ms <= 0 || c.connect_timeout_ms <= 0) {
@@ -64,7 +64,8 @@ Status Peer::Start() {
   const TimePoint deadline = Clock::now() + std::chrono::milliseconds(config_.connect_timeout_ms);
   Transport& t = session_->transport();
   KF_RETURN_IF_ERROR(t.ConnectAll(deadline));
-  return t.WaitIncoming(deadline);
+  KF_RETURN_IF_ERROR(t.WaitIncoming(deadline));
+  return session_->ProbeDirect(deadline);
 }
 
 void Peer::AcceptLoop() {
@@ -199,7 +200,7 @@ Status CheckRoot(int root, int n) {
   return Status::OK();
 }
 Status CheckStrategy(int s) {
-  if (s < -1 || s > static_cast<int>(StrategyKind::kAuto)) {
+  if (s != -1 && !IsValidStrategy(s)) {
     return InvalidArgument("unknown strategy code " + std::to_string(s));
   }
   return Status::OK();

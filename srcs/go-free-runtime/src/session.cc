@@ -1,16 +1,27 @@
 #include "kungfu/session.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <mutex>
+
+#include <unistd.h>
+
+#include "net.h"
 
 namespace kungfu {
 
 namespace {
 
 // Tags: which message of an operation. phase | part | step | chunk.
-enum Phase : uint64_t { kReducePhase = 1, kBcastPhase = 2, kGatherPhase = 3, kCountPhase = 4 };
+enum Phase : uint64_t {
+  kReducePhase = 1,
+  kBcastPhase = 2,
+  kGatherPhase = 3,
+  kCountPhase = 4,
+  kDirectPhase = 5,
+};
 uint64_t Tag(Phase phase, uint64_t part, uint64_t step, uint64_t chunk) {
   return phase << 60 | (part & 0xfff) << 48 | (step & 0xffff) << 32 | (chunk & 0xffffffff);
 }
@@ -53,7 +64,7 @@ Session::Session(uint64_t version, PeerList peers, int rank, StrategyKind strate
 
 Strategy Session::StrategyFor(int requested, size_t bytes) const {
   StrategyKind kind = requested < 0 ? default_strategy_ : static_cast<StrategyKind>(requested);
-  return MakeStrategy(ResolveAuto(kind, peers_, bytes), peers_);
+  return MakeStrategy(ResolveAuto(kind, peers_, bytes, direct_ok_), peers_);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -68,6 +79,14 @@ Status Session::AllReduce(const OpContext& ctx, const void* send, void* recv, si
     return Status::OK();
   }
   Strategy s = StrategyFor(strategy, bytes);
+  if (s.direct) {
+    if (!direct_ok_) {
+      return InvalidArgument(
+          "strategy DIRECT needs every peer on one host, allowed to read the others' memory "
+          "(process_vm_readv); use RING or AUTO");
+    }
+    return DirectAllReduce(ctx, send, recv, count, dtype, op);
+  }
   // Large buffers run as independent pipelines over contiguous parts.
   size_t parts = 1;
   if (parallelism_ > 1 && bytes >= 4 * chunk_bytes_) {
@@ -98,6 +117,102 @@ Status Session::AllReduce(const OpContext& ctx, const void* send, void* recv, si
   if (!st.ok() && first.ok()) first = st;
   cv.wait(lk, [&] { return finished == parts - 1; });
   return first;
+}
+
+// Direct allreduce (one host). Every peer owns segment `rank` of the buffer.
+//  1. Peers tell each other their pid and buffer addresses.
+//  2. Each reduces its own segment, reading the others' send buffers straight from their memory,
+//     chunk by chunk into a cache-sized scratch buffer.
+//  3. Each tells the others its segment is final.
+//  4. Each copies every other final segment straight from its owner's output into its own.
+//  5. Each tells the others it is done reading, and returns only once all are: until then its
+//     buffers may still be read.
+// Each byte crosses between processes once (a socket copies it twice). Segments are disjoint, so
+// in-place operation (send == recv) is safe: a peer writes segment j of its output only after j's
+// owner said it no longer reads anybody's segment j.
+Status Session::DirectAllReduce(const OpContext& ctx, const void* send, void* recv, size_t count,
+                                DType dtype, ReduceOp op) {
+  const int n = size(), r = rank_;
+  const size_t es = DTypeSize(dtype);
+  const uint64_t mine[3] = {static_cast<uint64_t>(getpid()), reinterpret_cast<uint64_t>(send),
+                            reinterpret_cast<uint64_t>(recv)};
+  const MsgExpect where_meta{dtype, count, sizeof(mine)};
+  const MsgExpect signal{dtype, count, 0};
+  auto key = [&](uint64_t step) { return MsgKey{ctx.name, ctx.seq, Tag(kDirectPhase, 0, step, 0)}; };
+  for (int i = 1; i < n; ++i) KF_RETURN_IF_ERROR(transport_.Send((r + i) % n, key(0), where_meta, mine));
+  std::vector<std::array<uint64_t, 3>> where(n);
+  for (int i = 1; i < n; ++i) {
+    const int src = (r + i) % n;
+    Buffer in;
+    KF_RETURN_IF_ERROR(transport_.Recv(src, key(0), where_meta, ctx.deadline, &in));
+    std::memcpy(where[src].data(), in.data(), sizeof(mine));
+  }
+  auto remote = [&](int src, uint64_t addr, void* dst, size_t bytes) {
+    Status st = net::ReadRemote(static_cast<int>(where[src][0]), addr, dst, bytes);
+    return st.ok() ? st : Unavailable("peer " + transport_.Describe(src) + ": " + st.message());
+  };
+  {
+    auto [b, e] = EvenPiece(count, n, r);
+    const size_t step = std::max<size_t>(1, std::min<size_t>(chunk_bytes_, 256 << 10) / es);
+    Buffer scratch(std::min(step, e - b) * es);
+    for (size_t off = b; off < e; off += step) {
+      const size_t len = std::min(step, e - off);
+      char* out = static_cast<char*>(recv) + off * es;
+      const char* acc = static_cast<const char*>(send) + off * es;
+      for (int i = 1; i < n; ++i) {
+        const int src = (r + i) % n;
+        KF_RETURN_IF_ERROR(remote(src, where[src][1] + off * es, scratch.data(), len * es));
+        ::kungfu::Reduce(out, acc, scratch.data(), len, dtype, op);
+        acc = out;
+      }
+    }
+  }
+  for (int i = 1; i < n; ++i) KF_RETURN_IF_ERROR(transport_.Send((r + i) % n, key(1), signal, nullptr));
+  for (int i = 1; i < n; ++i) {
+    const int src = (r + i) % n;
+    Buffer none;
+    KF_RETURN_IF_ERROR(transport_.Recv(src, key(1), signal, ctx.deadline, &none));
+    auto [b, e] = EvenPiece(count, n, src);
+    if (e > b) {
+      KF_RETURN_IF_ERROR(remote(src, where[src][2] + b * es, static_cast<char*>(recv) + b * es,
+                                (e - b) * es));
+    }
+  }
+  for (int i = 1; i < n; ++i) KF_RETURN_IF_ERROR(transport_.Send((r + i) % n, key(2), signal, nullptr));
+  for (int i = 1; i < n; ++i) {
+    Buffer none;
+    KF_RETURN_IF_ERROR(transport_.Recv((r + i) % n, key(2), signal, ctx.deadline, &none));
+  }
+  return Status::OK();
+}
+
+Status Session::ProbeDirect(TimePoint deadline) {
+  direct_ok_ = false;
+  const int n = size();
+  if (n == 1 || MakeHostLayout(peers_).host_count() != 1) return Status::OK();
+  probe_word_ = 0x6b756e6766750000ull ^ static_cast<uint64_t>(rank_);
+  const uint64_t mine[2] = {static_cast<uint64_t>(getpid()), reinterpret_cast<uint64_t>(&probe_word_)};
+  const MsgExpect meta{DType::kUInt64, 2, sizeof(mine)};
+  const MsgKey key{"kungfu::probe-direct", 0, Tag(kDirectPhase, 0, 0, 0)};
+  for (int i = 1; i < n; ++i) KF_RETURN_IF_ERROR(transport_.Send((rank_ + i) % n, key, meta, mine));
+  uint8_t ok = 1;
+  for (int i = 1; i < n; ++i) {
+    const int src = (rank_ + i) % n;
+    Buffer in;
+    KF_RETURN_IF_ERROR(transport_.Recv(src, key, meta, deadline, &in));
+    uint64_t theirs[2], word = 0;
+    std::memcpy(theirs, in.data(), sizeof(theirs));
+    if (!net::ReadRemote(static_cast<int>(theirs[0]), theirs[1], &word, sizeof(word)).ok() ||
+        word != (0x6b756e6766750000ull ^ static_cast<uint64_t>(src))) {
+      ok = 0;
+    }
+  }
+  OpContext ctx{"kungfu::probe-direct/agree", 0, deadline};
+  KF_RETURN_IF_ERROR(AllReduce(ctx, &ok, &ok, 1, DType::kUInt8, ReduceOp::kMin,
+                               static_cast<int>(StrategyKind::kBinaryTreeStar),
+                               [](std::function<void()> f) { f(); }));
+  direct_ok_ = ok == 1;
+  return Status::OK();
 }
 
 // Ring allreduce: reduce-scatter then allgather over ranks in order, each of the n segments

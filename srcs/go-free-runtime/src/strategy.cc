@@ -13,18 +13,19 @@ const char* const kNames[] = {"STAR",
                               "BINARY_TREE_STAR",
                               "MULTI_BINARY_TREE_STAR",
                               "CLIQUE",
-                              "AUTO"};
+                              "AUTO",
+                              "DIRECT"};
 }
 
 const char* StrategyName(StrategyKind kind) {
   int k = static_cast<int>(kind);
-  return (k >= 0 && k < 8) ? kNames[k] : "UNKNOWN";
+  return IsValidStrategy(k) ? kNames[k] : "UNKNOWN";
 }
 
 Status ParseStrategy(const std::string& name, StrategyKind* out) {
   std::string up;
   for (char c : name) up += c == '-' ? '_' : static_cast<char>(std::toupper(c));
-  for (int k = 0; k < 8; ++k) {
+  for (int k = 0; k < kNumStrategies; ++k) {
     if (up == kNames[k]) {
       *out = static_cast<StrategyKind>(k);
       return Status::OK();
@@ -152,7 +153,9 @@ Strategy MakeStrategy(StrategyKind kind, const PeerList& peers) {
   s.kind = kind;
   switch (kind) {
     case StrategyKind::kAuto:  // callers resolve AUTO per operation; this is its small-size form
+    case StrategyKind::kDirect:
     case StrategyKind::kBinaryTreeStar: {
+      s.direct = kind == StrategyKind::kDirect;
       Tree t = HostStars(layout, n);
       BinaryTreeOver(masters, &t);
       s.trees = {t};
@@ -195,10 +198,11 @@ Strategy MakeStrategy(StrategyKind kind, const PeerList& peers) {
   return s;
 }
 
-StrategyKind ResolveAuto(StrategyKind kind, const PeerList& peers, size_t bytes) {
+StrategyKind ResolveAuto(StrategyKind kind, const PeerList& peers, size_t bytes, bool direct_ok) {
   if (kind != StrategyKind::kAuto) return kind;
-  return (peers.size() > 1 && bytes >= kAutoRingMinBytes) ? StrategyKind::kRing
-                                                          : StrategyKind::kBinaryTreeStar;
+  if (peers.size() <= 1 || bytes < kAutoLargeBytes) return StrategyKind::kBinaryTreeStar;
+  if (direct_ok && MakeHostLayout(peers).host_count() == 1) return StrategyKind::kDirect;
+  return StrategyKind::kRing;
 }
 
 }  // namespace kungfu

@@ -44,8 +44,16 @@ class Session {
                 GatherResult* out);
   Status Consensus(const OpContext& ctx, const void* data, size_t bytes, bool* agreed);
 
+  // Whether peers may read each other's memory (DIRECT): true only if every peer shares one host
+  // and every peer could read every other; all peers reach the same answer. Run once, after the
+  // transport is connected and before any operation.
+  Status ProbeDirect(TimePoint deadline);
+  bool direct_ok() const { return direct_ok_; }
+
  private:
   struct Part;
+  Status DirectAllReduce(const OpContext& ctx, const void* send, void* recv, size_t count,
+                         DType dtype, ReduceOp op);
   Status RingPart(const OpContext& ctx, const Part& p);
   Status TreePart(const OpContext& ctx, const Part& p, const Strategy& s);
   Status ReduceTree(const OpContext& ctx, const Part& p, const Tree& tree);
@@ -57,6 +65,8 @@ class Session {
   const StrategyKind default_strategy_;
   const size_t chunk_bytes_;
   const int parallelism_;
+  bool direct_ok_ = false;
+  uint64_t probe_word_ = 0;
   Transport transport_;
 };
 

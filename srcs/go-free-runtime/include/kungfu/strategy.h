@@ -18,7 +18,10 @@ enum class StrategyKind : int {
   kMultiBinaryTreeStar = 5,
   kClique = 6,
   kAuto = 7,
+  kDirect = 8,  // one host: peers copy straight from each other's memory (process_vm_readv)
 };
+constexpr int kNumStrategies = 9;
+inline bool IsValidStrategy(int k) { return k >= 0 && k < kNumStrategies; }
 
 const char* StrategyName(StrategyKind kind);
 // Case-insensitive; accepts the names above (e.g. "BINARY_TREE_STAR").
@@ -39,6 +42,7 @@ Tree Reroot(const Tree& fathers, int root);
 struct Strategy {
   StrategyKind kind = StrategyKind::kBinaryTreeStar;
   bool ring = false;
+  bool direct = false;      // allreduce by direct reads; reduce/broadcast use `trees`
   std::vector<Tree> trees;  // empty for the ring
 
   // A tree rooted at `root` to broadcast or reduce along: one of `trees` if one has that root,
@@ -50,10 +54,13 @@ struct Strategy {
 Strategy MakeStrategy(StrategyKind kind, const PeerList& peers);
 Strategy MakeStrategyFromTree(const Tree& fathers);
 
-// The AUTO rule: on one host, RING for buffers of at least kAutoRingMinBytes, BINARY_TREE_STAR
-// (one star, latency 2 hops) below; across hosts, RING at or above the threshold, else
-// BINARY_TREE_STAR (star inside hosts, binary tree across them).
-constexpr size_t kAutoRingMinBytes = 64 * 1024;
-StrategyKind ResolveAuto(StrategyKind kind, const PeerList& peers, size_t bytes);
+// The AUTO rule, for an operation of `bytes`:
+//  - below kAutoLargeBytes: BINARY_TREE_STAR (a star inside each host, a binary tree across hosts:
+//    few hops, so lowest latency for small tensors);
+//  - at or above it, all peers on one host and direct copies permitted: DIRECT (each byte is
+//    copied once, process to process, instead of twice through a socket);
+//  - at or above it otherwise: RING (bandwidth-optimal across hosts).
+constexpr size_t kAutoLargeBytes = 64 * 1024;
+StrategyKind ResolveAuto(StrategyKind kind, const PeerList& peers, size_t bytes, bool direct_ok);
 
 }  // namespace kungfu

@@ -1,0 +1,420 @@
+"""Allreduce benchmark: a float32 size sweep and a model-shaped gradient set (ResNet50).
+
+Run every worker under the launcher:
+
+    kungfu-run -np 4 python benchmarks/allreduce.py                      # sweep + resnet50, AUTO
+    kungfu-run -np 4 python benchmarks/allreduce.py --model resnet50 --strategy all --compare
+    kungfu-run -np 2 python benchmarks/allreduce.py --sizes 4B..256MiB --factor 2 --iters 50
+
+Rank 0 prints one JSON line per measurement on stdout, then tables. Each measurement: the
+result is checked once against the exact expected sum (every worker, before any timing), then
+warm-up calls, a barrier, and timed calls. An iteration's time is the slowest worker's time for
+it; `time_s` is the median over the timed iterations. algbw = bytes / time,
+busbw = algbw * 2(n-1)/n (the per-link traffic of a bandwidth-optimal allreduce).
+
+--compare times torch.distributed's gloo backend in the same run, on the same workers, right
+after kungfu on each case (never concurrently).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+try:
+    import kungfu as kf
+except ImportError:  # run from a source checkout without installing
+    sys.path.insert(0, os.path.dirname(HERE))
+    import kungfu as kf
+from kungfu import _env
+
+MODELS = {"resnet50": os.path.join(HERE, "resnet50_sizes.json")}
+DEFAULT_SIZES = "4B..256MiB"
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+def parse_bytes(text: str) -> int:
+    """'4B', '64KiB', '1M', '256MiB', '4096' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (examples: 4B, 64KiB, 256MiB)")
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def parse_sizes(spec: str, factor: int) -> List[int]:
+    """'LO..HI' (every LO*factor^k up to HI) or a comma list; float32, so multiples of 4 B."""
+    out: List[int] = []
+    for part in spec.split(","):
+        if ".." in part:
+            lo, hi = (parse_bytes(p) for p in part.split("..", 1))
+            if lo <= 0 or hi < lo:
+                raise argparse.ArgumentTypeError(f"bad size range {part!r}")
+            s = lo
+            while s <= hi:
+                out.append(s)
+                s *= factor
+        else:
+            out.append(parse_bytes(part))
+    for s in out:
+        if s <= 0 or s % 4:
+            raise argparse.ArgumentTypeError(f"size {s} B is not a positive multiple of 4 (float32)")
+    return sorted(set(out))
+
+
+def human_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f}MiB"
+    return f"{n}B"
+
+
+def human_time(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.0f}us"
+    if s < 1.0:
+        return f"{s * 1e3:.2f}ms"
+    return f"{s:.3f}s"
+
+
+def strategy_names() -> List[str]:
+    from kungfu import _kungfu
+
+    names, k = [], 0
+    while True:
+        name = _kungfu.strategy_name(k)
+        if name == "UNKNOWN":
+            return names
+        names.append(name)
+        k += 1
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        description="kungfu allreduce benchmark (run each worker under kungfu-run)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--sizes", default=None,
+                    help=f"float32 buffer sizes: LO..HI stepping by --factor, or a comma list "
+                         f"(default when neither --sizes nor --model is given: {DEFAULT_SIZES})")
+    ap.add_argument("--factor", type=int, default=4, help="step of a LO..HI size range")
+    ap.add_argument("--model", choices=sorted(MODELS), default=None,
+                    help="allreduce a model's whole gradient set per iteration")
+    ap.add_argument("--mode", choices=["fused", "per-tensor", "both"], default="both",
+                    help="model case: one buffer of all values (fused), one named async "
+                         "allreduce per tensor then wait all (per-tensor), or both")
+    ap.add_argument("--fuse", action="store_true", help="same as --mode fused")
+    ap.add_argument("--strategy", default=None,
+                    help="kungfu strategy: a name, a comma list, or 'all' (AUTO and every named "
+                         "strategy); default: the cluster's default (KUNGFU_ALLREDUCE_STRATEGY)")
+    ap.add_argument("--iters", type=int, default=20, help="timed iterations (at most)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed iterations before timing")
+    ap.add_argument("--max-seconds", type=float, default=1.5,
+                    help="fewer timed iterations (but at least --min-iters) when --iters would "
+                         "take longer than this; 0 always runs --iters")
+    ap.add_argument("--min-iters", type=int, default=3)
+    ap.add_argument("--compare", action="store_true",
+                    help="also time torch.distributed (gloo) on the same cases, in the same run")
+    ap.add_argument("--gloo-port", type=int, default=None,
+                    help="gloo rendezvous port (default: first peer's port + 1000)")
+    ap.add_argument("--no-table", action="store_true", help="JSON lines only")
+    args = ap.parse_args(argv)
+    if args.fuse:
+        args.mode = "fused"
+    if args.sizes is None and args.model is None:
+        args.sizes = DEFAULT_SIZES
+        args.model = "resnet50"
+    args.size_list = parse_sizes(args.sizes, args.factor) if args.sizes else []
+    if args.factor < 2:
+        ap.error("--factor must be at least 2")
+    if args.iters < 1 or args.warmup < 0 or args.min_iters < 1:
+        ap.error("--iters and --min-iters must be >= 1, --warmup >= 0")
+    return args
+
+
+def resolve_strategies(spec: Optional[str]) -> List[Tuple[str, Optional[str]]]:
+    """(label, strategy argument) pairs; None means the cluster's default."""
+    if spec is None:
+        return [(str(_env.ALLREDUCE_STRATEGY.get()).upper(), None)]
+    known = strategy_names()
+    if spec.lower() == "all":
+        return [(n, n) for n in ["AUTO"] + [k for k in known if k != "AUTO"]]
+    out = []
+    for name in spec.split(","):
+        up = name.strip().upper().replace("-", "_")
+        if up not in known:
+            raise SystemExit(f"unknown strategy {name!r} (choose from {', '.join(known)} or all)")
+        out.append((up, up))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Data with an exactly known sum
+
+def pattern(count: int, rank: int) -> np.ndarray:
+    """Values that depend on position and rank; sums of a few workers are exact in float32."""
+    return ((np.arange(count, dtype=np.int64) % 251) + 1000 * rank).astype(np.float32)
+
+
+def expected_sum(count: int, n: int) -> np.ndarray:
+    return (n * (np.arange(count, dtype=np.int64) % 251) + 1000 * n * (n - 1) // 2).astype(np.float32)
+
+
+def agree(ok: bool, what: str) -> None:
+    """Every worker learns whether all passed; all stop together on a wrong result."""
+    all_ok = kf.allreduce(np.int32(1 if ok else 0), op="min", name="bench:verify")
+    if not all_ok:
+        if kf.rank() == 0:
+            print(f"WRONG RESULT: {what} (see the failing workers' stderr)", file=sys.stderr,
+                  flush=True)
+        raise SystemExit(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+def measure(run: Callable[[], object], args) -> Tuple[np.ndarray, int]:
+    """Warm-up, barrier, timed iterations. Returns per-iteration slowest-worker times."""
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        run()
+    per_call = (time.perf_counter() - t0) / args.warmup if args.warmup else 0.0
+    iters = args.iters
+    if args.max_seconds > 0 and args.warmup:
+        slowest = float(kf.allreduce(np.float64(per_call), op="max", name="bench:plan"))
+        if slowest * iters > args.max_seconds:
+            iters = max(args.min_iters, int(args.max_seconds / max(slowest, 1e-9)))
+    kf.barrier(name="bench:barrier")
+    times = np.empty(iters, dtype=np.float64)
+    for i in range(iters):
+        t = time.perf_counter()
+        run()
+        times[i] = time.perf_counter() - t
+    return kf.allreduce(times, op="max", name="bench:times"), iters
+
+
+class Reporter:
+    def __init__(self, n: int, args):
+        self.n = n
+        self.args = args
+        self.rows: List[dict] = []
+        self.root = kf.rank() == 0
+
+    def add(self, impl: str, strategy: str, case: str, nbytes: int, times: np.ndarray,
+            iters: int, **extra) -> None:
+        med = float(statistics.median(times))
+        algbw = nbytes / med / 1e9 if med > 0 else 0.0
+        row = {"impl": impl, "strategy": strategy, "case": case, **extra, "bytes": nbytes,
+               "dtype": "float32", "np": self.n, "iters": iters, "warmup": self.args.warmup,
+               "time_s": med, "min_s": float(times.min()), "max_s": float(times.max()),
+               "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (self.n - 1) / self.n}
+        self.rows.append(row)
+        if self.root:
+            print(json.dumps(row), flush=True)
+
+    def tables(self) -> str:
+        out = []
+        sweep = [r for r in self.rows if r["case"] == "sweep"]
+        if sweep:
+            cols = list(dict.fromkeys(f"{r['impl']}:{r['strategy']}" for r in sweep))
+            sizes = sorted({r["bytes"] for r in sweep})
+            cell = {(r["bytes"], f"{r['impl']}:{r['strategy']}"): r for r in sweep}
+            for title, fmt in (("time (median)", lambda r: human_time(r["time_s"])),
+                               ("busbw GB/s", lambda r: f"{r['busbw_GBps']:.3f}")):
+                out.append(f"\nallreduce float32 sum, np={self.n}: {title}")
+                body = [[human_bytes(s)] + [fmt(cell[(s, c)]) if (s, c) in cell else "-"
+                                            for c in cols] for s in sizes]
+                out.append(_grid(["size"] + cols, body))
+        model = [r for r in self.rows if r["case"] != "sweep"]
+        if model:
+            modes = list(dict.fromkeys(r["mode"] for r in model))
+            keys = list(dict.fromkeys((r["case"], r["impl"], r["strategy"]) for r in model))
+            cell = {(r["case"], r["impl"], r["strategy"], r["mode"]): r for r in model}
+            body = []
+            for case, impl, strat in keys:
+                line = [case, impl, strat]
+                for m in modes:
+                    r = cell.get((case, impl, strat, m))
+                    line.append(f"{r['time_s'] * 1e3:.1f}" if r else "-")
+                r = cell.get((case, impl, strat, "fused"))
+                line.append(f"{r['busbw_GBps']:.3f}" if r else "-")
+                body.append(line)
+            first = model[0]
+            out.append(f"\nmodel gradient set per iteration, np={self.n} "
+                       f"({first['tensors']} tensors, {first['bytes'] / 1e6:.1f} MB float32): "
+                       f"ms (median)")
+            out.append(_grid(["model", "impl", "strategy"] + [f"{m} ms" for m in modes]
+                             + ["fused busbw GB/s"], body))
+        return "\n".join(out)
+
+
+def _grid(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(str(h).rjust(w) for h, w in zip(head, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(str(x).rjust(w) for x, w in zip(row, widths)) for row in body]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+
+def kungfu_buffer(x: np.ndarray, label: str, strategy: Optional[str], tag: str) -> Callable:
+    name = f"bench:{tag}:{label}"
+    return lambda: kf.allreduce(x, op="sum", name=name, strategy=strategy)
+
+
+def kungfu_per_tensor(views: List[np.ndarray], label: str, strategy: Optional[str]) -> Callable:
+    names = [f"bench:pt:{label}:{j}" for j in range(len(views))]
+
+    def run():
+        handles = [kf.allreduce_async(v, op="sum", name=nm, strategy=strategy)
+                   for v, nm in zip(views, names)]
+        return [h.wait() for h in handles]
+
+    return run
+
+
+def run_sweep(args, strategies, rep: Reporter, gloo) -> None:
+    n, r = kf.size(), kf.rank()
+    for nbytes in args.size_list:
+        count = nbytes // 4
+        x = pattern(count, r)
+        want = expected_sum(count, n)
+        for label, strat in strategies:
+            run = kungfu_buffer(x, label, strat, f"sweep:{nbytes}")
+            got = run()
+            agree(np.array_equal(got, want), f"kungfu {label} allreduce of {nbytes} B")
+            del got
+            times, iters = measure(run, args)
+            rep.add("kungfu", label, "sweep", nbytes, times, iters, count=count)
+        if gloo is not None:
+            t = gloo.tensor(x.copy())
+            gloo.fused(t)()
+            agree(np.array_equal(t.numpy(), want), f"gloo allreduce of {nbytes} B")
+            zeros = gloo.torch.zeros(count, dtype=gloo.torch.float32)
+            times, iters = measure(gloo.fused(zeros), args)
+            rep.add("gloo", "gloo", "sweep", nbytes, times, iters, count=count)
+            del t, zeros
+        del x, want
+
+
+def load_model(name: str) -> dict:
+    with open(MODELS[name]) as f:
+        doc = json.load(f)
+    sizes = [t["size"] for t in doc["tensors"]]
+    if len(sizes) != doc["count"] or sum(sizes) != doc["total"]:
+        raise SystemExit(f"{MODELS[name]} is inconsistent (count/total); regenerate it")
+    return doc
+
+
+def split_views(flat: np.ndarray, tensors: List[dict]) -> List[np.ndarray]:
+    views, off = [], 0
+    for t in tensors:
+        views.append(flat[off:off + t["size"]].reshape(t["shape"]))
+        off += t["size"]
+    return views
+
+
+def run_model(args, strategies, rep: Reporter, gloo) -> None:
+    n, r = kf.size(), kf.rank()
+    doc = load_model(args.model)
+    total, tensors = doc["total"], doc["tensors"]
+    nbytes = 4 * total
+    x = pattern(total, r)
+    want = expected_sum(total, n)
+    views = split_views(x, tensors)
+    modes = ["fused", "per-tensor"] if args.mode == "both" else [args.mode]
+    extra = dict(tensors=len(tensors))
+    for label, strat in strategies:
+        for mode in modes:
+            if mode == "fused":
+                run = kungfu_buffer(x, label, strat, f"fused:{args.model}")
+                got = run()
+            else:
+                run = kungfu_per_tensor(views, label, strat)
+                got = np.concatenate([g.reshape(-1) for g in run()])
+            agree(np.array_equal(got, want), f"kungfu {label} {args.model} {mode}")
+            del got
+            times, iters = measure(run, args)
+            rep.add("kungfu", label, args.model, nbytes, times, iters, mode=mode, **extra)
+    if gloo is not None:
+        torch = gloo.torch
+        for mode in modes:
+            t = gloo.tensor(x.copy())
+            tviews = list(torch.split(t, [tt["size"] for tt in tensors]))
+            (gloo.fused(t) if mode == "fused" else gloo.per_tensor(tviews))()
+            agree(np.array_equal(t.numpy(), want), f"gloo {args.model} {mode}")
+            zeros = torch.zeros(total, dtype=torch.float32)
+            zviews = list(torch.split(zeros, [tt["size"] for tt in tensors]))
+            run = gloo.fused(zeros) if mode == "fused" else gloo.per_tensor(zviews)
+            times, iters = measure(run, args)
+            rep.add("gloo", "gloo", args.model, nbytes, times, iters, mode=mode, **extra)
+            del t, tviews, zeros, zviews
+
+
+def start_gloo(args):
+    from _gloo import Gloo, port_from_peers
+
+    ident_peers = [p for p in (_env.INIT_PEERS.get() or "").split(",") if p]
+    hosts = [p.rsplit(":", 1)[0] for p in ident_peers] or ["127.0.0.1"]
+    port = args.gloo_port or port_from_peers(ident_peers)
+    if port is None:  # a lone worker started without kungfu-run
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    return Gloo(kf.rank(), kf.size(), hosts[0], port, hosts)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.compare:
+        sys.path.insert(0, HERE)
+        from _gloo import load
+
+        if load() is None:
+            if kf.rank() == 0:
+                print("--compare needs torch (torch.distributed with the gloo backend), which is "
+                      "not importable here; install it or run without --compare",
+                      file=sys.stderr, flush=True)
+            return 2
+    strategies = resolve_strategies(args.strategy)
+    kf.init()
+    n = kf.size()
+    gloo = start_gloo(args) if args.compare else None
+    rep = Reporter(n, args)
+    t0 = time.perf_counter()
+    try:
+        if args.size_list:
+            run_sweep(args, strategies, rep, gloo)
+        if args.model:
+            run_model(args, strategies, rep, gloo)
+    finally:
+        if gloo is not None:
+            gloo.close()
+    kf.barrier(name="bench:end")
+    if kf.rank() == 0 and not args.no_table:
+        head = f"np={n}, strategies: {', '.join(l for l, _ in strategies)}"
+        if gloo is not None:
+            head += f"; gloo: torch {gloo.version}"
+        print(f"\n# {head}; total {time.perf_counter() - t0:.1f}s{rep.tables()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,765 @@
+"""kungfu-run: start the workers of one host, label their output, supervise them.
+
+One launcher runs on each host of a job. It computes the whole peer list from -np and -H (the
+same on every host), starts the workers whose host is its own, gives each its identity through
+the KUNGFU_* environment variables (kungfu._env.worker_env), prefixes every line the workers
+print with their rank, forwards SIGINT/SIGTERM, and stops the job when a worker fails or the
+time limit passes.
+
+This module uses only the standard library and kungfu._env: it never loads the native runtime
+or TensorFlow.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import queue
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import BinaryIO, Dict, List, Optional, Sequence, Tuple
+
+from kungfu import _env
+
+PROG = "kungfu-run"
+
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 124
+EXIT_CANNOT_EXECUTE = 126
+EXIT_NOT_FOUND = 127
+
+DEFAULT_PORT_RANGE = (10000, 11000)
+DEFAULT_STRATEGY = "AUTO"
+STRATEGIES = (
+    "STAR",
+    "RING",
+    "TREE",
+    "BINARY_TREE",
+    "BINARY_TREE_STAR",
+    "MULTI_BINARY_TREE_STAR",
+    "CLIQUE",
+    "AUTO",
+)
+# After SIGTERM, how long a worker may take to exit before it gets SIGKILL.
+GRACE_SECONDS = 5.0
+
+
+class UsageError(Exception):
+    """A bad command line; the message becomes the one-line error."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+@dataclass
+class Options:
+    np: int = 1
+    hosts: Optional[str] = None  # raw -H text; None means 127.0.0.1:np
+    self_host: Optional[str] = None
+    nic: Optional[str] = None
+    port_range: Tuple[int, int] = DEFAULT_PORT_RANGE
+    strategy: str = DEFAULT_STRATEGY
+    logdir: Optional[str] = None
+    quiet: bool = False
+    timeout: Optional[float] = None  # seconds
+    command: List[str] = field(default_factory=list)
+    help: bool = False
+
+
+HELP = """\
+usage: kungfu-run [flags] [--] command [args...]
+
+Starts the workers of a kungfu job that run on this host. Run one kungfu-run per host, each with
+the same -np and -H. Workers are numbered host-major in -H order: the first host's slots get
+ranks 0, 1, ..., then the next host's, until -np workers are placed. A worker on its host's
+slot i listens on port (first port of -port-range) + i.
+
+Flags (single or double dash: -np 4, --np 4, -np=4):
+  -np N               number of workers in the whole job (default 1)
+  -H HOST:SLOTS,...   hosts and how many workers each may run; HOST is an IPv4 address or a
+                      host name, SLOTS defaults to 1 (default 127.0.0.1:N, all workers here)
+  -self IP            this host's address as written in -H; only workers on it are started
+  -nic IFACE          take this host's address from the first IPv4 address of IFACE
+                      (without -self or -nic, -H must name one host or only loopback addresses,
+                      and then this launcher starts every worker)
+  -port-range A-B     ports the workers of a host listen on (default {ports})
+  -strategy S         default allreduce strategy, case-insensitive, one of
+                      {strategies} (default {strategy})
+  -logdir DIR         also write the output of worker r to DIR/rank-r.log (DIR is created)
+  -q                  quiet: print no informational lines of kungfu-run (worker output and
+                      errors are still printed)
+  -timeout DURATION   stop the job after DURATION (e.g. 90, 30s, 10m, 1h30m), print one line
+                      and exit with code 124 (default: no limit)
+  -h, -help, --help   print this help and exit
+
+Each worker inherits the environment of kungfu-run plus its identity
+({identity}) and PYTHONUNBUFFERED=1; its stdin is /dev/null.
+Every line a worker writes is printed with its rank in front, "[r] ": stdout lines on
+kungfu-run's stdout, stderr lines on its stderr.
+
+SIGINT and SIGTERM are forwarded to the workers. When a worker exits with a non-zero code,
+the others get SIGTERM, then SIGKILL {grace:g}s later if still running.
+
+Exit code: 0 when every worker exits 0; otherwise the exit code of the first worker that
+failed (128+k for a worker killed by signal k); 124 on -timeout; 2 for a bad command line;
+127 (126) when the command cannot be found (executed).
+
+Examples:
+  kungfu-run -np 4 python train.py --epochs 3
+  kungfu-run -np 8 -H 10.0.0.1:4,10.0.0.2:4 -nic eth0 -logdir logs -- python train.py
+""".format(
+    ports="{}-{}".format(*DEFAULT_PORT_RANGE),
+    strategies=", ".join(STRATEGIES),
+    strategy=DEFAULT_STRATEGY,
+    identity=", ".join(
+        [_env.SELF_SPEC.name, _env.INIT_PEERS.name, _env.INIT_CLUSTER_VERSION.name,
+         _env.ALLREDUCE_STRATEGY.name]
+    ),
+    grace=GRACE_SECONDS,
+)
+
+_VALUE_FLAGS = {
+    "np": "np",
+    "H": "hosts",
+    "self": "self_host",
+    "nic": "nic",
+    "port-range": "port_range",
+    "strategy": "strategy",
+    "logdir": "logdir",
+    "timeout": "timeout",
+}
+_HELP_FLAGS = {"h", "help"}
+
+
+def _parse_np(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise UsageError(f"-np needs a positive integer, got {text!r}") from None
+    if n < 1:
+        raise UsageError(f"-np must be at least 1, got {n}")
+    return n
+
+
+def parse_port_range(text: str) -> Tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", text)
+    if not m:
+        raise UsageError(f"-port-range must look like 10000-11000, got {text!r}")
+    begin, end = int(m.group(1)), int(m.group(2))
+    if not (1 <= begin <= end <= 65535):
+        raise UsageError(
+            f"-port-range {text!r} is invalid: need 1 <= first <= last <= 65535"
+        )
+    return begin, end
+
+
+def parse_strategy(text: str) -> str:
+    name = text.strip().upper()
+    if name not in STRATEGIES:
+        raise UsageError(f"unknown -strategy {text!r} (choose one of {', '.join(STRATEGIES)})")
+    return name
+
+
+def _parse_timeout(text: str) -> float:
+    try:
+        seconds = _env.parse_duration(text)
+    except ValueError as e:
+        raise UsageError(f"-timeout: {e}") from None
+    if seconds <= 0:
+        raise UsageError(f"-timeout must be positive, got {text!r}")
+    return seconds
+
+
+def _parse_bool(name: str, text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise UsageError(f"-{name} takes no value or true/false, got {text!r}")
+
+
+def parse_args(argv: Sequence[str]) -> Options:
+    """Flags up to the first non-flag argument or '--'; the rest is the worker command."""
+    opts = Options()
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            i += 1
+            break
+        if not arg.startswith("-") or arg == "-":
+            break
+        body = arg[2:] if arg.startswith("--") else arg[1:]
+        name, eq, inline = body.partition("=")
+        i += 1
+        if name in _HELP_FLAGS:
+            opts.help = True
+            return opts
+        if name == "q":
+            opts.quiet = _parse_bool(name, inline) if eq else True
+            continue
+        if name not in _VALUE_FLAGS:
+            raise UsageError(f"unknown flag {arg.split('=', 1)[0]!r} (see {PROG} -help)")
+        if eq:
+            value = inline
+        else:
+            if i >= len(args):
+                raise UsageError(f"flag -{name} needs a value")
+            value = args[i]
+            i += 1
+        attr = _VALUE_FLAGS[name]
+        if attr == "np":
+            opts.np = _parse_np(value)
+        elif attr == "port_range":
+            opts.port_range = parse_port_range(value)
+        elif attr == "strategy":
+            opts.strategy = parse_strategy(value)
+        elif attr == "timeout":
+            opts.timeout = _parse_timeout(value)
+        else:
+            if value == "":
+                raise UsageError(f"flag -{name} needs a non-empty value")
+            setattr(opts, attr, value)
+    opts.command = args[i:]
+    if not opts.command:
+        raise UsageError(f"no command to run (usage: {PROG} -np N [flags] [--] command args...)")
+    if opts.self_host is not None and opts.nic is not None:
+        raise UsageError("give only one of -self and -nic")
+    return opts
+
+
+# ---------------------------------------------------------------------------------------------
+# Hosts, peers, ports
+
+_HOSTNAME_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def _is_ipv4(text: str) -> bool:
+    try:
+        ipaddress.IPv4Address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _valid_host(text: str) -> bool:
+    if _is_ipv4(text):
+        return True
+    if re.fullmatch(r"[\d.]+", text):  # looks numeric but is not a valid address
+        return False
+    if len(text) > 253:
+        return False
+    return all(_HOSTNAME_LABEL.fullmatch(label) for label in text.split("."))
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    host: str
+    slots: int
+
+
+def parse_hosts(text: str) -> List[HostSpec]:
+    """'a:2,b,c:4' -> [HostSpec('a', 2), HostSpec('b', 1), HostSpec('c', 4)]."""
+    hosts: List[HostSpec] = []
+    seen = set()
+    for entry in text.split(","):
+        entry = entry.strip()
+        if not entry:
+            raise UsageError(f"-H {text!r} has an empty entry")
+        host, colon, slots_text = entry.partition(":")
+        if colon:
+            if not re.fullmatch(r"\d+", slots_text):
+                raise UsageError(f"-H entry {entry!r}: slots must be a positive integer")
+            slots = int(slots_text)
+            if slots < 1:
+                raise UsageError(f"-H entry {entry!r}: slots must be at least 1")
+        else:
+            slots = 1
+        if not _valid_host(host):
+            raise UsageError(
+                f"-H entry {entry!r}: {host!r} is not an IPv4 address or a host name"
+            )
+        if host in seen:
+            raise UsageError(f"-H names host {host!r} more than once")
+        seen.add(host)
+        hosts.append(HostSpec(host, slots))
+    return hosts
+
+
+@dataclass(frozen=True)
+class Worker:
+    rank: int
+    host: str
+    port: int
+    local_rank: int
+
+    @property
+    def spec(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def plan_workers(np: int, hosts: Sequence[HostSpec], port_range: Tuple[int, int]) -> List[Worker]:
+    """Every worker of the job, in rank order: host-major in -H order."""
+    total = sum(h.slots for h in hosts)
+    if np > total:
+        raise UsageError(f"-np {np} is more than the {total} slots of -H")
+    begin, end = port_range
+    nports = end - begin + 1
+    for h in hosts:
+        if h.slots > nports:
+            raise UsageError(
+                f"-port-range {begin}-{end} has {nports} ports, fewer than the "
+                f"{h.slots} slots of host {h.host}"
+            )
+    workers: List[Worker] = []
+    for h in hosts:
+        for slot in range(h.slots):
+            if len(workers) == np:
+                return workers
+            workers.append(Worker(len(workers), h.host, begin + slot, slot))
+    return workers
+
+
+def nic_ipv4(iface: str) -> str:
+    """The first IPv4 address of a network interface."""
+    try:
+        socket.if_nametoindex(iface)
+    except OSError:
+        raise UsageError(f"unknown network interface -nic {iface!r}") from None
+    addr = _nic_ipv4_ioctl(iface)
+    if addr is None:
+        addr = _nic_ipv4_ip_command(iface)
+    if addr is None:
+        raise UsageError(f"network interface {iface!r} has no IPv4 address")
+    return addr
+
+
+def _nic_ipv4_ioctl(iface: str) -> Optional[str]:
+    try:
+        import fcntl
+        import struct
+
+        siocgifaddr = 0x8915
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            req = struct.pack("256s", iface.encode()[:15])
+            res = fcntl.ioctl(s.fileno(), siocgifaddr, req)
+        return socket.inet_ntoa(res[20:24])
+    except (OSError, ImportError, ValueError):
+        return None
+
+
+def _nic_ipv4_ip_command(iface: str) -> Optional[str]:
+    try:
+        out = subprocess.run(
+            ["ip", "-4", "-o", "addr", "show", "dev", iface],
+            capture_output=True, text=True, timeout=5, check=False,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"\binet (\d+\.\d+\.\d+\.\d+)/", out)
+    return m.group(1) if m else None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    return _is_ipv4(host) and ipaddress.IPv4Address(host).is_loopback
+
+
+def _resolve(host: str) -> Optional[str]:
+    if _is_ipv4(host):
+        return host
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return None
+
+
+def local_hosts(opts: Options, hosts: Sequence[HostSpec]) -> List[str]:
+    """The -H hosts whose workers this launcher starts."""
+    names = [h.host for h in hosts]
+    if opts.self_host is None and opts.nic is None:
+        if len(names) == 1 or all(_is_loopback(n) for n in names):
+            return names
+        raise UsageError(
+            f"-H names several hosts ({', '.join(names)}); "
+            "give -self IP or -nic IFACE to say which one this is"
+        )
+    if opts.nic is not None:
+        me = nic_ipv4(opts.nic)
+        how = f"-nic {opts.nic} ({me})"
+    else:
+        me, how = opts.self_host, f"-self {opts.self_host}"
+    if me in names:
+        return [me]
+    me_resolved = _resolve(me)
+    matches = [n for n in names if me_resolved is not None and _resolve(n) == me_resolved]
+    if not matches:
+        raise UsageError(f"{how} is not one of the hosts of -H ({', '.join(names)})")
+    return matches[:1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Running workers
+
+
+class _Output:
+    """Serializes prefixed lines onto one of the launcher's streams; ignores a closed reader."""
+
+    def __init__(self, stream: BinaryIO):
+        self.stream = stream
+        self.lock = threading.Lock()
+        self.broken = False
+
+    def write(self, data: bytes) -> None:
+        with self.lock:
+            if self.broken:
+                return
+            try:
+                self.stream.write(data)
+                self.stream.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                self.broken = True
+
+
+def _binary(stream) -> BinaryIO:
+    return getattr(stream, "buffer", stream)
+
+
+def _preexec_parent_death_signal():
+    """A preexec_fn that kills the worker when the launcher dies (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+    launcher_pid = os.getpid()
+
+    def preexec():
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+class _Running:
+    def __init__(self, worker: Worker, proc: subprocess.Popen, log: Optional[BinaryIO]):
+        self.worker = worker
+        self.proc = proc
+        self.log = log
+        self.log_lock = threading.Lock()
+        self.readers: List[threading.Thread] = []
+        self.returncode: Optional[int] = None
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name} (exit code {128 - returncode})"
+    return f"exited with code {returncode}"
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _ranks(workers: Sequence[Worker]) -> str:
+    ranks = [w.rank for w in workers]
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _fmt_seconds(s: float) -> str:
+    return f"{s:g}s"
+
+
+class Launcher:
+    def __init__(self, opts: Options, peers: List[Worker], mine: List[Worker]):
+        self.opts = opts
+        self.peers = peers
+        self.mine = mine
+        self.out = _Output(_binary(sys.stdout))
+        self.err = _Output(_binary(sys.stderr))
+        self.events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self.running: Dict[int, _Running] = {}
+
+    # messages ---------------------------------------------------------------------------
+    def info(self, msg: str) -> None:
+        if not self.opts.quiet:
+            self.err.write(f"{PROG}: {msg}\n".encode())
+
+    def error(self, msg: str) -> None:
+        self.err.write(f"{PROG}: {msg}\n".encode())
+
+    # signals ----------------------------------------------------------------------------
+    def _on_signal(self, signum, _frame):
+        self.events.put(("signal", signum))
+
+    def _install_signal_handlers(self):
+        previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, self._on_signal)
+        return previous
+
+    # workers ----------------------------------------------------------------------------
+    def _spawn(self, worker: Worker) -> _Running:
+        env = dict(os.environ)
+        env.update(
+            _env.worker_env(worker.spec, [p.spec for p in self.peers], 0, self.opts.strategy)
+        )
+        env["PYTHONUNBUFFERED"] = "1"
+        log = None
+        if self.opts.logdir is not None:
+            log = open(os.path.join(self.opts.logdir, f"rank-{worker.rank}.log"), "wb")
+        try:
+            proc = subprocess.Popen(
+                self.opts.command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # own process group: signals reach its children too
+                preexec_fn=_preexec_parent_death_signal(),
+            )
+        except BaseException:
+            if log is not None:
+                log.close()
+            raise
+        return _Running(worker, proc, log)
+
+    def _pump(self, run: _Running, pipe: BinaryIO, sink: _Output) -> None:
+        prefix = f"[{run.worker.rank}] ".encode()
+        for line in iter(pipe.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            sink.write(prefix + line)
+            if run.log is not None:
+                with run.log_lock:
+                    try:
+                        run.log.write(line)
+                        run.log.flush()
+                    except (OSError, ValueError):
+                        pass
+        pipe.close()
+
+    def _wait(self, run: _Running) -> None:
+        code = run.proc.wait()
+        self.events.put(("exit", run.worker.rank, code))
+
+    def _signal_all(self, sig: int) -> None:
+        for run in self.running.values():
+            if run.returncode is None:
+                try:
+                    os.killpg(run.proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    try:
+                        run.proc.send_signal(sig)
+                    except (ProcessLookupError, OSError):
+                        pass
+
+    def _alive(self) -> List[_Running]:
+        return [r for r in self.running.values() if r.returncode is None]
+
+    # main loop --------------------------------------------------------------------------
+    def run(self) -> int:
+        start = time.monotonic()
+        previous = self._install_signal_handlers()
+        try:
+            return self._run(start)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            for run in self.running.values():
+                for t in run.readers:
+                    t.join(timeout=2.0)
+                if run.log is not None:
+                    with run.log_lock:
+                        run.log.close()
+
+    def _start_all(self) -> Optional[int]:
+        """Starts this host's workers; on failure stops the started ones, returns an exit code."""
+        # All workers are forked before any thread of this launcher starts (preexec_fn).
+        for worker in self.mine:
+            try:
+                self.running[worker.rank] = self._spawn(worker)
+            except OSError as e:
+                cmd = self.opts.command[0]
+                if isinstance(e, FileNotFoundError):
+                    self.error(f"cannot start worker {worker.rank}: command not found: {cmd}")
+                    code = EXIT_NOT_FOUND
+                elif isinstance(e, PermissionError):
+                    self.error(f"cannot start worker {worker.rank}: permission denied: {cmd}")
+                    code = EXIT_CANNOT_EXECUTE
+                else:
+                    self.error(f"cannot start worker {worker.rank}: {e}")
+                    code = EXIT_CANNOT_EXECUTE
+                self._signal_all(signal.SIGKILL)
+                for run in self.running.values():
+                    run.proc.wait()
+                    run.returncode = run.proc.returncode
+                return code
+        for run in self.running.values():
+            for pipe, sink in ((run.proc.stdout, self.out), (run.proc.stderr, self.err)):
+                t = threading.Thread(target=self._pump, args=(run, pipe, sink), daemon=True)
+                t.start()
+                run.readers.append(t)
+            threading.Thread(target=self._wait, args=(run,), daemon=True).start()
+        return None
+
+    def _run(self, start: float) -> int:
+        mine = self.mine
+        hosts = ", ".join(dict.fromkeys(w.host for w in mine))
+        self.info(
+            f"starting {_plural(len(mine), 'worker')} of {len(self.peers)} on {hosts} "
+            f"({_ranks(mine)}), strategy {self.opts.strategy}: {shlex.join(self.opts.command)}"
+        )
+        code = self._start_all()
+        if code is not None:
+            return code
+
+        deadline = None if self.opts.timeout is None else start + self.opts.timeout
+        result: Optional[int] = None  # decided exit code, once known
+        stopping = False
+        stop_signal = signal.SIGTERM
+        kill_at: Optional[float] = None
+        killed = False
+        received_signal: Optional[int] = None
+
+        while self._alive():
+            now = time.monotonic()
+            waits = [0.5]
+            if deadline is not None and not stopping:
+                waits.append(deadline - now)
+            if kill_at is not None and not killed:
+                waits.append(kill_at - now)
+            try:
+                event = self.events.get(timeout=max(0.0, min(waits)))
+            except queue.Empty:
+                event = None
+            now = time.monotonic()
+
+            if event is not None and event[0] == "exit":
+                _, rank, rc = event
+                run = self.running[rank]
+                run.returncode = rc
+                if rc != 0 and result is None and not stopping:
+                    result = _exit_code(rc)
+                    others = len(self._alive())
+                    tail = f"; stopping the other {_plural(others, 'local worker')}"
+                    self.error(
+                        f"worker {rank} ({run.worker.spec}) {_describe_exit(rc)}"
+                        + (tail if others else "")
+                    )
+                    stopping = True
+                    stop_signal = signal.SIGTERM
+                    self._signal_all(stop_signal)
+                    kill_at = now + GRACE_SECONDS
+                elif rc != 0 and result is None and received_signal is not None:
+                    result = _exit_code(rc)
+            elif event is not None and event[0] == "signal":
+                signum = event[1]
+                name = signal.Signals(signum).name
+                if not stopping:
+                    received_signal = signum
+                    stopping = True
+                    stop_signal = signum
+                    self.info(
+                        f"received {name}; forwarding it to {_plural(len(self._alive()), 'worker')}"
+                    )
+                    self._signal_all(signum)
+                    kill_at = now + GRACE_SECONDS
+                elif not killed:
+                    self.error(f"received {name} again; killing the workers")
+                    self._signal_all(signal.SIGKILL)
+                    killed = True
+
+            if deadline is not None and not stopping and now >= deadline:
+                alive = _plural(len(self._alive()), "worker")
+                self.error(
+                    f"timeout: the job did not finish within "
+                    f"{_fmt_seconds(self.opts.timeout)}; stopping {alive}"
+                )
+                result = EXIT_TIMEOUT
+                stopping = True
+                stop_signal = signal.SIGTERM
+                self._signal_all(stop_signal)
+                kill_at = now + GRACE_SECONDS
+
+            if kill_at is not None and not killed and now >= kill_at and self._alive():
+                alive = ", ".join(str(r.worker.rank) for r in self._alive())
+                self.error(
+                    f"workers {alive} still running {_fmt_seconds(GRACE_SECONDS)} after "
+                    f"{signal.Signals(stop_signal).name}; sending SIGKILL"
+                )
+                self._signal_all(signal.SIGKILL)
+                killed = True
+
+        if result is None:
+            if received_signal is not None:
+                result = 128 + received_signal
+            else:
+                result = 0
+                self.info(
+                    f"{'all ' if len(mine) > 1 else ''}{_plural(len(mine), 'worker')} "
+                    f"finished successfully in "
+                    f"{time.monotonic() - start:.1f}s"
+                )
+        return result
+
+
+def run(argv: Sequence[str]) -> int:
+    try:
+        opts = parse_args(argv)
+        if opts.help:
+            sys.stdout.write(HELP)
+            sys.stdout.flush()
+            return 0
+        hosts = parse_hosts(opts.hosts) if opts.hosts is not None else [
+            HostSpec("127.0.0.1", opts.np)
+        ]
+        peers = plan_workers(opts.np, hosts, opts.port_range)
+        here = set(local_hosts(opts, hosts))
+        mine = [w for w in peers if w.host in here]
+        if opts.logdir is not None:
+            try:
+                os.makedirs(opts.logdir, exist_ok=True)
+            except OSError as e:
+                reason = e.strerror or str(e)
+                raise UsageError(f"cannot create -logdir {opts.logdir!r}: {reason}") from None
+    except UsageError as e:
+        sys.stderr.write(f"{PROG}: {e}\n")
+        sys.stderr.flush()
+        return EXIT_USAGE
+    if not mine:
+        if not opts.quiet:
+            sys.stderr.write(
+                f"{PROG}: none of the {opts.np} workers is placed on {', '.join(sorted(here))} "
+                f"(the hosts before it in -H take them all); nothing to run here\n"
+            )
+        return 0
+    return Launcher(opts, peers, mine).run()

@@ -1,0 +1,312 @@
+"""The `spawn` fixture: run a function in N real worker processes on 127.0.0.1.
+
+    def test_sum(spawn):
+        values = spawn(3, _w_collectives.some_body, arg1, arg2)   # one value per rank
+
+Each worker gets its identity the way kungfu-run gives it (KUNGFU_SELF_SPEC, KUNGFU_INIT_PEERS,
+KUNGFU_INIT_CLUSTER_VERSION) on free loopback ports, runs `fn(*args)` through _worker.py and
+sends back the return value (pickled through a file). `spawn(...)` returns the values in rank
+order and raises WorkerError carrying the traceback of the rank that failed first. Every spawn
+has a deadline (`timeout`, 60 s by default): a worker still running then gets SIGUSR1 (its
+Python stacks go to stderr and into the error) and is killed. `spawn.run(...)` returns a Run
+with every rank's outcome instead of raising, for tests where ranks are meant to die or fail.
+Whatever is still running when the test ends is killed.
+
+The function must be importable by its module path in a fresh interpreter (the directory of this
+file and the repository root are on sys.path); pass it as a function object or "module:qualname".
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+WORKER = os.path.join(HERE, "_worker.py")
+DEFAULT_TIMEOUT = 60.0
+# A rank that fails takes the job down: the others get this long to finish (they usually fail at
+# once with PeerFailedError), then are killed, so one broken rank cannot cost the whole deadline.
+FAILURE_GRACE = 10.0
+_PORT_ERRORS = ("cannot listen on", "Address already in use")
+
+
+class WorkerError(AssertionError):
+    """A worker raised, crashed, or did not finish in time."""
+
+
+def free_ports(n: int) -> List[int]:
+    """n distinct loopback ports that were free a moment ago (all bound at once, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    peer: str
+    returncode: Optional[int] = None  # None: still running at the deadline (then killed)
+    status: str = "missing"  # "ok", "error" or "missing" (no result file: crashed or killed)
+    value: Any = None
+    error_type: Optional[str] = None
+    error_message: Optional[str] = None
+    traceback: Optional[str] = None
+    exception: Optional[BaseException] = None
+    error_time: Optional[float] = None
+    exit_time: Optional[float] = None
+    stdout: str = ""
+    stderr: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.returncode == 0
+
+    def describe(self) -> str:
+        head = f"rank {self.rank} ({self.peer})"
+        if self.returncode is None:
+            what = "did not finish before the deadline"
+        elif self.returncode < 0:
+            what = f"was killed by signal {-self.returncode} ({signal.Signals(-self.returncode).name})"
+        else:
+            what = f"exited with code {self.returncode}"
+        text = f"{head} {what}"
+        if self.status == "error":
+            text += f"\n{self.traceback}"
+        elif self.status == "missing":
+            text += " without a result"
+        if self.stderr.strip():
+            text += "\n--- stderr (tail) ---\n" + self.stderr[-6000:]
+        return text
+
+
+@dataclass
+class Run:
+    np: int
+    peers: List[str]
+    outcomes: List[RankOutcome]
+    timed_out: bool
+    elapsed: float
+    fn: str = ""
+    attempts: int = 1
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def values(self) -> List[Any]:
+        return [o.value for o in self.outcomes]
+
+    def first_failure(self) -> Optional[RankOutcome]:
+        bad = [o for o in self.outcomes if not o.ok]
+        if not bad:
+            return None
+        raised = [o for o in bad if o.status == "error"]
+        if raised:
+            return min(raised, key=lambda o: o.error_time)
+        exited = [o for o in bad if o.exit_time is not None]
+        if exited:
+            return min(exited, key=lambda o: o.exit_time)
+        return bad[0]
+
+    def check(self) -> List[Any]:
+        """The values in rank order, or WorkerError describing what went wrong."""
+        if self.timed_out:
+            stuck = [o for o in self.outcomes if o.returncode is None]
+            parts = [f"{self.fn} on {self.np} workers ran past its deadline "
+                     f"({self.elapsed:.1f} s); still running: {[o.rank for o in stuck]}"]
+            first = self.first_failure()
+            if first is not None and first.status == "error":
+                parts.append("first failure:\n" + first.describe())
+            parts += [o.describe() for o in stuck]
+            raise WorkerError("\n\n".join(parts))
+        first = self.first_failure()
+        if first is not None:
+            others = [o.rank for o in self.outcomes if not o.ok and o is not first]
+            raise WorkerError(f"{self.fn} on {self.np} workers failed first on "
+                              f"{first.describe()}\n(other failing ranks: {others})")
+        return self.values
+
+
+def _fn_spec(fn: Union[str, Callable]) -> tuple:
+    if isinstance(fn, str):
+        module, _, qualname = fn.partition(":")
+        if not qualname:
+            raise ValueError(f"expected 'module:qualname', got {fn!r}")
+        return module, qualname
+    module, qualname = fn.__module__, fn.__qualname__
+    if module == "__main__" or "<locals>" in qualname:
+        raise ValueError(f"{fn!r} is not importable by name; define it at module level")
+    return module, qualname
+
+
+class Spawner:
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+        self._procs: List[subprocess.Popen] = []
+        self._count = 0
+
+    def __call__(self, np: int, fn, *args, env: Optional[Dict[str, Optional[str]]] = None,
+                 rank_env=None, timeout: float = DEFAULT_TIMEOUT,
+                 kwargs: Optional[dict] = None) -> List[Any]:
+        return self.run(np, fn, *args, env=env, rank_env=rank_env, timeout=timeout,
+                        kwargs=kwargs, fail_fast=True).check()
+
+    def run(self, np: int, fn, *args, env: Optional[Dict[str, Optional[str]]] = None,
+            rank_env=None, timeout: float = DEFAULT_TIMEOUT, kwargs: Optional[dict] = None,
+            fail_fast: bool = False) -> Run:
+        """Runs fn(*args, **kwargs) on np workers and returns every rank's outcome.
+
+        env: extra variables for every worker (None removes one); rank_env: {rank: {...}} or a
+        function rank -> dict, for variables that differ per rank. fail_fast: once a rank fails,
+        kill the others after FAILURE_GRACE seconds.
+        """
+        module, qualname = _fn_spec(fn)
+        attempts = 0
+        while True:
+            attempts += 1
+            run = self._run_once(np, module, qualname, args, kwargs or {}, env, rank_env,
+                                 timeout, fail_fast)
+            run.attempts = attempts
+            # Another process may grab a port between free_ports() and the worker's bind.
+            port_clash = any(
+                o.status == "error" and any(m in (o.error_message or "") for m in _PORT_ERRORS)
+                for o in run.outcomes)
+            if not port_clash or attempts >= 3:
+                return run
+
+    def _run_once(self, np, module, qualname, args, kwargs, env, rank_env, timeout, fail_fast):
+        self._count += 1
+        tag = f"spawn{self._count}"
+        job = os.path.join(self.workdir, f"{tag}.job")
+        with open(job, "wb") as f:
+            pickle.dump((module, qualname, tuple(args), dict(kwargs)), f)
+        peers = [f"127.0.0.1:{p}" for p in free_ports(np)]
+        base = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
+        base["PYTHONPATH"] = os.pathsep.join(
+            [REPO_ROOT, HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        base["PYTHONUNBUFFERED"] = "1"
+        base["PYTHONFAULTHANDLER"] = "1"
+        base["KUNGFU_CONNECT_TIMEOUT"] = "30s"
+        for k, v in (env or {}).items():
+            if v is None:
+                base.pop(k, None)
+            else:
+                base[k] = str(v)
+        procs, outs, files = [], [], []
+        start = time.monotonic()
+        for r in range(np):
+            e = dict(base)
+            e["KUNGFU_SELF_SPEC"] = peers[r]
+            e["KUNGFU_INIT_PEERS"] = ",".join(peers)
+            e["KUNGFU_INIT_CLUSTER_VERSION"] = "0"
+            extra = rank_env(r) if callable(rank_env) else (rank_env or {}).get(r, {})
+            for k, v in (extra or {}).items():
+                if v is None:
+                    e.pop(k, None)
+                else:
+                    e[k] = str(v)
+            result = os.path.join(self.workdir, f"{tag}.rank{r}.result")
+            out = open(os.path.join(self.workdir, f"{tag}.rank{r}.stdout"), "w+b")
+            err = open(os.path.join(self.workdir, f"{tag}.rank{r}.stderr"), "w+b")
+            p = subprocess.Popen([sys.executable, WORKER, job, result], env=e, cwd=REPO_ROOT,
+                                 stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                 start_new_session=True)
+            self._procs.append(p)
+            procs.append(p)
+            files.append((out, err, result))
+            outs.append(RankOutcome(rank=r, peer=peers[r]))
+        deadline = start + timeout
+        timed_out = False
+        failed_at = None
+        while True:
+            running = 0
+            for o, p in zip(outs, procs):
+                if o.returncode is not None:
+                    continue
+                rc = p.poll()
+                if rc is None:
+                    running += 1
+                else:
+                    o.returncode, o.exit_time = rc, time.monotonic()
+                    if rc != 0 and failed_at is None:
+                        failed_at = o.exit_time
+            if running == 0:
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                timed_out = True
+                break
+            if fail_fast and failed_at is not None and now - failed_at > FAILURE_GRACE:
+                break
+            time.sleep(0.02)
+        alive = [p for o, p in zip(outs, procs) if o.returncode is None]
+        if alive:
+            for p in alive:
+                _signal_group(p, signal.SIGUSR1)
+            time.sleep(0.5)
+            for p in alive:
+                _signal_group(p, signal.SIGKILL)
+            for p in alive:
+                p.wait()
+        elapsed = time.monotonic() - start
+        for o, (out, err, result) in zip(outs, files):
+            out.seek(0)
+            err.seek(0)
+            o.stdout = out.read().decode(errors="replace")
+            o.stderr = err.read().decode(errors="replace")
+            out.close()
+            err.close()
+            if os.path.exists(result):
+                with open(result, "rb") as f:
+                    payload = pickle.load(f)
+                o.status = payload[0]
+                if o.status == "ok":
+                    o.value = payload[1]
+                else:
+                    (o.error_type, o.error_message, o.traceback, o.exception,
+                     o.error_time) = payload[1:]
+        return Run(np=np, peers=peers, outcomes=outs, timed_out=timed_out, elapsed=elapsed,
+                   fn=f"{module}:{qualname}")
+
+    def cleanup(self):
+        for p in self._procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGKILL)
+                p.wait()
+        self._procs.clear()
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)  # each worker leads its own session (start_new_session)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    s = Spawner(str(tmp_path))
+    yield s
+    s.cleanup()
+
+
+@pytest.fixture(scope="session")
+def session_spawn(tmp_path_factory):
+    """A Spawner that lives for the whole session, for results shared by many tests."""
+    s = Spawner(str(tmp_path_factory.mktemp("spawn")))
+    yield s
+    s.cleanup()
