@@ -176,10 +176,10 @@ std::vector<uint8_t> RandomData(DType dt, size_t n, std::mt19937_64& rng) {
   return v;
 }
 
-// Expected out[i] = a[i] op b[i] for one element, compared against `got`. Returns a description of
-// the mismatch, or "" if it matches.
-std::string CompareElement(DType dt, ReduceOp op, const uint8_t* a, const uint8_t* b,
-                           const uint8_t* got) {
+// Expected out[i] = a[i] op b[i] for one element, compared against `got`. On a mismatch returns
+// false and describes it in *why.
+bool ElementMatches(DType dt, ReduceOp op, const uint8_t* a, const uint8_t* b, const uint8_t* got,
+                    std::string* why) {
   auto show = [](auto x) { return kftest::Show(x); };
   switch (dt) {
 #define KF_INT_CASE(D, T)                                                                  \
@@ -189,8 +189,9 @@ std::string CompareElement(DType dt, ReduceOp op, const uint8_t* a, const uint8_
     std::memcpy(&y, b, sizeof(T));                                                         \
     std::memcpy(&g, got, sizeof(T));                                                      \
     T want = RefApplyInt<T>(x, y, op);                                                     \
-    if (g == want) return "";                                                              \
-    return show(x) + " op " + show(y) + " = " + show(g) + ", want " + show(want);          \
+    if (g == want) return true;                                                            \
+    *why = show(x) + " op " + show(y) + " = " + show(g) + ", want " + show(want);          \
+    return false;                                                                          \
   }
     KF_INT_CASE(DType::kInt8, int8_t)
     KF_INT_CASE(DType::kInt16, int16_t)
@@ -203,8 +204,9 @@ std::string CompareElement(DType dt, ReduceOp op, const uint8_t* a, const uint8_
 #undef KF_INT_CASE
     case DType::kBool: {
       bool want = op == ReduceOp::kMin ? (a[0] && b[0]) : (a[0] || b[0]);
-      if (got[0] == static_cast<uint8_t>(want)) return "";
-      return show(a[0]) + " op " + show(b[0]) + " = " + show(got[0]) + ", want " + show(want);
+      if (got[0] == static_cast<uint8_t>(want)) return true;
+      *why = show(a[0]) + " op " + show(b[0]) + " = " + show(got[0]) + ", want " + show(want);
+      return false;
     }
     case DType::kFloat32: {
       float x, y, g;
@@ -213,8 +215,9 @@ std::string CompareElement(DType dt, ReduceOp op, const uint8_t* a, const uint8_
       std::memcpy(&g, got, 4);
       float want = RefApplyFloat<float>(x, y, op);
       // min/max of +0 and -0 may return either zero.
-      if (SameValue(g, want, op == ReduceOp::kSum || op == ReduceOp::kProd)) return "";
-      return show(x) + " op " + show(y) + " = " + show(g) + ", want " + show(want);
+      if (SameValue(g, want, op == ReduceOp::kSum || op == ReduceOp::kProd)) return true;
+      *why = show(x) + " op " + show(y) + " = " + show(g) + ", want " + show(want);
+      return false;
     }
     case DType::kFloat64: {
       double x, y, g;
@@ -222,8 +225,9 @@ std::string CompareElement(DType dt, ReduceOp op, const uint8_t* a, const uint8_
       std::memcpy(&y, b, 8);
       std::memcpy(&g, got, 8);
       double want = RefApplyFloat<double>(x, y, op);
-      if (SameValue(g, want, op == ReduceOp::kSum || op == ReduceOp::kProd)) return "";
-      return show(x) + " op " + show(y) + " = " + show(g) + ", want " + show(want);
+      if (SameValue(g, want, op == ReduceOp::kSum || op == ReduceOp::kProd)) return true;
+      *why = show(x) + " op " + show(y) + " = " + show(g) + ", want " + show(want);
+      return false;
     }
     case DType::kFloat16:
     case DType::kBFloat16: {
@@ -236,25 +240,30 @@ std::string CompareElement(DType dt, ReduceOp op, const uint8_t* a, const uint8_
       float fx = static_cast<float>(Decode(x, f)), fy = static_cast<float>(Decode(y, f));
       float r = RefApplyFloat<float>(fx, fy, op);
       double want = RoundTo(r, f);
-      if (SameValue(Decode(g, f), want, op == ReduceOp::kSum || op == ReduceOp::kProd)) return "";
-      return show(Decode(x, f)) + " op " + show(Decode(y, f)) + " = " + show(Decode(g, f)) +
+      if (SameValue(Decode(g, f), want, op == ReduceOp::kSum || op == ReduceOp::kProd)) return true;
+      *why = show(Decode(x, f)) + " op " + show(Decode(y, f)) + " = " + show(Decode(g, f)) +
              ", want " + show(want);
+      return false;
     }
   }
-  return "unknown dtype";
+  *why = "unknown dtype";
+  return false;
 }
 
 enum class Alias { kNone, kDstIsA, kDstIsB };
 
+constexpr size_t kPad = 64;  // elements after the reduced range that must stay untouched
+
 // Runs Reduce on n elements in one aliasing mode, at an element offset (to test unaligned
-// pointers), and checks every element and that nothing past the end was written.
-void CheckReduce(DType dt, ReduceOp op, size_t n, Alias alias, size_t offset, std::mt19937_64& rng) {
+// pointers), and checks every element and that nothing outside the range was written. The inputs
+// hold at least n + offset + kPad elements.
+void CheckReduce(DType dt, ReduceOp op, size_t n, Alias alias, size_t offset,
+                 const std::vector<uint8_t>& a0, const std::vector<uint8_t>& b0) {
   const size_t es = kungfu::DTypeSize(dt);
-  const size_t pad = 64;
-  std::vector<uint8_t> a = RandomData(dt, n + offset + pad, rng);
-  std::vector<uint8_t> b = RandomData(dt, n + offset + pad, rng);
+  const size_t pad = kPad;
+  std::vector<uint8_t> a = a0, b = b0;
   std::vector<uint8_t> out(a.size(), 0xA5);
-  const std::vector<uint8_t> a0 = a, b0 = b, out0 = out;
+  const std::vector<uint8_t> out0 = out;
   uint8_t* pa = a.data() + offset * es;
   uint8_t* pb = b.data() + offset * es;
   uint8_t* dst = alias == Alias::kDstIsA ? pa : alias == Alias::kDstIsB ? pb : out.data() + offset * es;
@@ -264,14 +273,16 @@ void CheckReduce(DType dt, ReduceOp op, size_t n, Alias alias, size_t offset, st
                       std::to_string(n) + " " + mode + " offset=" + std::to_string(offset);
   int reported = 0;
   for (size_t i = 0; i < n; ++i) {
-    std::string m = CompareElement(dt, op, a0.data() + (offset + i) * es, b0.data() + (offset + i) * es,
-                                   dst + i * es);
-    if (!m.empty() && reported++ < 3) {
+    std::string m;
+    if (!ElementMatches(dt, op, a0.data() + (offset + i) * es, b0.data() + (offset + i) * es,
+                        dst + i * es, &m) &&
+        reported++ < 3) {
       kftest::ReportFailure(__FILE__, __LINE__, where + " element " + std::to_string(i) + ": " + m);
     }
   }
   // Bytes outside [dst, dst + n) untouched; inputs not aliased by dst unchanged.
   const std::vector<uint8_t>& dst_orig = alias == Alias::kDstIsA ? a0 : alias == Alias::kDstIsB ? b0 : out0;
+  CHECK(a.size() >= (offset + n + pad) * es);
   const std::vector<uint8_t>& dst_vec = alias == Alias::kDstIsA ? a : alias == Alias::kDstIsB ? b : out;
   CHECK_MSG(std::memcmp(dst_vec.data(), dst_orig.data(), offset * es) == 0, where + ": wrote before dst");
   CHECK_MSG(std::memcmp(dst_vec.data() + (offset + n) * es, dst_orig.data() + (offset + n) * es,
@@ -296,9 +307,11 @@ TEST(ReduceEveryDTypeAndOpSmallLengths) {
     for (ReduceOp op : kAllOps) {
       if (!Reducible(dt, op)) continue;
       for (size_t n : lengths) {
+        const std::vector<uint8_t> a = RandomData(dt, n + 1 + kPad, rng);
+        const std::vector<uint8_t> b = RandomData(dt, n + 1 + kPad, rng);
         for (Alias alias : {Alias::kNone, Alias::kDstIsA, Alias::kDstIsB}) {
-          CheckReduce(dt, op, n, alias, 0, rng);
-          CheckReduce(dt, op, n, alias, 1, rng);  // unaligned
+          CheckReduce(dt, op, n, alias, 0, a, b);
+          CheckReduce(dt, op, n, alias, 1, a, b);  // unaligned
         }
       }
     }
@@ -307,11 +320,14 @@ TEST(ReduceEveryDTypeAndOpSmallLengths) {
 
 TEST(ReduceEveryDTypeAndOpLarge) {
   std::mt19937_64 rng(2);
+  const size_t n = 1000003;
   for (DType dt : kAllDTypes) {
+    const std::vector<uint8_t> a = RandomData(dt, n + kPad, rng);
+    const std::vector<uint8_t> b = RandomData(dt, n + kPad, rng);
     for (ReduceOp op : kAllOps) {
       if (!Reducible(dt, op)) continue;
       for (Alias alias : {Alias::kNone, Alias::kDstIsA, Alias::kDstIsB}) {
-        CheckReduce(dt, op, 1000003, alias, 0, rng);
+        CheckReduce(dt, op, n, alias, 0, a, b);
       }
     }
   }

@@ -1,0 +1,305 @@
+"""kungfu-run's command line: host lists, peer lists, ports, durations, and every bad flag.
+
+The bad-flag cases run the launcher as a subprocess (`python -m kungfu.cmd`) and check the exit
+code 2 and the one-line message; the rest call the parsing functions directly.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kungfu import _env
+from kungfu import _launcher as L
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(60)
+
+
+def launcher(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return subprocess.run(
+        [sys.executable, "-m", "kungfu.cmd", *args],
+        capture_output=True, text=True, env=env, timeout=timeout, check=False,
+    )
+
+
+# --- host lists ------------------------------------------------------------------------------
+
+
+def test_parse_hosts_slots_default_to_one():
+    hosts = L.parse_hosts("10.0.0.1:2,node-b,node-c.example.org:4")
+    assert hosts == [
+        L.HostSpec("10.0.0.1", 2),
+        L.HostSpec("node-b", 1),
+        L.HostSpec("node-c.example.org", 4),
+    ]
+
+
+def test_parse_hosts_allows_spaces_around_entries():
+    assert L.parse_hosts(" a:1 , b:3") == [L.HostSpec("a", 1), L.HostSpec("b", 3)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "a:2,,b", "a:0", "a:-1", "a:x", "a:1:2", "1.2.3.256", "10.0.0", "-bad", "a_b:2",
+     "a:1,a:2", ":3"],
+)
+def test_parse_hosts_rejects(text):
+    with pytest.raises(L.UsageError):
+        L.parse_hosts(text)
+
+
+# --- peer list and ports ---------------------------------------------------------------------
+
+
+def specs(workers):
+    return [w.spec for w in workers]
+
+
+def test_plan_is_host_major_in_h_order():
+    hosts = L.parse_hosts("10.0.0.2:2,10.0.0.1:3")
+    workers = L.plan_workers(5, hosts, (7000, 7010))
+    assert specs(workers) == [
+        "10.0.0.2:7000", "10.0.0.2:7001",
+        "10.0.0.1:7000", "10.0.0.1:7001", "10.0.0.1:7002",
+    ]
+    assert [w.rank for w in workers] == [0, 1, 2, 3, 4]
+    assert [w.local_rank for w in workers] == [0, 1, 0, 1, 2]
+
+
+def test_plan_stops_at_np_and_leaves_later_hosts_empty():
+    hosts = L.parse_hosts("a:4,b:4,c:4")
+    workers = L.plan_workers(6, hosts, (10000, 11000))
+    assert specs(workers) == ["a:10000", "a:10001", "a:10002", "a:10003", "b:10000", "b:10001"]
+
+
+def test_plan_np_equal_to_slots_uses_every_slot():
+    workers = L.plan_workers(3, L.parse_hosts("h1,h2,h3"), (5000, 5000))
+    assert specs(workers) == ["h1:5000", "h2:5000", "h3:5000"]
+
+
+def test_plan_rejects_more_workers_than_slots():
+    with pytest.raises(L.UsageError, match="more than the 3 slots"):
+        L.plan_workers(4, L.parse_hosts("a:1,b:2"), (10000, 11000))
+
+
+def test_plan_rejects_port_range_smaller_than_slots():
+    with pytest.raises(L.UsageError, match="2 ports"):
+        L.plan_workers(1, L.parse_hosts("a:3"), (9000, 9001))
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("10000-11000", (10000, 11000)), ("5-5", (5, 5)), (" 1 - 65535 ", (1, 65535))],
+)
+def test_port_range(text, expected):
+    assert L.parse_port_range(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "10000", "10-5", "0-10", "1-65536", "a-b", "1-2-3", "-5"])
+def test_port_range_rejects(text):
+    with pytest.raises(L.UsageError):
+        L.parse_port_range(text)
+
+
+def test_default_plan_is_local_with_default_ports():
+    opts = L.parse_args(["-np", "3", "prog"])
+    hosts = [L.HostSpec("127.0.0.1", opts.np)]
+    assert specs(L.plan_workers(opts.np, hosts, opts.port_range)) == [
+        "127.0.0.1:10000", "127.0.0.1:10001", "127.0.0.1:10002",
+    ]
+
+
+# --- durations and strategies ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text,seconds",
+    [("90", 90.0), ("1.5", 1.5), ("30s", 30.0), ("500ms", 0.5), ("2m", 120.0), ("1.5m", 90.0),
+     ("2h", 7200.0), ("1h30m", 5400.0), ("1m30s", 90.0), ("1M", 60.0)],
+)
+def test_parse_duration(text, seconds):
+    assert _env.parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "s", "5x", "1m 30s", "-5s", "1.5.2s", "ms5"])
+def test_parse_duration_rejects(text):
+    with pytest.raises(ValueError):
+        _env.parse_duration(text)
+
+
+@pytest.mark.parametrize("name", L.STRATEGIES)
+def test_strategy_names_case_insensitive(name):
+    assert L.parse_strategy(name.lower()) == name
+    assert L.parse_strategy(name.title()) == name
+
+
+def test_strategy_names_match_the_runtime():
+    """The launcher's static list is exactly what the native runtime accepts."""
+    code = (
+        "from kungfu import _kungfu, _launcher\n"
+        "for n in _launcher.STRATEGIES: _kungfu.parse_strategy(n)\n"
+        "try:\n    _kungfu.parse_strategy('NOT_A_STRATEGY')\nexcept ValueError:\n    print('ok')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=30, check=True)
+    assert out.stdout.strip() == "ok"
+
+
+# --- parse_args ------------------------------------------------------------------------------
+
+
+def test_command_starts_at_first_non_flag():
+    opts = L.parse_args(["-np", "2", "python", "train.py", "-np", "7", "--lr=0.1"])
+    assert opts.np == 2
+    assert opts.command == ["python", "train.py", "-np", "7", "--lr=0.1"]
+
+
+def test_double_dash_ends_flags():
+    opts = L.parse_args(["-q", "--", "-weird-program", "x"])
+    assert opts.quiet
+    assert opts.command == ["-weird-program", "x"]
+
+
+def test_single_double_dash_and_equals_forms():
+    a = L.parse_args(["-np", "4", "-H", "a:2,b:2", "-self", "a", "-strategy", "ring",
+                      "-port-range", "100-200", "-logdir", "d", "-timeout", "1m", "-q", "cmd"])
+    b = L.parse_args(["--np=4", "--H=a:2,b:2", "--self=a", "--strategy=RING",
+                      "--port-range", "100-200", "--logdir=d", "--timeout", "60s", "--q", "cmd"])
+    for o in (a, b):
+        assert (o.np, o.hosts, o.self_host, o.strategy, o.port_range, o.logdir, o.timeout,
+                o.quiet, o.command) == (4, "a:2,b:2", "a", "RING", (100, 200), "d", 60.0, True,
+                                         ["cmd"])
+
+
+def test_defaults():
+    o = L.parse_args(["cmd"])
+    assert (o.np, o.hosts, o.self_host, o.nic, o.port_range, o.strategy, o.logdir, o.quiet,
+            o.timeout) == (1, None, None, None, (10000, 11000), "AUTO", None, False, None)
+
+
+def test_later_flag_wins():
+    assert L.parse_args(["-np", "2", "-np", "3", "cmd"]).np == 3
+
+
+# --- which hosts are local -------------------------------------------------------------------
+
+
+def test_local_hosts_single_host_is_this_one():
+    opts = L.parse_args(["-H", "10.1.2.3:4", "cmd"])
+    assert L.local_hosts(opts, L.parse_hosts(opts.hosts)) == ["10.1.2.3"]
+
+
+def test_local_hosts_all_loopback_runs_everything_here():
+    opts = L.parse_args(["-H", "127.0.0.1:2,127.0.0.2:2,localhost", "cmd"])
+    assert L.local_hosts(opts, L.parse_hosts(opts.hosts)) == ["127.0.0.1", "127.0.0.2",
+                                                             "localhost"]
+
+
+def test_local_hosts_self_picks_one():
+    opts = L.parse_args(["-H", "10.0.0.1:2,10.0.0.2:2", "-self", "10.0.0.2", "cmd"])
+    assert L.local_hosts(opts, L.parse_hosts(opts.hosts)) == ["10.0.0.2"]
+
+
+def test_local_hosts_nic_loopback():
+    assert L.nic_ipv4("lo") == "127.0.0.1"
+    opts = L.parse_args(["-H", "10.0.0.1:2,127.0.0.1:2", "-nic", "lo", "cmd"])
+    assert L.local_hosts(opts, L.parse_hosts(opts.hosts)) == ["127.0.0.1"]
+
+
+def test_local_hosts_several_hosts_need_self():
+    opts = L.parse_args(["-H", "10.0.0.1,10.0.0.2", "cmd"])
+    with pytest.raises(L.UsageError, match="-self"):
+        L.local_hosts(opts, L.parse_hosts(opts.hosts))
+
+
+# --- the command line as a user sees it ------------------------------------------------------
+
+
+BAD = [
+    (["-np", "0", "true"], "-np"),
+    (["-np", "-3", "true"], "-np"),
+    (["-np", "two", "true"], "-np"),
+    (["-np"], "needs a value"),
+    (["-np", "5", "-H", "127.0.0.1:2,127.0.0.2:2", "true"], "slots"),
+    (["-H", "127.0.0.1:2,,127.0.0.2", "true"], "-H"),
+    (["-H", "127.0.0.1:0", "true"], "-H"),
+    (["-H", "127.0.0.1:x", "true"], "-H"),
+    (["-H", "10.0.0.300:2", "true"], "-H"),
+    (["-H", "bad_host:2", "true"], "-H"),
+    (["-H", "127.0.0.1,127.0.0.1", "true"], "more than once"),
+    (["-H", "10.0.0.1:1,10.0.0.2:1", "-np", "2", "true"], "-self"),
+    (["-H", "127.0.0.1:2", "-self", "10.9.9.9", "true"], "not one of the hosts"),
+    (["-nic", "kfnosuch0", "true"], "interface"),
+    (["-self", "127.0.0.1", "-nic", "lo", "true"], "only one of"),
+    (["-port-range", "11000-10000", "true"], "-port-range"),
+    (["-port-range", "10000", "true"], "-port-range"),
+    (["-port-range", "70000-70010", "true"], "-port-range"),
+    (["-np", "4", "-port-range", "10000-10002", "true"], "-port-range"),
+    (["-strategy", "FASTEST", "true"], "strategy"),
+    (["-strategy", "", "true"], "strategy"),
+    (["-timeout", "soon", "true"], "-timeout"),
+    (["-timeout", "0s", "true"], "-timeout"),
+    (["-np", "2"], "no command"),
+    (["-np", "2", "--"], "no command"),
+    ([], "no command"),
+    (["-bogus", "true"], "unknown flag"),
+    (["--n", "2", "true"], "unknown flag"),
+    (["-q=maybe", "true"], "-q"),
+    (["-logdir", "/proc/self/kf-no/dir", "true"], "-logdir"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD, ids=[" ".join(a) or "(none)" for a, _ in BAD])
+def test_bad_flags_exit_2_with_one_line(args, needle):
+    r = launcher(*args)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("kungfu-run: "), r.stderr
+    assert needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.parametrize("flag", ["-h", "-help", "--help"])
+def test_help(flag):
+    r = launcher(flag)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    text = r.stdout
+    for f in ["-np", "-H", "-self", "-nic", "-port-range", "-strategy", "-logdir", "-q",
+              "-timeout"]:
+        assert f"\n  {f} " in text, f
+    for fact in ["10000-11000", "127.0.0.1:N", "AUTO", "124", "rank-r.log", "kungfu-run -np 4",
+                 "default 1", *L.STRATEGIES]:
+        assert fact in text, fact
+
+
+def test_help_wins_over_other_flags():
+    r = launcher("-np", "2", "-help")
+    assert r.returncode == 0 and "usage: kungfu-run" in r.stdout
+
+
+def test_nothing_to_run_on_a_host_without_workers():
+    r = launcher("-np", "2", "-H", "10.0.0.1:2,10.0.0.2:2", "-self", "10.0.0.2", "true")
+    assert r.returncode == 0, r.stderr
+    assert "nothing to run" in r.stderr
+
+
+def test_importing_the_launcher_loads_neither_tensorflow_nor_the_runtime():
+    code = (
+        "import sys, kungfu, kungfu.cmd, kungfu._launcher\n"
+        "bad = [m for m in sys.modules if m.startswith('tensorflow') or m == 'kungfu._kungfu']\n"
+        "print(bad)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=30, check=True)
+    assert out.stdout.strip() == "[]"
