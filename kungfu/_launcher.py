@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ STRATEGIES = (
     "BINARY_TREE_STAR",
     "MULTI_BINARY_TREE_STAR",
     "CLIQUE",
+    "DIRECT",
     "AUTO",
 )
 # After SIGTERM, how long a worker may take to exit before it gets SIGKILL.
@@ -90,8 +92,8 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
                       (without -self or -nic, -H must name one host or only loopback addresses,
                       and then this launcher starts every worker)
   -port-range A-B     ports the workers of a host listen on (default {ports})
-  -strategy S         default allreduce strategy, case-insensitive, one of
-                      {strategies} (default {strategy})
+  -strategy S         default allreduce strategy, case-insensitive (default {strategy}):
+{strategies}
   -logdir DIR         also write the output of worker r to DIR/rank-r.log (DIR is created)
   -q                  quiet: print no informational lines of kungfu-run (worker output and
                       errors are still printed)
@@ -100,7 +102,9 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
   -h, -help, --help   print this help and exit
 
 Each worker inherits the environment of kungfu-run plus its identity
-({identity}) and PYTHONUNBUFFERED=1; its stdin is /dev/null.
+({identity})
+and PYTHONUNBUFFERED=1; its stdin is /dev/null. A worker runs in its own process group, and is
+killed if kungfu-run dies.
 Every line a worker writes is printed with its rank in front, "[r] ": stdout lines on
 kungfu-run's stdout, stderr lines on its stderr.
 
@@ -116,7 +120,8 @@ Examples:
   kungfu-run -np 8 -H 10.0.0.1:4,10.0.0.2:4 -nic eth0 -logdir logs -- python train.py
 """.format(
     ports="{}-{}".format(*DEFAULT_PORT_RANGE),
-    strategies=", ".join(STRATEGIES),
+    strategies=textwrap.fill(", ".join(STRATEGIES), width=96, initial_indent=" " * 22,
+                             subsequent_indent=" " * 22),
     strategy=DEFAULT_STRATEGY,
     identity=", ".join(
         [_env.SELF_SPEC.name, _env.INIT_PEERS.name, _env.INIT_CLUSTER_VERSION.name,
@@ -507,6 +512,7 @@ class Launcher:
         self.err = _Output(_binary(sys.stderr))
         self.events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self.running: Dict[int, _Running] = {}
+        self._drained = False
 
     # messages ---------------------------------------------------------------------------
     def info(self, msg: str) -> None:
@@ -594,12 +600,21 @@ class Launcher:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            if not self._drained:
+                self._drain()
             for run in self.running.values():
-                for t in run.readers:
-                    t.join(timeout=2.0)
                 if run.log is not None:
                     with run.log_lock:
                         run.log.close()
+
+    def _drain(self, seconds: float = 2.0) -> None:
+        """Waits for the workers' remaining output; a pipe held open by a process a worker
+        left behind is abandoned after `seconds`."""
+        self._drained = True
+        until = time.monotonic() + seconds
+        for run in self.running.values():
+            for t in run.readers:
+                t.join(timeout=max(0.0, until - time.monotonic()))
 
     def _start_all(self) -> Optional[int]:
         """Starts this host's workers; on failure stops the started ones, returns an exit code."""
@@ -719,6 +734,7 @@ class Launcher:
                 self._signal_all(signal.SIGKILL)
                 killed = True
 
+        self._drain()
         if result is None:
             if received_signal is not None:
                 result = 128 + received_signal

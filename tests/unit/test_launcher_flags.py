@@ -140,16 +140,27 @@ def test_strategy_names_case_insensitive(name):
 
 
 def test_strategy_names_match_the_runtime():
-    """The launcher's static list is exactly what the native runtime accepts."""
+    """The launcher's static list is exactly the set of names the native runtime accepts."""
     code = (
         "from kungfu import _kungfu, _launcher\n"
-        "for n in _launcher.STRATEGIES: _kungfu.parse_strategy(n)\n"
-        "try:\n    _kungfu.parse_strategy('NOT_A_STRATEGY')\nexcept ValueError:\n    print('ok')\n"
+        "names = set()\n"
+        "for i in range(64):\n"
+        "    n = _kungfu.strategy_name(i)\n"
+        "    if n != 'UNKNOWN':\n"
+        "        assert _kungfu.parse_strategy(n) == i\n"
+        "        names.add(n)\n"
+        "for n in _launcher.STRATEGIES:\n"
+        "    _kungfu.parse_strategy(n)\n"
+        "try:\n"
+        "    _kungfu.parse_strategy('NOT_A_STRATEGY')\n"
+        "except ValueError:\n"
+        "    print(sorted(names) == sorted(_launcher.STRATEGIES), sorted(names))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=30, check=True)
-    assert out.stdout.strip() == "ok"
+                         timeout=30, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("True "), out.stdout
 
 
 # --- parse_args ------------------------------------------------------------------------------
@@ -205,6 +216,11 @@ def test_local_hosts_all_loopback_runs_everything_here():
 def test_local_hosts_self_picks_one():
     opts = L.parse_args(["-H", "10.0.0.1:2,10.0.0.2:2", "-self", "10.0.0.2", "cmd"])
     assert L.local_hosts(opts, L.parse_hosts(opts.hosts)) == ["10.0.0.2"]
+
+
+def test_local_hosts_self_matches_a_host_name_by_address():
+    opts = L.parse_args(["-H", "10.0.0.9:2,localhost:2", "-self", "127.0.0.1", "cmd"])
+    assert L.local_hosts(opts, L.parse_hosts(opts.hosts)) == ["localhost"]
 
 
 def test_local_hosts_nic_loopback():

@@ -1,0 +1,399 @@
+"""kungfu-run starting real worker processes on this machine.
+
+Workers run real collectives over 127.0.0.1 (and 127.0.0.2, a second loopback "host"); the
+tests check the rank prefixes, the values, exit codes, signals, timeouts and log files.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+pytestmark = pytest.mark.timeout(90)
+
+
+def free_port_range(count: int, hosts=("127.0.0.1",)) -> str:
+    """A block of `count` ports that can be bound on every host now, as 'A-B'."""
+    rng = random.Random(os.getpid() * 7919 + time.monotonic_ns())
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - count)
+        socks = []
+        try:
+            for host in hosts:
+                for port in range(base, base + count):
+                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    socks.append(s)
+                    s.bind((host, port))
+            return f"{base}-{base + count - 1}"
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range found")
+
+
+def env_with_repo(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    for k in list(env):
+        if k.startswith("KUNGFU_"):
+            del env[k]
+    env.update(extra)
+    return env
+
+
+def launcher_cmd(*args: str) -> list:
+    return [PY, "-m", "kungfu.cmd", *args]
+
+
+def run_launcher(*args: str, timeout: float = 60, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(launcher_cmd(*args), capture_output=True, text=True,
+                          env=env or env_with_repo(), timeout=timeout, check=False)
+
+
+def write_script(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+ALLREDUCE = """
+    import os, sys
+    import numpy as np
+    import kungfu as kf
+
+    r, n = kf.rank(), kf.size()
+    total = kf.allreduce(np.array([r + 1, 10 * (r + 1)], dtype=np.int64))
+    biggest = kf.allreduce(float(r) * 1.5, op="max")
+    print(f"rank={r} size={n} local={kf.local_rank()}/{kf.local_size()} "
+          f"sum={total.tolist()} max={biggest} spec={os.environ['KUNGFU_SELF_SPEC']}")
+    print(f"stderr of {r}", file=sys.stderr)
+"""
+
+
+def prefixed(text: str) -> dict:
+    """{rank: [lines]} from '[r] line' output; fails on any line without a rank prefix."""
+    out: dict = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"\[(\d+)\] (.*)", line)
+        assert m, f"line without rank prefix: {line!r}"
+        out.setdefault(int(m.group(1)), []).append(m.group(2))
+    return out
+
+
+def gone(pid: int) -> bool:
+    """True when the process no longer runs (exited, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_gone(pids, within: float) -> list:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if not gone(p)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if not gone(p)]
+
+
+@pytest.fixture
+def sync(tmp_path) -> str:
+    """A directory the workers of SLEEPER_OR_FAIL use to wait for each other."""
+    path = tmp_path / "sync"
+    path.mkdir()
+    return str(path)
+
+
+@pytest.fixture
+def script(tmp_path):
+    return lambda body, name="worker.py": write_script(tmp_path, name, body)
+
+
+# --- collectives through the launcher --------------------------------------------------------
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3, 4])
+def test_allreduce_values_and_prefixes(script, np_):
+    path = script(ALLREDUCE)
+    ports = free_port_range(np_)
+    r = run_launcher("-np", str(np_), "-port-range", ports, "-q", PY, path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    base = int(ports.split("-")[0])
+    expected_sum = [np_ * (np_ + 1) // 2, 10 * np_ * (np_ + 1) // 2]
+    out = prefixed(r.stdout)
+    assert sorted(out) == list(range(np_))
+    for rank in range(np_):
+        assert out[rank] == [
+            f"rank={rank} size={np_} local={rank}/{np_} sum={expected_sum} "
+            f"max={1.5 * (np_ - 1)} spec=127.0.0.1:{base + rank}"
+        ]
+    # -q: only worker lines on stderr, each prefixed with its rank.
+    err = prefixed(r.stderr)
+    assert err == {rank: [f"stderr of {rank}"] for rank in range(np_)}
+
+
+def test_informational_lines_without_q(script):
+    ports = free_port_range(2)
+    r = run_launcher("-np", "2", "-port-range", ports, PY, script(ALLREDUCE))
+    assert r.returncode == 0, r.stderr
+    own = [line for line in r.stderr.splitlines() if line.startswith("kungfu-run: ")]
+    assert len(own) == 2, r.stderr
+    assert "starting 2 workers of 2 on 127.0.0.1 (ranks 0-1), strategy AUTO" in own[0]
+    assert "finished successfully" in own[1]
+    assert r.stdout.count("sum=[3, 30]") == 2
+
+
+def test_two_loopback_hosts_from_one_launcher(script):
+    """-H with only loopback hosts: one launcher starts them all, host-major."""
+    ports = free_port_range(2, hosts=("127.0.0.1", "127.0.0.2"))
+    base = int(ports.split("-")[0])
+    r = run_launcher("-np", "4", "-H", "127.0.0.1:2,127.0.0.2:2", "-port-range", ports, "-q",
+                     "-strategy", "binary_tree_star", PY, script(ALLREDUCE))
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = prefixed(r.stdout)
+    hosts = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
+    for rank in range(4):
+        assert out[rank] == [
+            f"rank={rank} size=4 local={rank % 2}/2 sum=[10, 100] max=4.5 "
+            f"spec={hosts[rank]}:{base + rank % 2}"
+        ]
+
+
+def test_one_launcher_per_host_with_self(script):
+    """Two launchers, one per (loopback) host, each starting only its own workers."""
+    ports = free_port_range(3, hosts=("127.0.0.1", "127.0.0.2"))
+    base = int(ports.split("-")[0])
+    path = script(ALLREDUCE)
+    common = ["-np", "5", "-H", "127.0.0.1:3,127.0.0.2:3", "-port-range", ports, "-q"]
+    procs = [
+        subprocess.Popen(launcher_cmd(*common, "-self", ip, PY, path), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env_with_repo())
+        for ip in ("127.0.0.2", "127.0.0.1")
+    ]
+    try:
+        results = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], results
+    second, first = prefixed(results[0][0]), prefixed(results[1][0])
+    assert sorted(first) == [0, 1, 2] and sorted(second) == [3, 4]
+    for rank in range(5):
+        host, local, lsize = ("127.0.0.1", rank, 3) if rank < 3 else ("127.0.0.2", rank - 3, 2)
+        lines = (first if rank < 3 else second)[rank]
+        assert lines == [f"rank={rank} size=5 local={local}/{lsize} sum=[15, 150] max=6.0 "
+                         f"spec={host}:{base + local}"]
+
+
+def test_worker_environment(script):
+    path = script("""
+        import os
+        keys = ["KUNGFU_SELF_SPEC", "KUNGFU_INIT_PEERS", "KUNGFU_INIT_CLUSTER_VERSION",
+                "KUNGFU_ALLREDUCE_STRATEGY", "PYTHONUNBUFFERED", "KF_TEST_INHERITED"]
+        print(" ".join(f"{k}={os.environ.get(k)}" for k in keys))
+    """)
+    env = env_with_repo(KF_TEST_INHERITED="yes", KUNGFU_SELF_SPEC="1.2.3.4:5")
+    r = run_launcher("-np", "3", "-H", "127.0.0.1:2,127.0.0.2:2", "-port-range", "31000-31001",
+                     "-strategy", "Ring", "-q", PY, path, env=env)
+    assert r.returncode == 0, r.stderr
+    peers = "127.0.0.1:31000,127.0.0.1:31001,127.0.0.2:31000"
+    out = prefixed(r.stdout)
+    for rank, spec in enumerate(peers.split(",")):
+        assert out[rank] == [
+            f"KUNGFU_SELF_SPEC={spec} KUNGFU_INIT_PEERS={peers} KUNGFU_INIT_CLUSTER_VERSION=0 "
+            f"KUNGFU_ALLREDUCE_STRATEGY=RING PYTHONUNBUFFERED=1 KF_TEST_INHERITED=yes"
+        ]
+
+
+def test_output_details(script):
+    """Partial last lines get a newline; stdin is empty; both streams keep their order."""
+    path = script("""
+        import sys
+        print("stdin:", repr(sys.stdin.read()))
+        for i in range(200):
+            print("line", i)
+        sys.stdout.write("no newline at the end")
+    """)
+    r = run_launcher("-np", "2", "-port-range", free_port_range(2), "-q", PY, path)
+    assert r.returncode == 0, r.stderr
+    out = prefixed(r.stdout)
+    for rank in (0, 1):
+        assert out[rank] == (["stdin: ''"] + [f"line {i}" for i in range(200)]
+                             + ["no newline at the end"])
+
+
+# --- failures, timeouts, signals -------------------------------------------------------------
+
+SLEEPER_OR_FAIL = """
+    import os, signal, sys, time
+    peers = os.environ["KUNGFU_INIT_PEERS"].split(",")
+    rank = peers.index(os.environ["KUNGFU_SELF_SPEC"])
+    mode, sync_dir = sys.argv[1], sys.argv[2]
+    print("pid", os.getpid(), flush=True)
+    if mode == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def wait_for_the_others():
+        # Fail only once every other worker is up (printed its pid, set its signal handling).
+        others = [f"{r}.up" for r in range(len(peers)) if r != rank]
+        while not all(os.path.exists(os.path.join(sync_dir, f)) for f in others):
+            time.sleep(0.02)
+
+    open(os.path.join(sync_dir, f"{rank}.up"), "w").close()
+    if rank == 1 and mode == "exit3":
+        wait_for_the_others()
+        sys.exit(3)
+    if rank == 1 and mode == "sigkill":
+        wait_for_the_others()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 2 and mode == "ignore-term":
+        wait_for_the_others()
+        sys.exit(5)
+    print("ready", flush=True)
+    time.sleep(60)
+"""
+
+
+def pids_of(stdout: str) -> list:
+    return [int(m) for m in re.findall(r"^\[\d+\] pid (\d+)$", stdout, re.M)]
+
+
+def test_failing_worker_stops_the_others(script, sync):
+    path = script(SLEEPER_OR_FAIL)
+    t0 = time.monotonic()
+    r = run_launcher("-np", "4", "-port-range", free_port_range(4), PY, path, "exit3",
+                     sync)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 3, r.stderr
+    assert elapsed < 10, elapsed
+    assert "kungfu-run: worker 1 (127.0.0.1:" in r.stderr
+    assert "exited with code 3; stopping the other 3 local workers" in r.stderr
+    pids = pids_of(r.stdout)
+    assert len(pids) == 4
+    assert wait_gone(pids, 2) == []
+
+
+def test_worker_killed_by_signal_gives_128_plus_k(script, sync):
+    path = script(SLEEPER_OR_FAIL)
+    r = run_launcher("-np", "3", "-port-range", free_port_range(3), PY, path, "sigkill",
+                     sync)
+    assert r.returncode == 128 + 9, r.stderr
+    assert "worker 1 (127.0.0.1:" in r.stderr and "was killed by SIGKILL" in r.stderr
+
+
+def test_workers_ignoring_sigterm_get_sigkill(script, sync):
+    path = script(SLEEPER_OR_FAIL)
+    t0 = time.monotonic()
+    r = run_launcher("-np", "3", "-port-range", free_port_range(3), PY, path, "ignore-term",
+                     sync)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 5, r.stderr
+    assert 4.5 < elapsed < 20, elapsed
+    assert "workers 0, 1 still running 5s after SIGTERM; sending SIGKILL" in r.stderr
+    assert wait_gone(pids_of(r.stdout), 2) == []
+
+
+def test_timeout_exits_124(script, sync):
+    path = script(SLEEPER_OR_FAIL)
+    t0 = time.monotonic()
+    r = run_launcher("-np", "2", "-port-range", free_port_range(2), "-q", "-timeout", "1.5s",
+                     PY, path, "sleep", sync)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 124, r.stderr
+    assert 1.4 < elapsed < 10, elapsed
+    own = [line for line in r.stderr.splitlines() if line.startswith("kungfu-run:")]
+    assert own == ["kungfu-run: timeout: the job did not finish within 1.5s; stopping 2 workers"]
+    assert wait_gone(pids_of(r.stdout), 2) == []
+
+
+def test_timeout_not_reached(script):
+    r = run_launcher("-np", "2", "-port-range", free_port_range(2), "-timeout", "1m", PY,
+                     script(ALLREDUCE))
+    assert r.returncode == 0, r.stderr
+
+
+def test_command_not_found():
+    r = run_launcher("-np", "2", "-port-range", free_port_range(2), "-q",
+                     "kf-no-such-command-xyz")
+    assert r.returncode == 127
+    assert r.stderr.strip().splitlines() == [
+        "kungfu-run: cannot start worker 0: command not found: kf-no-such-command-xyz"
+    ]
+
+
+def test_logdir(script, tmp_path):
+    logdir = tmp_path / "logs" / "run1"
+    r = run_launcher("-np", "3", "-port-range", free_port_range(3), "-q", "-logdir", str(logdir),
+                     PY, script(ALLREDUCE))
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(logdir)) == ["rank-0.log", "rank-1.log", "rank-2.log"]
+    for rank in range(3):
+        lines = (logdir / f"rank-{rank}.log").read_text().splitlines()
+        expected = prefixed(r.stdout)[rank] + [f"stderr of {rank}"]
+        assert sorted(lines) == sorted(expected)
+        assert f"rank={rank} size=3 " in lines[0] or f"rank={rank} size=3 " in lines[1]
+
+
+def start_and_wait_ready(path: str, sync: str, np_: int, *extra: str):
+    proc = subprocess.Popen(
+        launcher_cmd("-np", str(np_), "-port-range", free_port_range(np_), *extra, PY, path,
+                     "sleep", sync),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with_repo(),
+    )
+    pids, ready = [], 0
+    deadline = time.monotonic() + 30
+    while ready < np_ and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if " pid " in line:
+            pids.append(int(line.split()[-1]))
+        if line.endswith("ready\n"):
+            ready += 1
+    assert ready == np_, "workers did not start"
+    return proc, pids
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_to_launcher_stops_workers(script, sync, sig, code):
+    proc, pids = start_and_wait_ready(script(SLEEPER_OR_FAIL), sync, 3)
+    try:
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=20)
+        assert time.monotonic() - t0 < 4
+        assert proc.returncode == code, err
+        assert f"received {signal.Signals(sig).name}; forwarding it to 3 workers" in err
+        assert wait_gone(pids, 2) == []
+    finally:
+        proc.kill()
+
+
+def test_workers_die_with_a_killed_launcher(script, sync):
+    proc, pids = start_and_wait_ready(script(SLEEPER_OR_FAIL), sync, 2, "-q")
+    try:
+        proc.kill()
+        proc.wait(timeout=10)
+        assert wait_gone(pids, 5) == []
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
