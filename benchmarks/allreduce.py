@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -131,15 +130,20 @@ def parse_args(argv=None):
     ap.add_argument("--gloo-port", type=int, default=None,
                     help="gloo rendezvous port (default: first peer's port + 1000)")
     ap.add_argument("--no-table", action="store_true", help="JSON lines only")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="rank 0 also writes the JSON lines to PATH (without launcher prefixes)")
     args = ap.parse_args(argv)
     if args.fuse:
         args.mode = "fused"
     if args.sizes is None and args.model is None:
         args.sizes = DEFAULT_SIZES
         args.model = "resnet50"
-    args.size_list = parse_sizes(args.sizes, args.factor) if args.sizes else []
     if args.factor < 2:
         ap.error("--factor must be at least 2")
+    try:
+        args.size_list = parse_sizes(args.sizes, args.factor) if args.sizes else []
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
     if args.iters < 1 or args.warmup < 0 or args.min_iters < 1:
         ap.error("--iters and --min-iters must be >= 1, --warmup >= 0")
     return args
@@ -165,7 +169,8 @@ def resolve_strategies(spec: Optional[str]) -> List[Tuple[str, Optional[str]]]:
 # Data with an exactly known sum
 
 def pattern(count: int, rank: int) -> np.ndarray:
-    """Values that depend on position and rank; sums of a few workers are exact in float32."""
+    """Values that depend on position and rank; their sums over up to ~180 workers are exact
+    in float32 (below 2**24), so results are compared for equality."""
     return ((np.arange(count, dtype=np.int64) % 251) + 1000 * rank).astype(np.float32)
 
 
@@ -212,6 +217,7 @@ class Reporter:
         self.args = args
         self.rows: List[dict] = []
         self.root = kf.rank() == 0
+        self.file = open(args.json, "w") if (self.root and args.json) else None
 
     def add(self, impl: str, strategy: str, case: str, nbytes: int, times: np.ndarray,
             iters: int, **extra) -> None:
@@ -223,7 +229,11 @@ class Reporter:
                "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (self.n - 1) / self.n}
         self.rows.append(row)
         if self.root:
-            print(json.dumps(row), flush=True)
+            line = json.dumps(row)
+            print(line, flush=True)
+            if self.file is not None:
+                self.file.write(line + "\n")
+                self.file.flush()
 
     def tables(self) -> str:
         out = []
@@ -272,17 +282,21 @@ def _grid(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Cases
 
-def kungfu_buffer(x: np.ndarray, label: str, strategy: Optional[str], tag: str) -> Callable:
+def kungfu_buffer(x: np.ndarray, out: np.ndarray, label: str, strategy: Optional[str],
+                  tag: str) -> Callable:
+    """One allreduce of x into the preallocated `out` per call (gloo, too, allocates nothing)."""
     name = f"bench:{tag}:{label}"
-    return lambda: kf.allreduce(x, op="sum", name=name, strategy=strategy)
+    return lambda: kf.allreduce(x, op="sum", name=name, strategy=strategy, out=out)
 
 
-def kungfu_per_tensor(views: List[np.ndarray], label: str, strategy: Optional[str]) -> Callable:
+def kungfu_per_tensor(views: List[np.ndarray], outs: List[np.ndarray], label: str,
+                      strategy: Optional[str]) -> Callable:
+    """An async allreduce per tensor (distinct names), then a wait on every handle."""
     names = [f"bench:pt:{label}:{j}" for j in range(len(views))]
 
     def run():
-        handles = [kf.allreduce_async(v, op="sum", name=nm, strategy=strategy)
-                   for v, nm in zip(views, names)]
+        handles = [kf.allreduce_async(v, op="sum", name=nm, strategy=strategy, out=o)
+                   for v, o, nm in zip(views, outs, names)]
         return [h.wait() for h in handles]
 
     return run
@@ -294,22 +308,25 @@ def run_sweep(args, strategies, rep: Reporter, gloo) -> None:
         count = nbytes // 4
         x = pattern(count, r)
         want = expected_sum(count, n)
+        out = np.empty_like(x)
         for label, strat in strategies:
-            run = kungfu_buffer(x, label, strat, f"sweep:{nbytes}")
-            got = run()
-            agree(np.array_equal(got, want), f"kungfu {label} allreduce of {nbytes} B")
-            del got
+            run = kungfu_buffer(x, out, label, strat, f"sweep:{nbytes}")
+            out.fill(-1)
+            run()
+            agree(np.array_equal(out, want), f"kungfu {label} allreduce of {nbytes} B")
             times, iters = measure(run, args)
             rep.add("kungfu", label, "sweep", nbytes, times, iters, count=count)
         if gloo is not None:
             t = gloo.tensor(x.copy())
             gloo.fused(t)()
             agree(np.array_equal(t.numpy(), want), f"gloo allreduce of {nbytes} B")
+            del t
+            # Timed on zeros: in place, repeated sums of the pattern would grow without bound.
             zeros = gloo.torch.zeros(count, dtype=gloo.torch.float32)
             times, iters = measure(gloo.fused(zeros), args)
             rep.add("gloo", "gloo", "sweep", nbytes, times, iters, count=count)
-            del t, zeros
-        del x, want
+            del zeros
+        del x, want, out
 
 
 def load_model(name: str) -> dict:
@@ -337,18 +354,19 @@ def run_model(args, strategies, rep: Reporter, gloo) -> None:
     x = pattern(total, r)
     want = expected_sum(total, n)
     views = split_views(x, tensors)
+    out = np.empty_like(x)
+    outs = split_views(out, tensors)
     modes = ["fused", "per-tensor"] if args.mode == "both" else [args.mode]
     extra = dict(tensors=len(tensors))
     for label, strat in strategies:
         for mode in modes:
             if mode == "fused":
-                run = kungfu_buffer(x, label, strat, f"fused:{args.model}")
-                got = run()
+                run = kungfu_buffer(x, out, label, strat, f"fused:{args.model}")
             else:
-                run = kungfu_per_tensor(views, label, strat)
-                got = np.concatenate([g.reshape(-1) for g in run()])
-            agree(np.array_equal(got, want), f"kungfu {label} {args.model} {mode}")
-            del got
+                run = kungfu_per_tensor(views, outs, label, strat)
+            out.fill(-1)
+            run()
+            agree(np.array_equal(out, want), f"kungfu {label} {args.model} {mode}")
             times, iters = measure(run, args)
             rep.add("kungfu", label, args.model, nbytes, times, iters, mode=mode, **extra)
     if gloo is not None:
@@ -358,12 +376,13 @@ def run_model(args, strategies, rep: Reporter, gloo) -> None:
             tviews = list(torch.split(t, [tt["size"] for tt in tensors]))
             (gloo.fused(t) if mode == "fused" else gloo.per_tensor(tviews))()
             agree(np.array_equal(t.numpy(), want), f"gloo {args.model} {mode}")
+            del t, tviews
             zeros = torch.zeros(total, dtype=torch.float32)
             zviews = list(torch.split(zeros, [tt["size"] for tt in tensors]))
             run = gloo.fused(zeros) if mode == "fused" else gloo.per_tensor(zviews)
             times, iters = measure(run, args)
             rep.add("gloo", "gloo", args.model, nbytes, times, iters, mode=mode, **extra)
-            del t, tviews, zeros, zviews
+            del zeros, zviews
 
 
 def start_gloo(args):
@@ -388,10 +407,10 @@ def main(argv=None) -> int:
         from _gloo import load
 
         if load() is None:
-            if kf.rank() == 0:
-                print("--compare needs torch (torch.distributed with the gloo backend), which is "
-                      "not importable here; install it or run without --compare",
-                      file=sys.stderr, flush=True)
+            # Every worker says it: the launcher may stop rank 0 before it can.
+            print("--compare needs torch (torch.distributed with the gloo backend), which is "
+                  "not importable here; install it or run without --compare",
+                  file=sys.stderr, flush=True)
             return 2
     strategies = resolve_strategies(args.strategy)
     kf.init()

@@ -200,9 +200,12 @@ Strategy MakeStrategy(StrategyKind kind, const PeerList& peers) {
 
 StrategyKind ResolveAuto(StrategyKind kind, const PeerList& peers, size_t bytes, bool direct_ok) {
   if (kind != StrategyKind::kAuto) return kind;
-  if (peers.size() <= 1 || bytes < kAutoLargeBytes) return StrategyKind::kBinaryTreeStar;
-  if (direct_ok && MakeHostLayout(peers).host_count() == 1) return StrategyKind::kDirect;
-  return StrategyKind::kRing;
+  if (peers.size() <= 1) return StrategyKind::kBinaryTreeStar;
+  if (MakeHostLayout(peers).host_count() == 1) {
+    return direct_ok && bytes >= kAutoDirectMinBytes ? StrategyKind::kDirect
+                                                     : StrategyKind::kBinaryTreeStar;
+  }
+  return bytes >= kAutoLargeBytes ? StrategyKind::kRing : StrategyKind::kBinaryTreeStar;
 }
 
 }  // namespace kungfu

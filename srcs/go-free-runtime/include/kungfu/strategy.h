@@ -55,12 +55,15 @@ Strategy MakeStrategy(StrategyKind kind, const PeerList& peers);
 Strategy MakeStrategyFromTree(const Tree& fathers);
 
 // The AUTO rule, for an operation of `bytes`:
-//  - below kAutoLargeBytes: BINARY_TREE_STAR (a star inside each host, a binary tree across hosts:
-//    few hops, so lowest latency for small tensors);
-//  - at or above it, all peers on one host and direct copies permitted: DIRECT (each byte is
-//    copied once, process to process, instead of twice through a socket);
-//  - at or above it otherwise: RING (bandwidth-optimal across hosts).
+//  - all peers on one host, direct copies permitted and bytes >= kAutoDirectMinBytes: DIRECT (each
+//    byte is copied once, process to process, instead of twice through a socket);
+//  - several hosts and bytes >= kAutoLargeBytes: RING (bandwidth-optimal);
+//  - otherwise BINARY_TREE_STAR (a star inside each host, a binary tree across hosts: few hops,
+//    so the lowest latency for small tensors).
+// The thresholds come from benchmarks/allreduce.py on loopback (DIRECT overtakes the star between
+// 256 KiB and 1 MiB at np = 2..4).
 constexpr size_t kAutoLargeBytes = 64 * 1024;
+constexpr size_t kAutoDirectMinBytes = 512 * 1024;
 StrategyKind ResolveAuto(StrategyKind kind, const PeerList& peers, size_t bytes, bool direct_ok);
 
 }  // namespace kungfu
