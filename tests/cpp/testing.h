@@ -9,8 +9,12 @@
 // with a message naming the test if one test runs longer than KF_TEST_TIMEOUT_S seconds
 // (default 60), so a hang fails fast and says where.
 //
-// The second half of this header holds helpers shared by the tests that run several
-// kungfu::Peer objects in one process (LocalCluster).
+// The second half of this header, enabled by defining KF_TESTING_CLUSTER before including it,
+// holds helpers for tests that run several kungfu::Peer objects in one process: LocalCluster
+// (peers on loopback with free ports, started concurrently), OnEveryRank (one thread per rank),
+// WAIT / WAIT_MS (bounded waits; a hang ends the process, since a pending operation may still
+// write into the test's buffers), WAIT_OR_REPORT with BufferKeeper (a hang is only a failed
+// check, for tests that expect one to be possible).
 #pragma once
 
 #include <atomic>
@@ -363,6 +367,23 @@ class LocalCluster {
   std::vector<std::unique_ptr<kungfu::Peer>> peers_obj_;
 };
 
+// Owns buffers for operations that might never complete: declared before the cluster, it frees
+// them only after the peers have stopped.
+class BufferKeeper {
+ public:
+  template <typename T>
+  T* Alloc(size_t count, T init = T()) {
+    auto v = std::make_shared<std::vector<T>>(count + 1, init);  // never empty
+    std::lock_guard<std::mutex> lk(mu_);
+    keep_.push_back(v);
+    return v->data();
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::shared_ptr<void>> keep_;
+};
+
 // Waits for a handle with a bound. An operation that does not complete in time is a hang: the
 // process ends at once, since the operation may still write into buffers the test would free.
 inline kungfu::Status WaitFor(const kungfu::Handle& h, int64_t ms, const char* file, int line) {
@@ -374,7 +395,17 @@ inline kungfu::Status WaitFor(const kungfu::Handle& h, int64_t ms, const char* f
   }
   return h.status();
 }
+// Like WaitFor, but a late operation is only a failed check: for tests whose buffers outlive the
+// cluster (stopping the peers cancels whatever is still pending).
+inline kungfu::Status WaitOrReport(const kungfu::Handle& h, int64_t ms, const char* file, int line) {
+  if (!h.Wait(ms)) {
+    ReportFailure(file, line, "operation did not complete within " + std::to_string(ms) + " ms");
+    return kungfu::Internal("test: operation still pending after " + std::to_string(ms) + " ms");
+  }
+  return h.status();
+}
 #define WAIT(handle) ::kftest::WaitFor((handle), 20000, __FILE__, __LINE__)
+#define WAIT_OR_REPORT(handle, ms) ::kftest::WaitOrReport((handle), (ms), __FILE__, __LINE__)
 #define WAIT_MS(handle, ms) ::kftest::WaitFor((handle), (ms), __FILE__, __LINE__)
 
 }  // namespace kftest

@@ -31,12 +31,16 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+if HERE not in sys.path:  # the worker-body modules (_w_*.py) next to this file
+    sys.path.insert(0, HERE)
 WORKER = os.path.join(HERE, "_worker.py")
 DEFAULT_TIMEOUT = 60.0
 # A rank that fails takes the job down: the others get this long to finish (they usually fail at
 # once with PeerFailedError), then are killed, so one broken rank cannot cost the whole deadline.
 FAILURE_GRACE = 10.0
 _PORT_ERRORS = ("cannot listen on", "Address already in use")
+# Errors that a rank raises because another rank failed first.
+_CONSEQUENCES = ("PeerFailedError", "CancelledError")
 
 
 class WorkerError(AssertionError):
@@ -68,8 +72,8 @@ class RankOutcome:
     error_message: Optional[str] = None
     traceback: Optional[str] = None
     exception: Optional[BaseException] = None
-    error_time: Optional[float] = None
-    exit_time: Optional[float] = None
+    error_time: Optional[float] = None  # wall clock, taken in the worker
+    exit_time: Optional[float] = None  # wall clock, when the fixture saw the exit
     stdout: str = ""
     stderr: str = ""
 
@@ -82,7 +86,8 @@ class RankOutcome:
         if self.returncode is None:
             what = "did not finish before the deadline"
         elif self.returncode < 0:
-            what = f"was killed by signal {-self.returncode} ({signal.Signals(-self.returncode).name})"
+            sig = signal.Signals(-self.returncode).name
+            what = f"was killed by signal {-self.returncode} ({sig})"
         else:
             what = f"exited with code {self.returncode}"
         text = f"{head} {what}"
@@ -111,16 +116,18 @@ class Run:
         return [o.value for o in self.outcomes]
 
     def first_failure(self) -> Optional[RankOutcome]:
+        """The likely cause: a rank that crashed or raised something other than a peer failure
+        (which is usually the consequence of another rank's failure); the earliest one."""
         bad = [o for o in self.outcomes if not o.ok]
         if not bad:
             return None
-        raised = [o for o in bad if o.status == "error"]
-        if raised:
-            return min(raised, key=lambda o: o.error_time)
-        exited = [o for o in bad if o.exit_time is not None]
-        if exited:
-            return min(exited, key=lambda o: o.exit_time)
-        return bad[0]
+
+        def key(o):
+            consequence = o.error_type in _CONSEQUENCES
+            when = o.error_time if o.status == "error" else o.exit_time
+            return (consequence, when if when is not None else float("inf"), o.rank)
+
+        return min(bad, key=key)
 
     def check(self) -> List[Any]:
         """The values in rank order, or WorkerError describing what went wrong."""
@@ -241,9 +248,9 @@ class Spawner:
                 if rc is None:
                     running += 1
                 else:
-                    o.returncode, o.exit_time = rc, time.monotonic()
+                    o.returncode, o.exit_time = rc, time.time()
                     if rc != 0 and failed_at is None:
-                        failed_at = o.exit_time
+                        failed_at = time.monotonic()
             if running == 0:
                 break
             now = time.monotonic()

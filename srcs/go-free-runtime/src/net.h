@@ -39,6 +39,8 @@ enum FrameType : uint8_t {
   kAbort = 4,
   kHeartbeat = 5,
   kBye = 6,
+  kRequest = 7,  // asks for a stored blob; answered by kData or kMissing with the same key
+  kMissing = 8,
 };
 
 // Status codes for I/O. kEof is returned by ReadFull only when the stream ended before any byte.

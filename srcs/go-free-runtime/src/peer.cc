@@ -28,6 +28,25 @@ Status ValidateConfig(const PeerConfig& c) {
 }
 }  // namespace
 
+namespace {
+Status CheckRoot(int root, int n) {
+  if (root < 0 || root >= n) {
+    return InvalidArgument("root " + std::to_string(root) + " is out of range for cluster size " +
+                           std::to_string(n));
+  }
+  return Status::OK();
+}
+Status CheckStrategy(int s) {
+  if (s != -1 && !IsValidStrategy(s)) {
+    return InvalidArgument("unknown strategy code " + std::to_string(s));
+  }
+  return Status::OK();
+}
+Status CheckDType(DType d) {
+  return IsValidDType(static_cast<int>(d)) ? Status::OK() : InvalidArgument("unknown dtype code");
+}
+}  // namespace
+
 Status Peer::Create(const PeerConfig& config, std::unique_ptr<Peer>* out) {
   KF_RETURN_IF_ERROR(ValidateConfig(config));
   out->reset(new Peer(config));
@@ -46,9 +65,56 @@ Peer::Peer(const PeerConfig& config)
   t.heartbeat_ms = std::max<int64_t>(10, std::min<int64_t>(1000, config_.peer_timeout_ms / 4));
   session_ = std::make_shared<Session>(config_.version, config_.peers, rank_, config_.strategy, t,
                                        config_.chunk_bytes, config_.parallelism);
+  session_->transport().SetBlobLookup([this](const std::string& name) -> Transport::Blob {
+    std::lock_guard<std::mutex> lk(store_mu_);
+    auto it = store_.find(name);
+    return it == store_.end() ? nullptr : it->second;
+  });
 }
 
-Peer::~Peer() { Stop(); }
+Peer::~Peer() {
+  Stop();
+  if (DefaultPeer() == this) SetDefaultPeer(nullptr);
+}
+
+namespace {
+std::atomic<Peer*> default_peer{nullptr};
+}
+Peer* DefaultPeer() { return default_peer.load(); }
+void SetDefaultPeer(Peer* peer) { default_peer.store(peer); }
+
+Status Peer::Save(const std::string& name, const void* data, size_t bytes) {
+  auto blob = std::make_shared<const std::vector<char>>(static_cast<const char*>(data),
+                                                        static_cast<const char*>(data) + bytes);
+  std::lock_guard<std::mutex> lk(store_mu_);
+  store_[name] = std::move(blob);
+  return Status::OK();
+}
+
+Handle Peer::Request(int target, const std::string& name, void* dst, size_t bytes,
+                     const OpOptions& options) {
+  OpOptions o = options;
+  o.name = "p2p:" + name;
+  return Run("request", o, [=](Session& s, const OpContext& ctx) -> Status {
+    KF_RETURN_IF_ERROR(CheckRoot(target, s.size()));
+    if (target == rank_) {
+      std::lock_guard<std::mutex> lk(store_mu_);
+      auto it = store_.find(name);
+      if (it == store_.end()) return NotFound("this peer has no blob named '" + name + "'");
+      if (it->second->size() != bytes) {
+        return InvalidArgument("blob '" + name + "' has " + std::to_string(it->second->size()) +
+                               " bytes, the request wants " + std::to_string(bytes));
+      }
+      if (bytes > 0) std::memcpy(dst, it->second->data(), bytes);
+      return Status::OK();
+    }
+    Transport& t = s.transport();
+    MsgKey key{ctx.name, ctx.seq, 0};
+    auto posted = t.Post(target, key, MsgExpect{DType::kUInt8, bytes, bytes}, dst);
+    KF_RETURN_IF_ERROR(t.SendRequest(target, key, name));
+    return t.Wait(posted, ctx.deadline);
+  }, /*collective=*/false);
+}
 
 int Peer::local_rank() const { return MakeHostLayout(config_.peers).local_rank[rank_]; }
 int Peer::local_size() const {
@@ -76,7 +142,8 @@ void Peer::AcceptLoop() {
     for (auto& f : fds) {
       if (!(f.revents & POLLIN)) continue;
       int fd = accept4(f.fd, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0) HandleIncoming(fd);
+      // Each handshake on its own thread, so a silent client delays nobody else.
+      if (fd >= 0) handshakes_.emplace_back([this, fd] { HandleIncoming(fd); });
     }
   }
 }
@@ -112,6 +179,8 @@ void Peer::HandleIncoming(int fd) {
 void Peer::Stop() {
   if (stopping_.exchange(true)) return;
   if (acceptor_.joinable()) acceptor_.join();
+  for (auto& t : handshakes_) t.join();  // each is bounded by the 2 s handshake timeout
+  handshakes_.clear();
   for (int& fd : listen_fds_) {
     if (fd >= 0) close(fd);
     fd = -1;
@@ -130,7 +199,12 @@ void Peer::Stop() {
 // Worker pool.
 
 void Peer::Submit(std::function<void()> task) {
-  std::lock_guard<std::mutex> lk(pool_mu_);
+  std::unique_lock<std::mutex> lk(pool_mu_);
+  if (pool_stopping_) {  // no worker will run it: run it here (it fails fast, the peer is stopped)
+    lk.unlock();
+    task();
+    return;
+  }
   tasks_.push_back(std::move(task));
   if (idle_workers_ == 0) {
     workers_.emplace_back([this] { WorkerLoop(); });
@@ -157,7 +231,7 @@ void Peer::WorkerLoop() {
 // ---------------------------------------------------------------------------------------------
 // Operations.
 
-Handle Peer::Run(const char* kind, const OpOptions& options, Body body) {
+Handle Peer::Run(const char* kind, const OpOptions& options, Body body, bool collective) {
   Handle h;
   OpContext ctx;
   ctx.name = options.name.empty() ? std::string("auto:") + kind : options.name;
@@ -173,12 +247,11 @@ Handle Peer::Run(const char* kind, const OpOptions& options, Body body) {
     Status s = stopping_ ? Cancelled("peer stopped") : body(*session, ctx);
     if (!s.ok()) {
       s = s.WithContext(what);
-      // Peers cannot be waiting on a dead peer's behalf, and they learn of it themselves;
-      // anything else (bad input, disagreement, a deadline) is told to the others at once.
-      if (s.code() == Code::kInvalidArgument || s.code() == Code::kDeadlineExceeded) {
-        session->transport().AbortOp(
-            ctx.name, ctx.seq,
-            Status(s.code(), "on peer " + config_.self.ToString() + ": " + s.message()));
+      // Whatever failed here (bad input, disagreement, a deadline, a peer that died or left),
+      // peers may be waiting on this peer's part of the op: tell them at once. Best effort: a
+      // peer that cannot be reached learns of the failure itself.
+      if (collective && s.code() != Code::kCancelled) {
+        session->transport().AbortOp(ctx.name, ctx.seq, s);
       }
     }
     h.Complete(s);
@@ -191,24 +264,6 @@ Handle Peer::Run(const char* kind, const OpOptions& options, Body body) {
   return h;
 }
 
-namespace {
-Status CheckRoot(int root, int n) {
-  if (root < 0 || root >= n) {
-    return InvalidArgument("root " + std::to_string(root) + " is out of range for cluster size " +
-                           std::to_string(n));
-  }
-  return Status::OK();
-}
-Status CheckStrategy(int s) {
-  if (s != -1 && !IsValidStrategy(s)) {
-    return InvalidArgument("unknown strategy code " + std::to_string(s));
-  }
-  return Status::OK();
-}
-Status CheckDType(DType d) {
-  return IsValidDType(static_cast<int>(d)) ? Status::OK() : InvalidArgument("unknown dtype code");
-}
-}  // namespace
 
 Handle Peer::AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                        const OpOptions& options) {

@@ -21,6 +21,7 @@ enum Phase : uint64_t {
   kGatherPhase = 3,
   kCountPhase = 4,
   kDirectPhase = 5,
+  kVerdictPhase = 6,
 };
 uint64_t Tag(Phase phase, uint64_t part, uint64_t step, uint64_t chunk) {
   return phase << 60 | (part & 0xfff) << 48 | (step & 0xffff) << 32 | (chunk & 0xffffffff);
@@ -96,7 +97,10 @@ Status Session::AllReduce(const OpContext& ctx, const void* send, void* recv, si
     auto [b, e] = EvenPiece(count, parts, i);
     Part p{static_cast<const char*>(send) + b * esize, static_cast<char*>(recv) + b * esize,
            e - b, count, dtype, op, i};
-    return s.ring ? RingPart(ctx, p) : TreePart(ctx, p, s);
+    Status st = s.ring ? RingPart(ctx, p) : TreePart(ctx, p, s);
+    // The other parts here and on the peers would wait for this one's messages: stop them now.
+    if (!st.ok() && parts > 1 && st.code() != Code::kCancelled) transport_.AbortOp(ctx.name, ctx.seq, st);
+    return st;
   };
   if (parts == 1) return run_part(0);
   std::mutex mu;
@@ -383,6 +387,27 @@ Status Session::BroadcastTree(const OpContext& ctx, const Part& p, const Tree& t
   return Status::OK();
 }
 
+// Rooted operations (broadcast, reduce, gather) move data one way, so a peer that only sends
+// would never see that a receiver rejected its message. They end with a verdict inside the same
+// op: acknowledgements up the tree, then a release down it. A receiver that failed aborts the op,
+// which wakes every peer still waiting here, so all fail together.
+Status Session::Verdict(const OpContext& ctx, const Tree& tree) {
+  const MsgExpect none{DType::kUInt8, 0, 0};
+  const MsgKey up{ctx.name, ctx.seq, Tag(kVerdictPhase, 0, 0, 0)};
+  const MsgKey down{ctx.name, ctx.seq, Tag(kVerdictPhase, 0, 1, 0)};
+  auto children = ChildrenOf(tree);
+  Buffer ignored;
+  for (int child : children[rank_]) {
+    KF_RETURN_IF_ERROR(transport_.Recv(child, up, none, ctx.deadline, &ignored));
+  }
+  if (tree[rank_] != rank_) {
+    KF_RETURN_IF_ERROR(transport_.Send(tree[rank_], up, none, nullptr));
+    KF_RETURN_IF_ERROR(transport_.Recv(tree[rank_], down, none, ctx.deadline, &ignored));
+  }
+  for (int child : children[rank_]) KF_RETURN_IF_ERROR(transport_.Send(child, down, none, nullptr));
+  return Status::OK();
+}
+
 Status Session::Reduce(const OpContext& ctx, const void* send, void* recv, size_t count,
                        DType dtype, ReduceOp op, int root, int strategy) {
   Part p{static_cast<const char*>(send), static_cast<char*>(recv), count, count, dtype, op, 0};
@@ -390,7 +415,9 @@ Status Session::Reduce(const OpContext& ctx, const void* send, void* recv, size_
     if (send != recv && count > 0) std::memcpy(recv, send, count * DTypeSize(dtype));
     return Status::OK();
   }
-  return ReduceTree(ctx, p, StrategyFor(strategy, count * DTypeSize(dtype)).TreeRootedAt(root, size()));
+  const Tree tree = StrategyFor(strategy, count * DTypeSize(dtype)).TreeRootedAt(root, size());
+  KF_RETURN_IF_ERROR(ReduceTree(ctx, p, tree));
+  return Verdict(ctx, tree);
 }
 
 Status Session::Broadcast(const OpContext& ctx, const void* send, void* recv, size_t count,
@@ -401,7 +428,9 @@ Status Session::Broadcast(const OpContext& ctx, const void* send, void* recv, si
     if (send != recv && count > 0) std::memcpy(recv, send, count * DTypeSize(dtype));
     return Status::OK();
   }
-  return BroadcastTree(ctx, p, StrategyFor(strategy, count * DTypeSize(dtype)).TreeRootedAt(root, size()));
+  const Tree tree = StrategyFor(strategy, count * DTypeSize(dtype)).TreeRootedAt(root, size());
+  KF_RETURN_IF_ERROR(BroadcastTree(ctx, p, tree));
+  return Verdict(ctx, tree);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -474,7 +503,8 @@ Status Session::Gather(const OpContext& ctx, const void* send, size_t count, DTy
     }
   }
   for (auto& ps : posted) KF_RETURN_IF_ERROR(transport_.Wait(ps, ctx.deadline));
-  return Status::OK();
+  if (root < 0) return Status::OK();  // allgather: every peer received, so every peer checked
+  return Verdict(ctx, StrategyFor(-1, 0).TreeRootedAt(root, n));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ const char* CodeName(Code code) {
     case Code::kUnavailable: return "UNAVAILABLE";
     case Code::kInternal: return "INTERNAL";
     case Code::kCancelled: return "CANCELLED";
+    case Code::kNotFound: return "NOT_FOUND";
   }
   return "UNKNOWN";
 }

@@ -371,6 +371,18 @@ Status Transport::Wait(const std::shared_ptr<Posted>& posted, TimePoint deadline
   return s;
 }
 
+Status Transport::SendRequest(int dst, const MsgKey& key, const std::string& blob) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!failure_.ok()) return failure_;
+    if (closed_) return Cancelled("peer stopped");
+    if (peer_left_[dst]) return Unavailable("peer " + Describe(dst) + " has left");
+  }
+  Status s = SendFrame(dst, net::kRequest, key, MsgExpect{}, blob.data(), blob.size());
+  if (!s.ok()) return Fail(Unavailable("peer " + Describe(dst) + " is unreachable: " + s.message()));
+  return s;
+}
+
 void Transport::AbortOp(const std::string& name, uint64_t seq, const Status& reason) {
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -380,7 +392,8 @@ void Transport::AbortOp(const std::string& name, uint64_t seq, const Status& rea
   }
   MsgKey key{name, seq, 0};
   MsgExpect meta;
-  std::string msg = std::to_string(static_cast<int>(reason.code())) + ":" + reason.message();
+  std::string msg = std::to_string(static_cast<int>(reason.code())) + ":on peer " +
+                    Describe(rank_) + ": " + reason.message();
   for (int dst = 0; dst < size(); ++dst) {
     if (dst == rank_) continue;
     // Best effort: a peer we cannot reach fails on its own.
@@ -435,11 +448,38 @@ void Transport::ReaderLoop(int src, int fd) {
       }
       size_t colon = msg.find(':');
       int code = colon == std::string::npos ? 0 : std::atoi(msg.substr(0, colon).c_str());
-      Code c = (code >= 1 && code <= 5) ? static_cast<Code>(code) : Code::kInternal;
+      Code c = (code >= 1 && code <= 6) ? static_cast<Code>(code) : Code::kInternal;
       std::lock_guard<std::mutex> lk(mu_);
       aborted_.emplace(std::make_pair(key.name, key.seq),
                        Status(c, msg.substr(colon == std::string::npos ? 0 : colon + 1)));
       for (auto& kv : slots_) kv.second->cv.notify_all();
+      continue;
+    }
+    if (f.type == net::kRequest) {
+      std::string blob(f.payload_len, '\0');
+      s = net::ReadFull(fd, blob.data(), blob.size());
+      if (!s.ok()) {
+        Fail(Unavailable(who + ": " + s.message()));
+        return;
+      }
+      Blob b = lookup_ ? lookup_(blob) : nullptr;
+      // Best effort: if the requester is gone, its own transport reports that.
+      if (b) {
+        SendFrame(src, net::kData, key, MsgExpect{DType::kUInt8, b->size(), b->size()}, b->data(),
+                  b->size());
+      } else {
+        SendFrame(src, net::kMissing, key, MsgExpect{}, nullptr, 0);
+      }
+      continue;
+    }
+    if (f.type == net::kMissing) {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = slots_.find(SlotId(src, key));
+      if (it != slots_.end() && it->second->state == Slot::kPosted) {
+        it->second->state = Slot::kFailed;
+        it->second->error = NotFound(who + " has no blob for '" + key.name + "'");
+        it->second->cv.notify_all();
+      }
       continue;
     }
     if (f.type != net::kData) {

@@ -56,6 +56,12 @@ struct GatherResult {
 };
 
 class Session;
+class Peer;
+
+// The peer that framework bindings in this process use (the Python module sets it when it
+// creates the peer; TensorFlow kernels read it). nullptr until then.
+Peer* DefaultPeer();
+void SetDefaultPeer(Peer* peer);
 
 class Peer {
  public:
@@ -88,13 +94,22 @@ class Peer {
   Handle Gather(const void* send, size_t count, DType dtype, int root,
                 std::shared_ptr<GatherResult> out, const OpOptions& options);
   Handle Barrier(const OpOptions& options);
+
+  // Peer-to-peer store (model averaging). Save replaces this peer's blob `name` atomically: a
+  // concurrent request sees the old or the new bytes, never a mix. Request copies peer `target`'s
+  // blob `name` into dst, which must be exactly as large (else InvalidArgument; NotFound if the
+  // target has no such blob).
+  Status Save(const std::string& name, const void* data, size_t bytes);
+  Handle Request(int target, const std::string& name, void* dst, size_t bytes,
+                 const OpOptions& options);
   // *agreed becomes true on every peer iff every peer passed the same bytes.
   Handle Consensus(const void* data, size_t bytes, bool* agreed, const OpOptions& options);
 
  private:
   explicit Peer(const PeerConfig& config);
   using Body = std::function<Status(Session&, const struct OpContext&)>;
-  Handle Run(const char* kind, const OpOptions& options, Body body);
+  // collective: failures other than a dead peer abort the op on every peer.
+  Handle Run(const char* kind, const OpOptions& options, Body body, bool collective = true);
   void AcceptLoop();
   void HandleIncoming(int fd);
   void Submit(std::function<void()> task);
@@ -106,7 +121,11 @@ class Peer {
 
   int listen_fds_[2] = {-1, -1};
   std::thread acceptor_;
+  std::vector<std::thread> handshakes_;  // owned by the acceptor thread until Stop joins it
   std::atomic<bool> stopping_{false};
+
+  std::mutex store_mu_;
+  std::map<std::string, Transport::Blob> store_;
 
   std::mutex seq_mu_;
   std::map<std::string, uint64_t> next_seq_;

@@ -58,6 +58,7 @@ class Session {
   Status TreePart(const OpContext& ctx, const Part& p, const Strategy& s);
   Status ReduceTree(const OpContext& ctx, const Part& p, const Tree& tree);
   Status BroadcastTree(const OpContext& ctx, const Part& p, const Tree& tree);
+  Status Verdict(const OpContext& ctx, const Tree& tree);
   Status ExchangeCounts(const OpContext& ctx, uint64_t count, int root, std::vector<uint64_t>* counts);
 
   const PeerList peers_;

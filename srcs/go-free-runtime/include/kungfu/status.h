@@ -13,6 +13,7 @@ enum class Code : int {
   kUnavailable = 3,       // a peer died, left, or could not be reached
   kInternal = 4,          // a broken invariant or an OS error we cannot attribute to a peer
   kCancelled = 5,         // the peer was stopped while the operation was pending
+  kNotFound = 6,          // a peer has no blob of the requested name
 };
 
 class Status {
@@ -41,6 +42,7 @@ inline Status DeadlineExceeded(std::string m) { return Status(Code::kDeadlineExc
 inline Status Unavailable(std::string m) { return Status(Code::kUnavailable, std::move(m)); }
 inline Status Internal(std::string m) { return Status(Code::kInternal, std::move(m)); }
 inline Status Cancelled(std::string m) { return Status(Code::kCancelled, std::move(m)); }
+inline Status NotFound(std::string m) { return Status(Code::kNotFound, std::move(m)); }
 
 const char* CodeName(Code code);
 

@@ -21,6 +21,7 @@
 // Lock order: Transport::mu_ before nothing; each outgoing stream's send mutex is taken alone.
 #pragma once
 #include <atomic>
+#include <functional>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -106,6 +107,15 @@ class Transport {
   std::shared_ptr<Posted> Post(int src, const MsgKey& key, const MsgExpect& expect, void* dst);
   Status Wait(const std::shared_ptr<Posted>& posted, TimePoint deadline);
 
+  // Peer-to-peer store: the reader thread answers a request for blob `name` with what `lookup`
+  // returns (nullptr: no such blob). Set once, before the transport connects.
+  using Blob = std::shared_ptr<const std::vector<char>>;
+  using BlobLookup = std::function<Blob(const std::string& name)>;
+  void SetBlobLookup(BlobLookup lookup) { lookup_ = std::move(lookup); }
+  // Asks peer `dst` for blob `blob`; the answer arrives as a data message with `key`, to be Posted
+  // for before calling this.
+  Status SendRequest(int dst, const MsgKey& key, const std::string& blob);
+
   // Fails this operation (name, seq) on every peer with `reason`, this one included.
   void AbortOp(const std::string& name, uint64_t seq, const Status& reason);
   // The first fatal error, or OK.
@@ -146,6 +156,7 @@ class Transport {
   const int rank_;
   const TransportOptions options_;
 
+  BlobLookup lookup_;
   std::vector<std::unique_ptr<Outgoing>> out_;
   std::vector<int> in_fds_;
   std::vector<std::thread> readers_;

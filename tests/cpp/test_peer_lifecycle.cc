@@ -1,0 +1,281 @@
+// Peer lifecycle: configuration checks, a single process, starting, stopping, restarting.
+#define KF_TESTING_CLUSTER
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "kungfu/peer.h"
+#include "testing.h"
+
+using kftest::LocalCluster;
+using kftest::OnEveryRank;
+using kungfu::Code;
+using kungfu::DType;
+using kungfu::Peer;
+using kungfu::PeerConfig;
+using kungfu::ReduceOp;
+
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+kungfu::OpOptions Named(const std::string& name) {
+  kungfu::OpOptions o;
+  o.name = name;
+  return o;
+}
+
+PeerConfig TwoPeers(uint16_t p0, uint16_t p1, int self) {
+  PeerConfig c;
+  c.peers = {{"127.0.0.1", p0}, {"127.0.0.1", p1}};
+  c.self = c.peers[self];
+  return c;
+}
+
+}  // namespace
+
+TEST(CreateRejectsBadConfigs) {
+  std::unique_ptr<Peer> p;
+  PeerConfig c = TwoPeers(10001, 10002, 0);
+  CHECK_OK(Peer::Create(c, &p));
+  CHECK(p != nullptr);
+
+  PeerConfig stranger = c;
+  stranger.self = {"127.0.0.1", 10003};
+  kungfu::Status s = Peer::Create(stranger, &p);
+  CHECK_CODE(s, Code::kInvalidArgument);
+  CHECK_CONTAINS(s.message(), "127.0.0.1:10003");
+
+  PeerConfig dup = c;
+  dup.peers.push_back(dup.peers[1]);
+  CHECK_CODE(Peer::Create(dup, &p), Code::kInvalidArgument);
+
+  for (int which = 0; which < 3; ++which) {
+    for (int64_t bad : {int64_t(0), int64_t(-5)}) {
+      PeerConfig t = c;
+      (which == 0 ? t.op_timeout_ms : which == 1 ? t.peer_timeout_ms : t.connect_timeout_ms) = bad;
+      CHECK_CODE(Peer::Create(t, &p), Code::kInvalidArgument);
+    }
+  }
+  PeerConfig strategy = c;
+  strategy.strategy = static_cast<kungfu::StrategyKind>(42);
+  CHECK_CODE(Peer::Create(strategy, &p), Code::kInvalidArgument);
+}
+
+TEST(LayoutAccessors) {
+  PeerConfig c;
+  c.peers = {{"10.0.0.1", 1}, {"10.0.0.2", 1}, {"10.0.0.1", 2}, {"10.0.0.1", 3}};
+  c.self = {"10.0.0.1", 3};
+  c.version = 5;
+  std::unique_ptr<Peer> p;
+  REQUIRE_OK(Peer::Create(c, &p));
+  CHECK_EQ(p->rank(), 3);
+  CHECK_EQ(p->size(), 4);
+  CHECK_EQ(p->local_rank(), 2);
+  CHECK_EQ(p->local_size(), 3);
+  CHECK_EQ(p->host_count(), 2);
+  CHECK_EQ(p->version(), uint64_t(5));
+  c.self = {"10.0.0.2", 1};
+  REQUIRE_OK(Peer::Create(c, &p));
+  CHECK_EQ(p->rank(), 1);
+  CHECK_EQ(p->local_rank(), 0);
+  CHECK_EQ(p->local_size(), 1);
+}
+
+TEST(SingleProcessPeer) {
+  // No peer list: a cluster of one, no sockets; every operation completes at once.
+  for (bool explicit_list : {false, true}) {
+    PeerConfig c;
+    c.self = {"127.0.0.1", 1};  // never bound
+    if (explicit_list) c.peers = {c.self};
+    std::unique_ptr<Peer> p;
+    REQUIRE_OK(Peer::Create(c, &p));
+    CHECK_EQ(p->rank(), 0);
+    CHECK_EQ(p->size(), 1);
+    CHECK_EQ(p->local_size(), 1);
+    REQUIRE_OK(p->Start());
+
+    std::vector<float> in = {1.5f, -2.0f, 3.0f}, out(3, 0.0f);
+    kungfu::Handle h = p->AllReduce(in.data(), out.data(), 3, DType::kFloat32, ReduceOp::kSum, {});
+    CHECK(h.Poll());
+    CHECK_OK(h.status());
+    CHECK(out == in);
+    CHECK_OK(kftest::WaitFor(p->AllReduce(in.data(), in.data(), 3, DType::kFloat32, ReduceOp::kMax, {}), 1000, __FILE__, __LINE__));
+    CHECK_EQ(in[1], -2.0f);
+    std::fill(out.begin(), out.end(), 0.0f);
+    CHECK_OK(WAIT(p->Reduce(in.data(), out.data(), 3, DType::kFloat32, ReduceOp::kProd, 0, {})));
+    CHECK(out == in);
+    CHECK_CODE(WAIT(p->Reduce(in.data(), out.data(), 3, DType::kFloat32, ReduceOp::kSum, 1, {})),
+               Code::kInvalidArgument);
+    std::fill(out.begin(), out.end(), 0.0f);
+    CHECK_OK(WAIT(p->Broadcast(in.data(), out.data(), 3, DType::kFloat32, 0, {})));
+    CHECK(out == in);
+    uint8_t flags[2] = {1, 0};
+    CHECK_CODE(WAIT(p->AllReduce(flags, flags, 2, DType::kBool, ReduceOp::kSum, {})),
+               Code::kInvalidArgument);
+    auto g = std::make_shared<kungfu::GatherResult>();
+    CHECK_OK(WAIT(p->AllGather(in.data(), 3, DType::kFloat32, g, {})));
+    CHECK(g->counts == std::vector<uint64_t>({3}));
+    REQUIRE_EQ(g->data.size(), size_t(12));
+    CHECK(std::memcmp(g->data.data(), in.data(), 12) == 0);
+    auto g2 = std::make_shared<kungfu::GatherResult>();
+    CHECK_OK(WAIT(p->Gather(in.data(), 2, DType::kFloat32, 0, g2, {})));
+    CHECK(g2->counts == std::vector<uint64_t>({2}));
+    bool agreed = false;
+    CHECK_OK(WAIT(p->Consensus("abc", 3, &agreed, {})));
+    CHECK(agreed);
+    CHECK_OK(WAIT(p->Barrier({})));
+    p->Stop();
+  }
+}
+
+TEST(StartTimesOutWhenAPeerNeverComes) {
+  auto ports = kftest::FreePorts({"127.0.0.1", "127.0.0.1"});
+  PeerConfig c = TwoPeers(ports[0], ports[1], 0);
+  c.connect_timeout_ms = 600;
+  std::unique_ptr<Peer> p;
+  REQUIRE_OK(Peer::Create(c, &p));
+  const auto t0 = std::chrono::steady_clock::now();
+  kungfu::Status s = p->Start();
+  CHECK_CODE(s, Code::kDeadlineExceeded);
+  CHECK_CONTAINS(s.message(), c.peers[1].ToString());
+  CHECK_GE(SecondsSince(t0), 0.5);
+  CHECK_LT(SecondsSince(t0), 3.0);
+  p->Stop();
+}
+
+TEST(StartFailsWhenThePortIsTaken) {
+  // Something else already listens on this peer's port.
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a;
+  std::memset(&a, 0, sizeof(a));
+  a.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  REQUIRE(bind(fd, reinterpret_cast<struct sockaddr*>(&a), sizeof(a)) == 0);
+  REQUIRE(listen(fd, 4) == 0);
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<struct sockaddr*>(&a), &len);
+  const uint16_t taken = ntohs(a.sin_port);
+  auto other = kftest::FreePorts({"127.0.0.1"});
+  PeerConfig c = TwoPeers(taken, other[0], 0);
+  c.connect_timeout_ms = 2000;
+  std::unique_ptr<Peer> p;
+  REQUIRE_OK(Peer::Create(c, &p));
+  const auto t0 = std::chrono::steady_clock::now();
+  kungfu::Status s = p->Start();
+  CHECK_CODE(s, Code::kUnavailable);
+  CHECK_CONTAINS(s.message(), c.self.ToString());
+  CHECK_LT(SecondsSince(t0), 1.0);  // at once, not after the connect timeout
+  p.reset();
+  close(fd);
+}
+
+TEST(PeersOfAnotherClusterVersionDoNotConnect) {
+  auto ports = kftest::FreePorts({"127.0.0.1", "127.0.0.1"});
+  std::vector<std::unique_ptr<Peer>> peers(2);
+  for (int r = 0; r < 2; ++r) {
+    PeerConfig c = TwoPeers(ports[0], ports[1], r);
+    c.version = r;  // 0 and 1
+    c.connect_timeout_ms = 800;
+    REQUIRE_OK(Peer::Create(c, &peers[r]));
+  }
+  std::vector<kungfu::Status> st(2);
+  const auto t0 = std::chrono::steady_clock::now();
+  OnEveryRank(2, [&](int r) { st[r] = peers[r]->Start(); });
+  for (int r = 0; r < 2; ++r) {
+    CHECK_MSG(!st[r].ok(), "rank " + std::to_string(r) + " started with a peer of another version");
+    CHECK_CODE(st[r], Code::kDeadlineExceeded);
+  }
+  CHECK_LT(SecondsSince(t0), 4.0);
+  OnEveryRank(2, [&](int r) { peers[r]->Stop(); });
+}
+
+TEST(StopTwiceAndStopBeforeStart) {
+  std::unique_ptr<Peer> p;
+  REQUIRE_OK(Peer::Create(TwoPeers(10011, 10012, 1), &p));
+  p->Stop();
+  p->Stop();
+  p.reset();
+
+  LocalCluster c(3);
+  REQUIRE(c.Start());
+  OnEveryRank(3, [&](int r) {
+    c[r].Stop();
+    c[r].Stop();
+  });
+}
+
+TEST(DestroyWithoutStop) {
+  // The destructor stops the peer; peers go away one by one while the others still run.
+  auto ports = kftest::FreePorts({"127.0.0.1", "127.0.0.1", "127.0.0.2"});
+  kungfu::PeerList list = {{"127.0.0.1", ports[0]}, {"127.0.0.1", ports[1]}, {"127.0.0.2", ports[2]}};
+  std::vector<std::unique_ptr<Peer>> peers(3);
+  for (int r = 0; r < 3; ++r) {
+    PeerConfig c;
+    c.peers = list;
+    c.self = list[r];
+    REQUIRE_OK(Peer::Create(c, &peers[r]));
+  }
+  std::vector<kungfu::Status> st(3);
+  OnEveryRank(3, [&](int r) { st[r] = peers[r]->Start(); });
+  for (auto& s : st) REQUIRE_OK(s);
+  OnEveryRank(3, [&](int r) {
+    int32_t x = r;
+    CHECK_OK(WAIT(peers[r]->AllReduce(&x, &x, 1, DType::kInt32, ReduceOp::kSum, Named("d"))));
+    CHECK_EQ(x, 3);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto& p : peers) p.reset();
+  CHECK_LT(SecondsSince(t0), 3.0);
+}
+
+TEST(ANewClusterReusesThePorts) {
+  // A cluster stops and a new one starts on the same addresses (as after a restart).
+  auto ports = kftest::FreePorts({"127.0.0.1", "127.0.0.1", "127.0.0.2"});
+  kungfu::PeerList list = {{"127.0.0.1", ports[0]}, {"127.0.0.1", ports[1]}, {"127.0.0.2", ports[2]}};
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::unique_ptr<Peer>> peers(3);
+    for (int r = 0; r < 3; ++r) {
+      PeerConfig c;
+      c.peers = list;
+      c.self = list[r];
+      c.version = static_cast<uint64_t>(round);
+      c.connect_timeout_ms = 5000;
+      REQUIRE_OK(Peer::Create(c, &peers[r]));
+    }
+    std::vector<kungfu::Status> st(3);
+    OnEveryRank(3, [&](int r) { st[r] = peers[r]->Start(); });
+    for (int r = 0; r < 3; ++r) CHECK_MSG(st[r].ok(), "round " + std::to_string(round) + ": " + st[r].ToString());
+    if (!st[0].ok() || !st[1].ok() || !st[2].ok()) {
+      OnEveryRank(3, [&](int r) { peers[r]->Stop(); });
+      return;
+    }
+    OnEveryRank(3, [&](int r) {
+      std::vector<int64_t> v(100000, round + r);  // large enough for RING/DIRECT under AUTO
+      CHECK_OK(WAIT(peers[r]->AllReduce(v.data(), v.data(), v.size(), DType::kInt64, ReduceOp::kSum, {})));
+      CHECK_EQ(v[99999], int64_t(3 * round + 3));
+    });
+    OnEveryRank(3, [&](int r) { peers[r]->Stop(); });
+  }
+}
+
+// Kept last: a failure here may take the process down.
+TEST(OperationsAfterStopAreCancelled) {
+  LocalCluster c(2);
+  REQUIRE(c.Start());
+  c[0].Stop();
+  float x = 1, y = 0;
+  kungfu::Status s = WAIT_OR_REPORT(c[0].AllReduce(&x, &y, 1, DType::kFloat32, ReduceOp::kSum, Named("late")), 3000);
+  CHECK_CODE(s, Code::kCancelled);
+  s = WAIT_OR_REPORT(c[0].Barrier({}), 3000);
+  CHECK_CODE(s, Code::kCancelled);
+  // Destroying the stopped peer afterwards must be clean (no thread left behind).
+  c.StopAll();
+}
