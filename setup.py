@@ -1,5 +1,6 @@
 """Builds kungfu's native libraries with CMake; nothing else happens here."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -15,21 +16,30 @@ class CMakeExtension(Extension):
 class CMakeBuild(build_ext):
     def build_extension(self, ext):
         extdir = os.path.abspath(os.path.dirname(self.get_ext_fullpath(ext.name)))
+        here = os.path.dirname(os.path.abspath(__file__))
+        # Editable and in-place builds put every native file (the module, the runtime library it
+        # loads, the TensorFlow op library) into the source package, where `import kungfu` finds
+        # them together; a wheel build puts them into the build tree that becomes the wheel.
+        in_source = getattr(self, "editable_mode", False) or self.inplace
+        outdir = os.path.join(here, "kungfu") if in_source else extdir
         build_dir = os.path.abspath(os.path.join(self.build_temp, "cmake"))
         os.makedirs(build_dir, exist_ok=True)
         cfg = os.environ.get("KUNGFU_BUILD_TYPE", "Release")
         import pybind11
 
         args = [
-            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={extdir}",
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={outdir}",
             f"-DCMAKE_BUILD_TYPE={cfg}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
         ]
-        here = os.path.dirname(os.path.abspath(__file__))
         subprocess.check_call(["cmake", here] + args, cwd=build_dir)
         jobs = str(os.cpu_count() or 2)
         subprocess.check_call(["cmake", "--build", ".", "-j", jobs], cwd=build_dir)
+        if outdir != extdir:  # setuptools expects the module where it would have built it
+            os.makedirs(extdir, exist_ok=True)
+            module = os.path.basename(self.get_ext_fullpath(ext.name))
+            shutil.copy2(os.path.join(outdir, module), os.path.join(extdir, module))
 
 
 setup(

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs kungfu into it in editable mode with its test
-# dependencies. The native libraries are built by CMake through setup.py.
+# Creates .venv (if missing) and installs kungfu into it in editable mode, with TensorFlow (CPU)
+# and the test dependencies. kungfu is built without build isolation so that CMake sees the
+# TensorFlow it must build its op library against.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e ".[test]"
+pip() { .venv/bin/python -m pip --disable-pip-version-check "$@"; }
+pip install --quiet --upgrade pip
+pip install --quiet "setuptools>=64" wheel "pybind11>=2.12" "cmake>=3.18" \
+  "tensorflow-cpu==2.21.*" scikit-learn
+pip install --quiet --no-build-isolation -e ".[test]"
 .venv/bin/python -c "import kungfu, kungfu._kungfu; print('kungfu', kungfu.__version__, 'installed')"

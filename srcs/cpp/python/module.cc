@@ -136,6 +136,7 @@ PYBIND11_MODULE(_kungfu, m) {
                py::gil_scoped_release release;
                s = p.Start();
              }
+             if (s.ok()) SetDefaultPeer(&p);  // the peer TensorFlow kernels in this process use
              return StatusTuple(s);
            })
       .def("stop", [](Peer& p) {

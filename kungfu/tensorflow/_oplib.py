@@ -1,0 +1,35 @@
+"""Loads the TensorFlow op library built with kungfu, after checking it matches this TensorFlow."""
+from __future__ import annotations
+
+import os
+
+import tensorflow as tf
+
+import kungfu
+
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LIB = os.path.join(_HERE, "libkungfu_tensorflow_ops.so")
+_VERSION_FILE = os.path.join(_HERE, "kungfu_tensorflow_ops.tf_version")
+REBUILD = "pip install --no-build-isolation -e .   (in the kungfu checkout, with this Python)"
+
+
+def _load():
+    if not os.path.exists(_LIB):
+        raise ImportError(
+            "kungfu's TensorFlow op library is missing: kungfu was built where TensorFlow was not "
+            f"importable. Install TensorFlow, then rebuild kungfu: {REBUILD}"
+        )
+    with open(_VERSION_FILE) as f:
+        built = f.read().strip()
+    if built != tf.__version__:
+        raise ImportError(
+            f"kungfu's TensorFlow op library was built for TensorFlow {built}, but this is "
+            f"TensorFlow {tf.__version__}. Rebuild kungfu: {REBUILD}"
+        )
+    # Ops find the process's peer through the runtime library, which this shares with the
+    # Python module: make sure that peer exists before any op runs.
+    kungfu.init()
+    return tf.load_op_library(_LIB)
+
+
+lib = _load()

@@ -1,0 +1,163 @@
+"""TensorFlow ops over the kungfu runtime (KungFu-compatible names).
+
+Every collective takes a `name` that must be the same on every worker for the same tensor: the
+k-th run of a named op on one worker meets the k-th run of that name on the others. Ops read rank
+and size when they run, so a traced `tf.function` stays correct after the cluster changes.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import tensorflow as tf
+
+from kungfu.tensorflow._oplib import lib as _lib
+
+_OPS = ("sum", "min", "max", "prod")
+
+
+def _strategy(strategy: Optional[str]) -> int:
+    if strategy is None:
+        return -1
+    from kungfu import _kungfu
+
+    return _kungfu.parse_strategy(str(strategy))
+
+
+def _timeout_ms(timeout: Optional[float]) -> int:
+    if timeout is None:
+        return -1
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return int(timeout * 1000)
+
+
+def _name(name: Optional[str], t, kind: str) -> str:
+    if name:
+        return name
+    tname = getattr(t, "name", None)
+    if tname and not tf.executing_eagerly():
+        return f"{kind}:{tname}"
+    raise ValueError(
+        f"{kind} needs an explicit name= in eager mode (the same name on every worker)"
+    )
+
+
+def all_reduce(t, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
+               timeout: Optional[float] = None):
+    """Reduces t over all workers with op (sum, min, max, prod); every worker gets the result."""
+    if op not in _OPS:
+        raise ValueError(f"unknown reduce op {op!r} (choose {', '.join(_OPS)})")
+    return _lib.kungfu_all_reduce(t, op=op, op_name=_name(name, t, "all_reduce"),
+                                  strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout))
+
+
+def fuse(ts: Sequence[tf.Tensor]) -> tf.Tensor:
+    """Concatenates the flattened tensors into one 1-D tensor."""
+    return tf.concat([tf.reshape(t, [-1]) for t in ts], axis=0)
+
+
+def defuse(t: tf.Tensor, shapes: Sequence) -> List[tf.Tensor]:
+    """Splits a fused tensor back into tensors of the given shapes."""
+    sizes = [int(tf.TensorShape(s).num_elements()) for s in shapes]
+    return [tf.reshape(p, s) for p, s in zip(tf.split(t, sizes), shapes)]
+
+
+def group_all_reduce(ts: Sequence[tf.Tensor], op: str = "sum", name: Optional[str] = None,
+                     bucket_bytes: int = 16 << 20, strategy: Optional[str] = None):
+    """all_reduce of many tensors, fused into buckets of about bucket_bytes per dtype.
+
+    Returns the reduced tensors in the order given. `name` prefixes the buckets' names; it
+    defaults to "group" (every worker must pass the same tensors in the same order).
+    """
+    prefix = name or "group"
+    out: List[Optional[tf.Tensor]] = [None] * len(ts)
+    buckets: dict = {}
+    order = []
+    for i, t in enumerate(ts):
+        t = tf.convert_to_tensor(t)
+        key = t.dtype
+        if key not in buckets or buckets[key][-1][1] >= bucket_bytes:
+            buckets.setdefault(key, []).append([[], 0])
+            order.append((key, len(buckets[key]) - 1))
+        bucket = buckets[key][-1]
+        bucket[0].append((i, t))
+        bucket[1] += t.shape.num_elements() * t.dtype.size if t.shape.is_fully_defined() else bucket_bytes
+    for n, (key, j) in enumerate(order):
+        members = buckets[key][j][0]
+        tensors = [t for _, t in members]
+        if len(tensors) == 1:
+            reduced = [all_reduce(tensors[0], op=op, name=f"{prefix}/{n}", strategy=strategy)]
+        else:
+            fused = all_reduce(fuse(tensors), op=op, name=f"{prefix}/{n}", strategy=strategy)
+            reduced = defuse(fused, [tf.shape(t) for t in tensors])
+        for (i, _), r in zip(members, reduced):
+            out[i] = r
+    return out
+
+
+def broadcast(t, root: int = 0, name: Optional[str] = None, strategy: Optional[str] = None,
+              timeout: Optional[float] = None):
+    """root's t on every worker (same shape and dtype everywhere)."""
+    return _lib.kungfu_broadcast(t, root=int(root), op_name=_name(name, t, "broadcast"),
+                                 strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout))
+
+
+def all_gather(t, name: Optional[str] = None, timeout: Optional[float] = None):
+    """Every worker's t concatenated along axis 0, in rank order (axis-0 sizes may differ)."""
+    return _lib.kungfu_all_gather(t, op_name=_name(name, t, "all_gather"),
+                                  timeout_ms=_timeout_ms(timeout))
+
+
+def barrier(name: str = "kungfu::tf-barrier", timeout: Optional[float] = None):
+    """An op that completes once every worker has run it."""
+    return _lib.kungfu_barrier(op_name=name, timeout_ms=_timeout_ms(timeout))
+
+
+def consensus(t, name: Optional[str] = None, timeout: Optional[float] = None):
+    """A bool scalar: True on every worker iff every worker passed the same bytes."""
+    return _lib.kungfu_consensus(t, op_name=_name(name, t, "consensus"),
+                                 timeout_ms=_timeout_ms(timeout))
+
+
+def peer_info():
+    """(rank, size) as int32 scalars, read when the op runs."""
+    return _lib.kungfu_peer_info()
+
+
+def rank():
+    return peer_info()[0]
+
+
+def cluster_size():
+    return peer_info()[1]
+
+
+def counter(init: int = 0, incr: int = 1):
+    """init, init + incr, ... on successive runs (per op instance)."""
+    return _lib.kungfu_counter(init=init, incr=incr)
+
+
+def save_variable(t, name: Optional[str] = None):
+    """Publishes t in this worker's store under `name` (atomically replacing the old value)."""
+    return _lib.kungfu_save_variable(t, blob_name=_name(name, t, "blob"))
+
+
+def request_variable(target, shape=None, dtype=None, name: Optional[str] = None,
+                     timeout: Optional[float] = None, like=None):
+    """Worker `target`'s stored blob `name` as a tensor of `shape` and `dtype` (or like `like`)."""
+    if like is not None:
+        shape = like.shape if shape is None else shape
+        dtype = like.dtype if dtype is None else dtype
+        name = name or _name(None, like, "blob")
+    if name is None:
+        raise ValueError("request_variable needs name=")
+    return _lib.kungfu_request_variable(tf.cast(target, tf.int32), T=tf.as_dtype(dtype),
+                                        blob_name=name, shape=tf.TensorShape(shape),
+                                        timeout_ms=_timeout_ms(timeout))
+
+
+__all__ = [
+    "all_reduce", "group_all_reduce", "broadcast", "all_gather", "barrier", "consensus",
+    "peer_info", "rank", "cluster_size", "counter", "fuse", "defuse", "save_variable",
+    "request_variable",
+]

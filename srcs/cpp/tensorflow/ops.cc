@@ -1,0 +1,405 @@
+// TensorFlow ops over the kungfu runtime. Collective kernels are AsyncOpKernels: they hand the
+// runtime pointers into TensorFlow's tensors and return; the runtime's completion callback sets
+// the status and calls `done`, so no TensorFlow thread ever blocks. Every kernel reads rank and
+// size from the runtime when it runs, never when the graph is built.
+//
+// Op names (attr `op_name`) match operations across workers: the k-th run of an op on one worker
+// meets the k-th run of the same name on the others.
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "kungfu/peer.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tf = tensorflow;
+using tf::shape_inference::InferenceContext;
+
+namespace kungfu {
+namespace {
+
+#define KF_TF_TYPES "{int8, int16, int32, int64, uint8, uint16, uint32, uint64, half, bfloat16, float, double, bool}"
+
+tf::Status ToTF(const Status& s) {
+  switch (s.code()) {
+    case Code::kOk: return tf::OkStatus();
+    case Code::kInvalidArgument: return tf::errors::InvalidArgument(s.message());
+    case Code::kDeadlineExceeded: return tf::errors::DeadlineExceeded(s.message());
+    case Code::kUnavailable: return tf::errors::Unavailable(s.message());
+    case Code::kCancelled: return tf::errors::Cancelled(s.message());
+    case Code::kNotFound: return tf::errors::NotFound(s.message());
+    case Code::kInternal: break;
+  }
+  return tf::errors::Internal(s.message());
+}
+
+bool ToDType(tf::DataType t, DType* out) {
+  switch (t) {
+    case tf::DT_INT8: *out = DType::kInt8; return true;
+    case tf::DT_INT16: *out = DType::kInt16; return true;
+    case tf::DT_INT32: *out = DType::kInt32; return true;
+    case tf::DT_INT64: *out = DType::kInt64; return true;
+    case tf::DT_UINT8: *out = DType::kUInt8; return true;
+    case tf::DT_UINT16: *out = DType::kUInt16; return true;
+    case tf::DT_UINT32: *out = DType::kUInt32; return true;
+    case tf::DT_UINT64: *out = DType::kUInt64; return true;
+    case tf::DT_HALF: *out = DType::kFloat16; return true;
+    case tf::DT_BFLOAT16: *out = DType::kBFloat16; return true;
+    case tf::DT_FLOAT: *out = DType::kFloat32; return true;
+    case tf::DT_DOUBLE: *out = DType::kFloat64; return true;
+    case tf::DT_BOOL: *out = DType::kBool; return true;
+    default: return false;
+  }
+}
+
+bool ParseOp(const std::string& s, ReduceOp* op) {
+  if (s == "sum") *op = ReduceOp::kSum;
+  else if (s == "min") *op = ReduceOp::kMin;
+  else if (s == "max") *op = ReduceOp::kMax;
+  else if (s == "prod") *op = ReduceOp::kProd;
+  else return false;
+  return true;
+}
+
+Peer* GetPeer(tf::OpKernelContext* ctx) {
+  Peer* p = DefaultPeer();
+  if (p == nullptr) {
+    ctx->SetStatus(tf::errors::FailedPrecondition(
+        "kungfu is not initialised in this process: import kungfu.tensorflow (or call "
+        "kungfu.init()) before running kungfu ops"));
+  }
+  return p;
+}
+
+const void* In(const tf::Tensor& t) { return t.tensor_data().data(); }
+void* Out(tf::Tensor* t) { return const_cast<char*>(t->tensor_data().data()); }
+
+// Completes a kernel from the runtime's callback.
+void Finish(tf::OpKernelContext* ctx, const tf::AsyncOpKernel::DoneCallback& done, const Handle& h) {
+  h.OnComplete([ctx, done](const Status& s) {
+    if (!s.ok()) ctx->SetStatus(ToTF(s));
+    done();
+  });
+}
+
+// Base of kernels that carry the matching name and an optional per-call timeout and strategy.
+class CollectiveKernel : public tf::AsyncOpKernel {
+ public:
+  explicit CollectiveKernel(tf::OpKernelConstruction* c) : AsyncOpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("op_name", &options_.name));
+    if (c->HasAttr("strategy")) OP_REQUIRES_OK(c, c->GetAttr("strategy", &options_.strategy));
+    if (c->HasAttr("timeout_ms")) OP_REQUIRES_OK(c, c->GetAttr("timeout_ms", &options_.timeout_ms));
+  }
+
+ protected:
+  OpOptions options_;
+};
+
+// ---------------------------------------------------------------------------------------------
+
+REGISTER_OP("KungfuAllReduce")
+    .Input("input: T")
+    .Output("output: T")
+    .Attr("T: " KF_TF_TYPES)
+    .Attr("op: {'sum', 'min', 'max', 'prod'} = 'sum'")
+    .Attr("op_name: string")
+    .Attr("strategy: int = -1")
+    .Attr("timeout_ms: int = -1")
+    .SetIsStateful()
+    .SetShapeFn(tf::shape_inference::UnchangedShape);
+
+class AllReduceOp : public CollectiveKernel {
+ public:
+  explicit AllReduceOp(tf::OpKernelConstruction* c) : CollectiveKernel(c) {
+    std::string op;
+    OP_REQUIRES_OK(c, c->GetAttr("op", &op));
+    OP_REQUIRES(c, ParseOp(op, &op_), tf::errors::InvalidArgument("unknown op ", op));
+    OP_REQUIRES(c, ToDType(c->input_type(0), &dtype_), tf::errors::InvalidArgument("bad dtype"));
+  }
+  void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
+    Peer* peer = GetPeer(ctx);
+    if (!peer) return done();
+    const tf::Tensor& in = ctx->input(0);
+    tf::Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, in.shape(), &out), done);
+    Finish(ctx, done, peer->AllReduce(In(in), Out(out), in.NumElements(), dtype_, op_, options_));
+  }
+
+ private:
+  ReduceOp op_;
+  DType dtype_;
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuAllReduce").Device(tf::DEVICE_CPU), AllReduceOp);
+
+REGISTER_OP("KungfuBroadcast")
+    .Input("input: T")
+    .Output("output: T")
+    .Attr("T: " KF_TF_TYPES)
+    .Attr("root: int = 0")
+    .Attr("op_name: string")
+    .Attr("strategy: int = -1")
+    .Attr("timeout_ms: int = -1")
+    .SetIsStateful()
+    .SetShapeFn(tf::shape_inference::UnchangedShape);
+
+class BroadcastOp : public CollectiveKernel {
+ public:
+  explicit BroadcastOp(tf::OpKernelConstruction* c) : CollectiveKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("root", &root_));
+    OP_REQUIRES(c, ToDType(c->input_type(0), &dtype_), tf::errors::InvalidArgument("bad dtype"));
+  }
+  void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
+    Peer* peer = GetPeer(ctx);
+    if (!peer) return done();
+    const tf::Tensor& in = ctx->input(0);
+    tf::Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, in.shape(), &out), done);
+    Finish(ctx, done, peer->Broadcast(In(in), Out(out), in.NumElements(), dtype_, root_, options_));
+  }
+
+ private:
+  int root_;
+  DType dtype_;
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuBroadcast").Device(tf::DEVICE_CPU), BroadcastOp);
+
+REGISTER_OP("KungfuAllGather")
+    .Input("input: T")
+    .Output("output: T")
+    .Attr("T: " KF_TF_TYPES)
+    .Attr("op_name: string")
+    .Attr("timeout_ms: int = -1")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      tf::shape_inference::ShapeHandle in = c->input(0), rest, out;
+      if (c->RankKnown(in) && c->Rank(in) > 0) {
+        TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
+        TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
+        c->set_output(0, out);
+      } else {
+        c->set_output(0, c->UnknownShape());
+      }
+      return tf::OkStatus();
+    });
+
+// Rows may differ per worker: the output is allocated once the counts are known.
+class AllGatherOp : public CollectiveKernel {
+ public:
+  explicit AllGatherOp(tf::OpKernelConstruction* c) : CollectiveKernel(c) {
+    OP_REQUIRES(c, ToDType(c->input_type(0), &dtype_), tf::errors::InvalidArgument("bad dtype"));
+  }
+  void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
+    Peer* peer = GetPeer(ctx);
+    if (!peer) return done();
+    const tf::Tensor& in = ctx->input(0);
+    OP_REQUIRES_ASYNC(ctx, in.dims() > 0,
+                      tf::errors::InvalidArgument("all_gather needs a tensor of rank >= 1"), done);
+    auto result = std::make_shared<GatherResult>();
+    tf::TensorShape row = in.shape();
+    row.RemoveDim(0);
+    const int64_t row_size = row.num_elements();
+    Handle h = peer->AllGather(In(in), in.NumElements(), dtype_, result, options_);
+    h.OnComplete([ctx, done, result, row, row_size](const Status& s) {
+      if (!s.ok()) {
+        ctx->SetStatus(ToTF(s));
+        return done();
+      }
+      int64_t total = 0;
+      for (uint64_t c : result->counts) {
+        if (row_size > 0 && static_cast<int64_t>(c) % row_size != 0) {
+          ctx->SetStatus(tf::errors::InvalidArgument(
+              "all_gather: workers passed tensors whose shapes differ beyond axis 0"));
+          return done();
+        }
+        total += static_cast<int64_t>(c);
+      }
+      tf::TensorShape shape = row;
+      shape.InsertDim(0, row_size > 0 ? total / row_size : 0);
+      tf::Tensor* out = nullptr;
+      tf::Status st = ctx->allocate_output(0, shape, &out);
+      if (!st.ok()) {
+        ctx->SetStatus(st);
+        return done();
+      }
+      if (result->data.size() > 0) std::memcpy(Out(out), result->data.data(), result->data.size());
+      done();
+    });
+  }
+
+ private:
+  DType dtype_;
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuAllGather").Device(tf::DEVICE_CPU), AllGatherOp);
+
+REGISTER_OP("KungfuBarrier").Attr("op_name: string").Attr("timeout_ms: int = -1").SetIsStateful();
+
+class BarrierOp : public CollectiveKernel {
+ public:
+  using CollectiveKernel::CollectiveKernel;
+  void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
+    Peer* peer = GetPeer(ctx);
+    if (!peer) return done();
+    Finish(ctx, done, peer->Barrier(options_));
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuBarrier").Device(tf::DEVICE_CPU), BarrierOp);
+
+REGISTER_OP("KungfuConsensus")
+    .Input("input: T")
+    .Output("agreed: bool")
+    .Attr("T: " KF_TF_TYPES)
+    .Attr("op_name: string")
+    .Attr("timeout_ms: int = -1")
+    .SetIsStateful()
+    .SetShapeFn(tf::shape_inference::ScalarShape);
+
+class ConsensusOp : public CollectiveKernel {
+ public:
+  using CollectiveKernel::CollectiveKernel;
+  void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
+    Peer* peer = GetPeer(ctx);
+    if (!peer) return done();
+    const tf::Tensor& in = ctx->input(0);
+    tf::Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, tf::TensorShape({}), &out), done);
+    auto agreed = std::make_shared<bool>(false);
+    Handle h = peer->Consensus(In(in), in.tensor_data().size(), agreed.get(), options_);
+    h.OnComplete([ctx, done, agreed, out](const Status& s) {
+      if (!s.ok()) ctx->SetStatus(ToTF(s));
+      out->scalar<bool>()() = *agreed;
+      done();
+    });
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuConsensus").Device(tf::DEVICE_CPU), ConsensusOp);
+
+// ---------------------------------------------------------------------------------------------
+// Peer-to-peer store (pair averaging).
+
+REGISTER_OP("KungfuSaveVariable")
+    .Input("input: T")
+    .Attr("T: " KF_TF_TYPES)
+    .Attr("blob_name: string")
+    .SetIsStateful();
+
+class SaveVariableOp : public tf::OpKernel {
+ public:
+  explicit SaveVariableOp(tf::OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("blob_name", &name_));
+  }
+  void Compute(tf::OpKernelContext* ctx) override {
+    Peer* peer = GetPeer(ctx);
+    if (!peer) return;
+    const tf::Tensor& in = ctx->input(0);
+    OP_REQUIRES_OK(ctx, ToTF(peer->Save(name_, In(in), in.tensor_data().size())));
+  }
+
+ private:
+  std::string name_;
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuSaveVariable").Device(tf::DEVICE_CPU), SaveVariableOp);
+
+REGISTER_OP("KungfuRequestVariable")
+    .Input("target: int32")
+    .Output("output: T")
+    .Attr("T: " KF_TF_TYPES)
+    .Attr("blob_name: string")
+    .Attr("shape: shape")
+    .Attr("timeout_ms: int = -1")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      tf::PartialTensorShape shape;
+      TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));
+      tf::shape_inference::ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shape, &out));
+      c->set_output(0, out);
+      return tf::OkStatus();
+    });
+
+class RequestVariableOp : public tf::AsyncOpKernel {
+ public:
+  explicit RequestVariableOp(tf::OpKernelConstruction* c) : AsyncOpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("blob_name", &name_));
+    OP_REQUIRES_OK(c, c->GetAttr("shape", &shape_));
+    OP_REQUIRES_OK(c, c->GetAttr("timeout_ms", &options_.timeout_ms));
+  }
+  void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
+    Peer* peer = GetPeer(ctx);
+    if (!peer) return done();
+    const int target = ctx->input(0).scalar<int32_t>()();
+    tf::Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, shape_, &out), done);
+    Finish(ctx, done, peer->Request(target, name_, Out(out), out->tensor_data().size(), options_));
+  }
+
+ private:
+  std::string name_;
+  tf::TensorShape shape_;
+  OpOptions options_;
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuRequestVariable").Device(tf::DEVICE_CPU), RequestVariableOp);
+
+// ---------------------------------------------------------------------------------------------
+// Cluster information, read live.
+
+REGISTER_OP("KungfuPeerInfo")
+    .Output("rank: int32")
+    .Output("size: int32")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Scalar());
+      return tf::OkStatus();
+    });
+
+class PeerInfoOp : public tf::OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(tf::OpKernelContext* ctx) override {
+    Peer* peer = GetPeer(ctx);
+    if (!peer) return;
+    tf::Tensor* rank = nullptr;
+    tf::Tensor* size = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &rank));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({}), &size));
+    rank->scalar<int32_t>()() = peer->rank();
+    size->scalar<int32_t>()() = peer->size();
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuPeerInfo").Device(tf::DEVICE_CPU), PeerInfoOp);
+
+REGISTER_OP("KungfuCounter")
+    .Output("count: int64")
+    .Attr("init: int = 0")
+    .Attr("incr: int = 1")
+    .SetIsStateful()
+    .SetShapeFn(tf::shape_inference::ScalarShape);
+
+// Returns init, init + incr, init + 2 incr, ... on successive runs.
+class CounterOp : public tf::OpKernel {
+ public:
+  explicit CounterOp(tf::OpKernelConstruction* c) : OpKernel(c) {
+    int64_t init = 0;
+    OP_REQUIRES_OK(c, c->GetAttr("init", &init));
+    OP_REQUIRES_OK(c, c->GetAttr("incr", &incr_));
+    next_ = init;
+  }
+  void Compute(tf::OpKernelContext* ctx) override {
+    tf::Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &out));
+    out->scalar<int64_t>()() = next_.fetch_add(incr_);
+  }
+
+ private:
+  std::atomic<int64_t> next_;
+  int64_t incr_;
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuCounter").Device(tf::DEVICE_CPU), CounterOp);
+
+}  // namespace
+}  // namespace kungfu
