@@ -87,6 +87,19 @@ void Finish(tf::OpKernelContext* ctx, const tf::AsyncOpKernel::DoneCallback& don
   });
 }
 
+// Runs `start(peer, input, output)` with an output shaped like input 0, and completes the kernel
+// when the operation it returns does.
+template <typename Start>
+void RunLikeInput(tf::OpKernelContext* ctx, const tf::AsyncOpKernel::DoneCallback& done,
+                  Start start) {
+  Peer* peer = GetPeer(ctx);
+  if (!peer) return done();
+  const tf::Tensor& in = ctx->input(0);
+  tf::Tensor* out = nullptr;
+  OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, in.shape(), &out), done);
+  Finish(ctx, done, start(peer, in, out));
+}
+
 // Base of kernels that carry the matching name and an optional per-call timeout and strategy.
 class CollectiveKernel : public tf::AsyncOpKernel {
  public:
@@ -122,12 +135,9 @@ class AllReduceOp : public CollectiveKernel {
     OP_REQUIRES(c, ToDType(c->input_type(0), &dtype_), tf::errors::InvalidArgument("bad dtype"));
   }
   void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
-    Peer* peer = GetPeer(ctx);
-    if (!peer) return done();
-    const tf::Tensor& in = ctx->input(0);
-    tf::Tensor* out = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, in.shape(), &out), done);
-    Finish(ctx, done, peer->AllReduce(In(in), Out(out), in.NumElements(), dtype_, op_, options_));
+    RunLikeInput(ctx, done, [this](Peer* peer, const tf::Tensor& in, tf::Tensor* out) {
+      return peer->AllReduce(In(in), Out(out), in.NumElements(), dtype_, op_, options_);
+    });
   }
 
  private:
@@ -154,12 +164,9 @@ class BroadcastOp : public CollectiveKernel {
     OP_REQUIRES(c, ToDType(c->input_type(0), &dtype_), tf::errors::InvalidArgument("bad dtype"));
   }
   void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
-    Peer* peer = GetPeer(ctx);
-    if (!peer) return done();
-    const tf::Tensor& in = ctx->input(0);
-    tf::Tensor* out = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, in.shape(), &out), done);
-    Finish(ctx, done, peer->Broadcast(In(in), Out(out), in.NumElements(), dtype_, root_, options_));
+    RunLikeInput(ctx, done, [this](Peer* peer, const tf::Tensor& in, tf::Tensor* out) {
+      return peer->Broadcast(In(in), Out(out), in.NumElements(), dtype_, root_, options_);
+    });
   }
 
  private:
