@@ -19,8 +19,14 @@ def _load():
             "kungfu's TensorFlow op library is missing: kungfu was built where TensorFlow was not "
             f"importable. Install TensorFlow, then rebuild kungfu: {REBUILD}"
         )
-    with open(_VERSION_FILE) as f:
-        built = f.read().strip()
+    try:
+        with open(_VERSION_FILE) as f:
+            built = f.read().strip()
+    except OSError:
+        raise ImportError(
+            f"{_VERSION_FILE} is missing, so kungfu cannot tell which TensorFlow its op library "
+            f"was built for. Rebuild kungfu: {REBUILD}"
+        ) from None
     if built != tf.__version__:
         raise ImportError(
             f"kungfu's TensorFlow op library was built for TensorFlow {built}, but this is "

@@ -31,14 +31,16 @@ def _timeout_ms(timeout: Optional[float]) -> int:
     return int(timeout * 1000)
 
 
-def _name(name: Optional[str], t, kind: str) -> str:
+def _name(name: Optional[str], t, kind: str, caller: Optional[str] = None) -> str:
+    """`name`, or in graph mode one derived from the tensor's name (prefixed with `kind`)."""
     if name:
         return name
     tname = getattr(t, "name", None)
     if tname and not tf.executing_eagerly():
         return f"{kind}:{tname}"
     raise ValueError(
-        f"{kind} needs an explicit name= in eager mode (the same name on every worker)"
+        f"{caller or kind}: pass name= in eager mode (the same name on every worker for the "
+        "same tensor)"
     )
 
 
@@ -57,8 +59,11 @@ def fuse(ts: Sequence[tf.Tensor]) -> tf.Tensor:
 
 
 def defuse(t: tf.Tensor, shapes: Sequence) -> List[tf.Tensor]:
-    """Splits a fused tensor back into tensors of the given shapes."""
-    sizes = [int(tf.TensorShape(s).num_elements()) for s in shapes]
+    """Splits a fused tensor back into tensors of the given shapes (static, or shape tensors)."""
+    sizes = [tf.reduce_prod(s) if isinstance(s, tf.Tensor) else tf.TensorShape(s).num_elements()
+             for s in shapes]
+    if any(isinstance(n, tf.Tensor) for n in sizes):
+        sizes = tf.stack([tf.cast(n, tf.int64) for n in sizes])
     return [tf.reshape(p, s) for p, s in zip(tf.split(t, sizes), shapes)]
 
 
@@ -89,7 +94,8 @@ def group_all_reduce(ts: Sequence[tf.Tensor], op: str = "sum", name: Optional[st
             reduced = [all_reduce(tensors[0], op=op, name=f"{prefix}/{n}", strategy=strategy)]
         else:
             fused = all_reduce(fuse(tensors), op=op, name=f"{prefix}/{n}", strategy=strategy)
-            reduced = defuse(fused, [tf.shape(t) for t in tensors])
+            reduced = defuse(fused, [t.shape if t.shape.is_fully_defined() else tf.shape(t)
+                                     for t in tensors])
         for (i, _), r in zip(members, reduced):
             out[i] = r
     return out
@@ -139,7 +145,7 @@ def counter(init: int = 0, incr: int = 1):
 
 def save_variable(t, name: Optional[str] = None):
     """Publishes t in this worker's store under `name` (atomically replacing the old value)."""
-    return _lib.kungfu_save_variable(t, blob_name=_name(name, t, "blob"))
+    return _lib.kungfu_save_variable(t, blob_name=_name(name, t, "blob", "save_variable"))
 
 
 def request_variable(target, shape=None, dtype=None, name: Optional[str] = None,
@@ -148,7 +154,7 @@ def request_variable(target, shape=None, dtype=None, name: Optional[str] = None,
     if like is not None:
         shape = like.shape if shape is None else shape
         dtype = like.dtype if dtype is None else dtype
-        name = name or _name(None, like, "blob")
+        name = name or _name(None, like, "blob", "request_variable")
     if name is None:
         raise ValueError("request_variable needs name=")
     return _lib.kungfu_request_variable(tf.cast(target, tf.int32), T=tf.as_dtype(dtype),

@@ -3,6 +3,9 @@
 // the status and calls `done`, so no TensorFlow thread ever blocks. Every kernel reads rank and
 // size from the runtime when it runs, never when the graph is built.
 //
+// Collective ops are marked as distributed communication, so TensorFlow passes their error codes
+// (Unavailable for a dead peer, ...) through instead of rewriting them as Internal.
+//
 // Op names (attr `op_name`) match operations across workers: the k-th run of an op on one worker
 // meets the k-th run of the same name on the others.
 #include <atomic>
@@ -124,6 +127,7 @@ REGISTER_OP("KungfuAllReduce")
     .Attr("strategy: int = -1")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
+    .SetIsDistributedCommunication()
     .SetShapeFn(tf::shape_inference::UnchangedShape);
 
 class AllReduceOp : public CollectiveKernel {
@@ -155,6 +159,7 @@ REGISTER_OP("KungfuBroadcast")
     .Attr("strategy: int = -1")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
+    .SetIsDistributedCommunication()
     .SetShapeFn(tf::shape_inference::UnchangedShape);
 
 class BroadcastOp : public CollectiveKernel {
@@ -182,6 +187,7 @@ REGISTER_OP("KungfuAllGather")
     .Attr("op_name: string")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
+    .SetIsDistributedCommunication()
     .SetShapeFn([](InferenceContext* c) {
       tf::shape_inference::ShapeHandle in = c->input(0), rest, out;
       if (c->RankKnown(in) && c->Rank(in) > 0) {
@@ -243,7 +249,11 @@ class AllGatherOp : public CollectiveKernel {
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuAllGather").Device(tf::DEVICE_CPU), AllGatherOp);
 
-REGISTER_OP("KungfuBarrier").Attr("op_name: string").Attr("timeout_ms: int = -1").SetIsStateful();
+REGISTER_OP("KungfuBarrier")
+    .Attr("op_name: string")
+    .Attr("timeout_ms: int = -1")
+    .SetIsStateful()
+    .SetIsDistributedCommunication();
 
 class BarrierOp : public CollectiveKernel {
  public:
@@ -263,6 +273,7 @@ REGISTER_OP("KungfuConsensus")
     .Attr("op_name: string")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
+    .SetIsDistributedCommunication()
     .SetShapeFn(tf::shape_inference::ScalarShape);
 
 class ConsensusOp : public CollectiveKernel {
@@ -319,6 +330,7 @@ REGISTER_OP("KungfuRequestVariable")
     .Attr("shape: shape")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
+    .SetIsDistributedCommunication()
     .SetShapeFn([](InferenceContext* c) {
       tf::PartialTensorShape shape;
       TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));

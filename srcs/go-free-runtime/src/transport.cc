@@ -519,12 +519,11 @@ void Transport::ReaderLoop(int src, int fd) {
       }
       continue;
     }
-    if (!s.ok()) {  // mismatch against a posted receive: drop the payload, abort the op
+    if (!s.ok()) {  // mismatch against a posted receive: the op fails; drop the payload
       if (!net::Discard(fd, f.payload_len).ok()) {
         Fail(Unavailable(who + ": connection broken"));
         return;
       }
-      AbortOp(key.name, key.seq, s);
       continue;
     }
     Buffer buf(f.payload_len);
@@ -542,10 +541,6 @@ void Transport::ReaderLoop(int src, int fd) {
       ref->state = check.ok() ? Slot::kDone : Slot::kFailed;
       ref->error = check;
       ref->cv.notify_all();
-      if (!check.ok()) {
-        lk.unlock();
-        AbortOp(key.name, key.seq, check);
-      }
       continue;
     }
     ref->frame = f;

@@ -1,0 +1,477 @@
+"""Worker bodies for test_tf_ops.py: kungfu's TensorFlow ops in real worker processes.
+
+TensorFlow takes seconds to import, so each body runs many checks and returns raw results (as
+numpy arrays, dtype names, error class names and messages); the tests compute what the values
+must be and judge them. The input helpers below are pure numpy, shared by bodies and tests.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+
+REDUCE_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                 "float16", "bfloat16", "float32", "float64"]
+REDUCE_OPS = ["sum", "min", "max", "prod"]
+SHAPE = (2, 4)
+
+
+# -- inputs (pure numpy) -----------------------------------------------------------------------
+
+def reduce_input(dtype: str, op: str, rank: int) -> np.ndarray:
+    """Rank `rank`'s input for all_reduce, as float64 (bool for "bool"), exact in `dtype`.
+
+    Small values, so that sums and products over 3 workers neither overflow int8/uint8 nor
+    round in float16/bfloat16, whatever order the runtime reduces in.
+    """
+    j = np.arange(8)
+    if dtype == "bool":
+        return (((j >> rank) & 1) == 1).reshape(SHAPE)  # min: only j=7 True at np 3
+    base = (j * (rank + 2) + rank) % 7
+    if dtype.startswith("uint"):
+        v = base % 4 + (1 if op == "prod" else 0)
+    else:
+        v = base - 3.0
+        if dtype in ("float16", "float32", "float64"):
+            v = v + 0.5
+    return np.asarray(v, np.float64).reshape(SHAPE)
+
+
+def broadcast_input(rank: int) -> np.ndarray:
+    return (100.0 * rank + np.arange(6)).reshape(2, 3)
+
+
+def gather_input(rank: int) -> np.ndarray:
+    """rank + 1 rows of 3: axis-0 sizes differ per worker."""
+    return (100.0 * rank + np.arange(3 * (rank + 1))).reshape(rank + 1, 3)
+
+
+def gather_input_ragged(rank: int) -> np.ndarray:
+    """`rank` rows of 2 (rank 0 passes an empty tensor)."""
+    return (10 * rank + np.arange(2 * rank)).reshape(rank, 2)
+
+
+def group_inputs(rank: int):
+    """(dtype, shape, values) of the tensors given to group_all_reduce, in order."""
+    specs = [("float32", (2, 2)), ("float32", (3,)), ("int32", (4,)), ("float32", (2, 2)),
+             ("float64", (5,)), ("float32", (1,)), ("int32", (2, 1)), ("float32", ()),
+             ("float64", (3, 1)), ("int64", (6,))]
+    out = []
+    for i, (dt, shape) in enumerate(specs):
+        size = int(np.prod(shape))
+        out.append((dt, shape, (np.arange(size) + 10 * i + rank).reshape(shape).astype(np.float64)))
+    return out
+
+
+# With bucket_bytes=32 the tensors above go into these buckets (indices in the list above):
+# float32: [0 (16 B), 1 (12 B), 3 (16 B)] -> 44 B >= 32 closes it; [5, 7] ; int32: [2 (16 B),
+# 6 (8 B)] ; float64: [4 (40 B)] closes at once, [8] ; int64: [9].
+GROUP_BUCKET_BYTES = 32
+GROUP_BUCKETS = 6
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def _tf():
+    import tensorflow as tf
+
+    import kungfu.tensorflow  # noqa: F401 - loads the op library and connects to the peers
+    from kungfu.tensorflow import ops
+
+    return tf, ops
+
+
+def _pack(t):
+    """A tensor as (dtype name, shape, values): floats as float64, ints as int64 (exact here)."""
+    a = np.asarray(t.numpy() if hasattr(t, "numpy") else t)
+    name = t.dtype.name if hasattr(t, "dtype") and hasattr(t.dtype, "name") else str(a.dtype)
+    if a.dtype == bool:
+        v = a.copy()
+    elif name in ("float16", "bfloat16", "float32", "float64"):
+        v = a.astype(np.float64)
+    else:
+        v = a.astype(np.int64)
+    return name, tuple(a.shape), v
+
+
+def _outcome(fn):
+    t0 = time.monotonic()
+    try:
+        value = fn()
+        return {"error": None, "value": value, "seconds": time.monotonic() - t0}
+    except Exception as e:  # noqa: BLE001 - the test judges it
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0,
+                "mro": [c.__name__ for c in type(e).__mro__]}
+
+
+def _peers():
+    return os.environ.get("KUNGFU_INIT_PEERS", "").split(",")
+
+
+# -- values ------------------------------------------------------------------------------------
+
+def values():
+    """Every op's values, eagerly and inside tf.function; returns a dict of raw results."""
+    tf, ops = _tf()
+    import kungfu as kf
+
+    r, n = kf.rank(), kf.size()
+    res = {"rank": r, "size": n}
+    # Autograph's source transformation costs seconds per function on a small machine, and
+    # nothing here needs it; the multi-step function below keeps it, as user code would.
+    graph = functools.partial(tf.function, autograph=False)
+
+    # -- all_reduce, every dtype and op ---------------------------------------------------
+    cases = [(dt, op) for dt in REDUCE_DTYPES for op in REDUCE_OPS]
+    cases += [("bool", "min"), ("bool", "max")]
+
+    def make(dt, op):
+        return tf.constant(reduce_input(dt, op, r), dtype=tf.as_dtype(dt))
+
+    strategies = [None, "STAR", "RING", "TREE"]
+    eager = {}
+    for i, (dt, op) in enumerate(cases):
+        eager[(dt, op)] = _pack(ops.all_reduce(make(dt, op), op=op, name=f"e/ar/{dt}/{op}",
+                                               strategy=strategies[i % len(strategies)]))
+    res["all_reduce/eager"] = eager
+
+    @graph
+    def all_reduce_graph():
+        # Default names: derived from the (identically traced) tensor names on every worker.
+        return {f"{dt}/{op}": ops.all_reduce(make(dt, op), op=op) for dt, op in cases}
+
+    out = all_reduce_graph()
+    res["all_reduce/graph"] = {(dt, op): _pack(out[f"{dt}/{op}"]) for dt, op in cases}
+    res["all_reduce/graph_names"] = sorted(
+        o.get_attr("op_name").decode()
+        for o in all_reduce_graph.get_concrete_function().graph.get_operations()
+        if o.type == "KungfuAllReduce")
+
+    # -- the same tf.function for several steps, values changing per step ----------------
+    traces = []
+
+    @tf.function(input_signature=[tf.TensorSpec([3], tf.float32)])
+    def step(x):
+        traces.append(1)
+        return (ops.all_reduce(x, name="steps/sum"), ops.all_reduce(x, op="max"),
+                ops.all_reduce(tf.cast(x, tf.int64), op="min", name="steps/min"))
+
+    res["steps"] = []
+    for k in range(5):
+        x = np.array([r + 10 * k, -r, k * r], np.float32)
+        s, m, mn = step(tf.constant(x))
+        res["steps"].append((_pack(s), _pack(m), _pack(mn)))
+    res["steps_traces"] = len(traces)
+
+    v = tf.Variable(float(r + 1), dtype=tf.float64)
+
+    @graph
+    def train():
+        v.assign(ops.all_reduce(v.read_value(), name="train/v"))
+        return v.read_value()
+
+    res["variable_steps"] = [float(train().numpy()) for _ in range(3)]
+
+    # -- group_all_reduce -----------------------------------------------------------------
+    def group_tensors():
+        return [tf.constant(vals, dtype=tf.as_dtype(dt)) for dt, _, vals in group_inputs(r)]
+
+    res["group/eager"] = [_pack(t) for t in ops.group_all_reduce(
+        group_tensors(), name="eg", bucket_bytes=GROUP_BUCKET_BYTES)]
+    res["group/eager_max"] = [_pack(t) for t in ops.group_all_reduce(
+        group_tensors(), op="max", name="egmax")]  # default bucket size: one bucket per dtype
+
+    @graph
+    def group_graph():
+        return ops.group_all_reduce(group_tensors(), bucket_bytes=GROUP_BUCKET_BYTES)
+
+    res["group/graph"] = _outcome(lambda: [_pack(t) for t in group_graph()])
+    if res["group/graph"]["error"] is None:
+        res["group/graph_buckets"] = sorted(
+            o.get_attr("op_name").decode()
+            for o in group_graph.get_concrete_function().graph.get_operations()
+            if o.type == "KungfuAllReduce")
+
+    # -- broadcast, from each root --------------------------------------------------------
+    bc = {}
+    for root in range(n):
+        for dt in ("float32", "int64", "bfloat16", "uint8"):
+            x = tf.constant(broadcast_input(r) % 256 if dt == "uint8" else broadcast_input(r),
+                            dtype=tf.as_dtype(dt))
+            bc[("eager", root, dt)] = _pack(ops.broadcast(x, root=root, name=f"bc/{root}/{dt}"))
+
+    @graph
+    def broadcast_graph():
+        x = tf.constant(broadcast_input(r), tf.float64)
+        return [ops.broadcast(x, root=root) for root in range(n)]
+
+    for root, t in enumerate(broadcast_graph()):
+        bc[("graph", root, "float64")] = _pack(t)
+    res["broadcast"] = bc
+
+    # -- all_gather -----------------------------------------------------------------------
+    res["all_gather/eager"] = _pack(ops.all_gather(tf.constant(gather_input(r), tf.float32),
+                                                   name="ag"))
+    res["all_gather/eager_ragged"] = _pack(ops.all_gather(
+        tf.constant(gather_input_ragged(r), tf.int8), name="ag/ragged"))
+    static = {}
+
+    @graph
+    def gather_graph():
+        a = ops.all_gather(tf.constant(gather_input(r), tf.float32))
+        b = ops.all_gather(tf.constant(gather_input_ragged(r), tf.int16))
+        c = ops.all_gather(tf.zeros([r + 1, 2, 3], tf.float64), name="ag/3d")
+        static["a"], static["b"], static["c"] = (a.shape.as_list(), b.shape.as_list(),
+                                                 c.shape.as_list())
+        return a, b, c
+
+    a, b, c = gather_graph()
+    res["all_gather/graph"] = (_pack(a), _pack(b), _pack(c))
+    res["all_gather/static"] = static
+
+    # -- barrier --------------------------------------------------------------------------
+    def timed_barrier(run):
+        time.sleep(0.3 * r)
+        arrived = time.time()
+        run()
+        return arrived, time.time()
+
+    res["barrier/eager"] = timed_barrier(lambda: ops.barrier(name="bar/eager"))
+    @graph
+    def barrier_graph():
+        ops.barrier(name="bar/graph")
+
+    res["barrier/graph"] = [timed_barrier(barrier_graph) for _ in range(2)]
+
+    # -- consensus ------------------------------------------------------------------------
+    same = tf.constant([1.5, 2.5, 3.5])
+    differ = tf.constant([1, r, 3], tf.int64)
+    length = tf.range(r + 1)
+    res["consensus/eager"] = {
+        "same": bool(ops.consensus(same, name="cs/same")),
+        "differ": bool(ops.consensus(differ, name="cs/differ")),
+        "length": bool(ops.consensus(length, name="cs/length")),
+        "same_again": bool(ops.consensus(same, name="cs/same")),
+    }
+
+    @graph
+    def consensus_graph(x):
+        return ops.consensus(x, name="cs/graph")
+
+    res["consensus/graph"] = [bool(consensus_graph(tf.constant([k, k * r], tf.int32)))
+                              for k in range(3)]
+
+    # -- peer_info / rank / cluster_size -------------------------------------------------
+    pr, ps = ops.peer_info()
+    res["peer_info/eager"] = (pr.dtype.name, int(pr), ps.dtype.name, int(ps),
+                              int(ops.rank()), int(ops.cluster_size()))
+    g = graph(lambda: (ops.rank(), ops.cluster_size(), ops.peer_info()))()
+    res["peer_info/graph"] = (int(g[0]), int(g[1]), int(g[2][0]), int(g[2][1]))
+
+    # -- counter -------------------------------------------------------------------------
+    count = graph(lambda: (ops.counter(), ops.counter(init=5, incr=3)))
+    res["counter"] = [(int(a), int(b)) for a, b in (count() for _ in range(4))]
+
+    # -- fuse / defuse -------------------------------------------------------------------
+    parts = [np.arange(6.0).reshape(2, 3), np.arange(4.0) + 10, np.array(42.0),
+             np.arange(4.0).reshape(1, 2, 2) - 7]
+    shapes = [p.shape for p in parts]
+    fused = ops.fuse([tf.constant(p, tf.float32) for p in parts])
+    res["fuse/eager"] = (_pack(fused), [_pack(t) for t in ops.defuse(fused, shapes)])
+
+    @graph
+    def roundtrip():
+        f = ops.fuse([tf.constant(p, tf.float32) for p in parts])
+        return f, ops.defuse(f, shapes)
+
+    f, d = roundtrip()
+    res["fuse/graph"] = (_pack(f), [_pack(t) for t in d])
+    res["fuse/parts"] = parts
+
+    # -- save_variable / request_variable -------------------------------------------------
+    peer = (r + 1) % n
+    p2p = {}
+    ops.save_variable(tf.fill([2, 3], 10.0 * r + 1), name="w")
+    ops.barrier(name="p2p/saved/1")
+    p2p["peer/1"] = _pack(ops.request_variable(peer, [2, 3], tf.float32, name="w"))
+    p2p["self/1"] = _pack(ops.request_variable(r, [2, 3], tf.float32, name="w"))
+    ops.barrier(name="p2p/read/1")
+    ops.save_variable(tf.fill([2, 3], 10.0 * r + 2), name="w")  # replaces the old blob
+    ops.barrier(name="p2p/saved/2")
+    p2p["peer/2"] = _pack(ops.request_variable(peer, [2, 3], tf.float32, name="w"))
+    ops.save_variable(tf.constant([r, -r, 7 * r], tf.int64), name="w64")
+    ops.barrier(name="p2p/saved/3")
+    p2p["int64"] = _pack(ops.request_variable(tf.constant(peer), [3], tf.int64, name="w64"))
+    p2p["missing/peer"] = _outcome(
+        lambda: ops.request_variable(peer, [2], tf.float32, name="no-such-blob"))
+    p2p["missing/self"] = _outcome(
+        lambda: ops.request_variable(r, [2], tf.float32, name="no-such-blob-self"))
+    p2p["size/peer"] = _outcome(lambda: ops.request_variable(peer, [5], tf.float32, name="w"))
+    p2p["size/self"] = _outcome(lambda: ops.request_variable(r, [2, 2], tf.float32, name="w"))
+    p2p["after_errors"] = _pack(ops.request_variable(peer, [2, 3], tf.float32, name="w"))
+    ops.barrier(name="p2p/eager/done")
+
+    w = tf.Variable(tf.zeros([2, 3]), name="pw")
+
+    @graph
+    def exchange(k):
+        # Stateful ops in a tf.function run in program order: save, barrier, request.
+        w.assign(tf.fill([2, 3], 100.0 * tf.cast(k, tf.float32) + r))
+        ops.save_variable(w)  # default blob name from the variable, the same on every worker
+        ops.barrier(name="p2p/graph/saved")
+        got = ops.request_variable(peer, like=w)
+        ops.barrier(name="p2p/graph/read")
+        return got
+
+    p2p["graph"] = [_pack(exchange(tf.constant(k))) for k in range(3)]
+    res["p2p"] = p2p
+
+    # -- eager mode without name= ---------------------------------------------------------
+    t = tf.constant([1.0, 2.0])
+    res["noname"] = {
+        "all_reduce": _outcome(lambda: ops.all_reduce(t)),
+        "broadcast": _outcome(lambda: ops.broadcast(t)),
+        "all_gather": _outcome(lambda: ops.all_gather(t)),
+        "consensus": _outcome(lambda: ops.consensus(t)),
+        "save_variable": _outcome(lambda: ops.save_variable(t)),
+        "request_variable": _outcome(lambda: ops.request_variable(0, [2], tf.float32)),
+    }
+    res["bad_op"] = _outcome(lambda: ops.all_reduce(t, op="mean", name="bad-op"))
+    # Nobody leaves while another worker may still be reading its blobs.
+    ops.barrier(name="values/done")
+    return res
+
+
+# -- errors: mismatches and deadlines ----------------------------------------------------------
+
+def errors():
+    """Workers disagree, or wait alone: each case's outcome, and whether an op works after."""
+    tf, ops = _tf()
+    import kungfu as kf
+
+    r, n = kf.rank(), kf.size()
+    odd = r == n - 1  # only the last rank differs
+    out = {"rank": r}
+
+    def recover(i):
+        o = _outcome(lambda: ops.all_reduce(tf.constant([r + 1, 1], tf.int64),
+                                            name=f"after/{i}", timeout=20))
+        return o["error"] is None and o["value"].numpy().tolist() == [n * (n + 1) // 2, n]
+
+    @tf.function(autograph=False)
+    def graph_size_mismatch():
+        return ops.all_reduce(tf.ones([7 if odd else 6]), name="mm/graph-size")
+
+
+    cases = [
+        ("all_reduce-size", lambda: ops.all_reduce(tf.ones([5 if odd else 4]), name="mm/size")),
+        ("all_reduce-dtype", lambda: ops.all_reduce(
+            tf.ones([4], tf.float64 if odd else tf.float32), name="mm/dtype")),
+        ("all_reduce-size-graph", graph_size_mismatch),
+        ("broadcast-size", lambda: ops.broadcast(tf.ones([3 if odd else 2]), root=0,
+                                                 name="mm/bc")),
+        ("all_gather-rows", lambda: ops.all_gather(tf.ones([2, 4 if odd else 3]),
+                                                   name="mm/ag")),
+    ]
+    mm = []
+    for i, (label, fn) in enumerate(cases):
+        o = _outcome(fn)
+        o.pop("value", None)
+        o["case"] = label
+        o["recovered"] = recover(i)
+        mm.append(o)
+    out["mismatch"] = mm
+
+    # Local errors: every worker makes the same bad call.
+    local = [
+        ("bool-sum", lambda: ops.all_reduce(tf.constant([True, False]), name="bad/bool")),
+        ("gather-scalar", lambda: ops.all_gather(tf.constant(1.0), name="bad/scalar")),
+    ]
+    out["local"] = []
+    for i, (label, fn) in enumerate(local):
+        o = _outcome(fn)
+        o.pop("value", None)
+        o["case"] = label
+        o["recovered"] = recover(100 + i)
+        out["local"].append(o)
+
+    # A per-op deadline: rank 0 waits alone on an op the others never run.
+    lonely_graph = tf.function(
+        lambda: ops.all_reduce(tf.ones([3]), name="lonely/graph", timeout=1.0), autograph=False)
+    if r == 0:
+        out["timeout/eager"] = _outcome(lambda: ops.all_reduce(tf.ones([3]), name="lonely",
+                                                               timeout=1.0))
+        out["timeout/graph"] = _outcome(lonely_graph)
+        out["timeout/barrier"] = _outcome(lambda: ops.barrier(name="lonely/barrier",
+                                                              timeout=0.5))
+        for key in ("timeout/eager", "timeout/graph", "timeout/barrier"):
+            out[key].pop("value", None)
+    ops.barrier(name="after-timeouts")
+    out["recovered_after_timeouts"] = recover(200)
+
+    # One worker asks a peer for a blob with the wrong size; the others then read the same blob
+    # correctly (their requests must not be affected by that worker's failed one).
+    ops.save_variable(tf.fill([4], float(r)), name="shared")
+    ops.barrier(name="p2p/saved")
+    peer = (r + 1) % n
+    if r == 0:
+        out["p2p/wrong"] = _outcome(lambda: ops.request_variable(peer, [3], tf.float32,
+                                                                 name="shared"))
+        out["p2p/wrong"].pop("value", None)
+    ops.barrier(name="p2p/wrong-done")
+    o = _outcome(lambda: ops.request_variable(peer, [4], tf.float32, name="shared",
+                                              timeout=10))
+    if o["error"] is None:
+        o["value"] = o["value"].numpy().tolist()
+    out["p2p/right"] = o
+    ops.barrier(name="errors/done")
+    return out
+
+
+# -- a peer dies -------------------------------------------------------------------------------
+
+def peer_killed(victim: int):
+    """All workers loop a tf.function of all_reduce; `victim` is SIGKILLed 0.5 s in.
+
+    Survivors return what the loop raised and when (relative to the kill), and what a later op
+    raises."""
+    tf, ops = _tf()
+    import kungfu as kf
+
+    r, n = kf.rank(), kf.size()
+
+    @tf.function(autograph=False)
+    def step(x):
+        return ops.all_reduce(x, name="doomed")
+
+    x = tf.ones([1 << 16])
+    first = step(x).numpy()
+    assert np.all(first == n), first[:4]
+    ops.barrier(name="start")
+    t_kill = time.time() + 0.5
+    if r == victim:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    steps = 0
+
+    def loop():
+        nonlocal steps
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            step(x)
+            steps += 1
+        return "no error within 40 s"
+
+    o = _outcome(loop)
+    o["after_kill"] = time.time() - t_kill
+    o["steps"] = steps
+    o.pop("value", None)
+    if r == victim:
+        return {"victim": True, "first": o}
+    time.sleep(2.0)  # no survivor may learn of the failure from another survivor's exit
+    later = _outcome(lambda: ops.all_reduce(tf.ones([3]), name="later"))
+    later.pop("value", None)
+    return {"victim": False, "first": o, "later": later, "dead": _peers()[victim]}
