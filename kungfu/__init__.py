@@ -62,6 +62,30 @@ def init() -> None:
     _peer.get()
 
 
+# Names served by kungfu.tensorflow, imported on first access so that `import kungfu` alone
+# never imports TensorFlow.
+_TENSORFLOW_NAMES = {
+    "Optimizer": "kungfu.tensorflow",
+    "BroadcastGlobalVariablesCallback": "kungfu.tensorflow",
+    "broadcast_variables": "kungfu.tensorflow",
+}
+
+
+def __getattr__(name: str):
+    module = _TENSORFLOW_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kungfu' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_TENSORFLOW_NAMES))
+
+
 __all__ = [
     "errors",
     "Handle",

@@ -2,5 +2,17 @@
 
 Importing this module loads kungfu's op library (checking it was built for this TensorFlow) and
 connects this worker to its peers.
+
+    import kungfu as kf
+    opt = kf.Optimizer(keras.optimizers.SGD(0.1))            # or kungfu.tensorflow.Optimizer
+    model.compile(optimizer=opt, loss=...)
+    model.fit(..., callbacks=[kf.BroadcastGlobalVariablesCallback()])
 """
 from kungfu.tensorflow import ops  # noqa: F401
+from kungfu.tensorflow.initializer import (  # noqa: F401
+    BroadcastGlobalVariablesCallback,
+    broadcast_variables,
+)
+from kungfu.tensorflow.optimizers import Optimizer  # noqa: F401
+
+__all__ = ["ops", "Optimizer", "BroadcastGlobalVariablesCallback", "broadcast_variables"]

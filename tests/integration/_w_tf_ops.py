@@ -71,7 +71,9 @@ def group_inputs(rank: int):
 # float32: [0 (16 B), 1 (12 B), 3 (16 B)] -> 44 B >= 32 closes it; [5, 7] ; int32: [2 (16 B),
 # 6 (8 B)] ; float64: [4 (40 B)] closes at once, [8] ; int64: [9].
 GROUP_BUCKET_BYTES = 32
-GROUP_BUCKETS = 6
+# Buckets are named <prefix>/<dtype>/<index of the first tensor in the bucket>.
+GROUP_BUCKET_NAMES = ["group/float32/0", "group/float32/5", "group/int32/2", "group/float64/4",
+                      "group/float64/8", "group/int64/9"]
 
 
 # -- helpers -----------------------------------------------------------------------------------

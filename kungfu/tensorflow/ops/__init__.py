@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence
 import tensorflow as tf
 
 from kungfu.tensorflow._oplib import lib as _lib
+from kungfu.tensorflow.ops import _fusion
 
 _OPS = ("sum", "min", "max", "prod")
 
@@ -71,34 +72,15 @@ def group_all_reduce(ts: Sequence[tf.Tensor], op: str = "sum", name: Optional[st
                      bucket_bytes: int = 16 << 20, strategy: Optional[str] = None):
     """all_reduce of many tensors, fused into buckets of about bucket_bytes per dtype.
 
-    Returns the reduced tensors in the order given. `name` prefixes the buckets' names; it
-    defaults to "group" (every worker must pass the same tensors in the same order).
+    Returns the reduced tensors in the order given. Every worker must pass the same tensors in
+    the same order; bucket ops are named "<name>/<dtype>/<first tensor's index>" (name defaults
+    to "group").
     """
-    prefix = name or "group"
-    out: List[Optional[tf.Tensor]] = [None] * len(ts)
-    buckets: dict = {}
-    order = []
-    for i, t in enumerate(ts):
-        t = tf.convert_to_tensor(t)
-        key = t.dtype
-        if key not in buckets or buckets[key][-1][1] >= bucket_bytes:
-            buckets.setdefault(key, []).append([[], 0])
-            order.append((key, len(buckets[key]) - 1))
-        bucket = buckets[key][-1]
-        bucket[0].append((i, t))
-        bucket[1] += t.shape.num_elements() * t.dtype.size if t.shape.is_fully_defined() else bucket_bytes
-    for n, (key, j) in enumerate(order):
-        members = buckets[key][j][0]
-        tensors = [t for _, t in members]
-        if len(tensors) == 1:
-            reduced = [all_reduce(tensors[0], op=op, name=f"{prefix}/{n}", strategy=strategy)]
-        else:
-            fused = all_reduce(fuse(tensors), op=op, name=f"{prefix}/{n}", strategy=strategy)
-            reduced = defuse(fused, [t.shape if t.shape.is_fully_defined() else tf.shape(t)
-                                     for t in tensors])
-        for (i, _), r in zip(members, reduced):
-            out[i] = r
-    return out
+    if op not in _OPS:
+        raise ValueError(f"unknown reduce op {op!r} (choose {', '.join(_OPS)})")
+    return _fusion.fused_apply(
+        ts, name or "group", bucket_bytes,
+        lambda t, n: all_reduce(t, op=op, name=n, strategy=strategy))
 
 
 def broadcast(t, root: int = 0, name: Optional[str] = None, strategy: Optional[str] = None,

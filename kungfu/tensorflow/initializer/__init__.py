@@ -1,0 +1,125 @@
+"""Start every worker from the same state: root's model weights and optimizer state.
+
+    kf.broadcast_variables(model.weights + optimizer.variables, root=0)
+    model.fit(..., callbacks=[kf.BroadcastGlobalVariablesCallback(root=0)])
+
+Variables are grouped by dtype and fused into buckets, one broadcast per bucket; the op names are
+derived from `name`, the dtype and the position of the bucket's first variable, so every worker
+that passes the same list of variables issues the same names.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Iterable
+
+import keras
+import tensorflow as tf
+
+import kungfu
+from kungfu.tensorflow.optimizers import _fusion
+
+DEFAULT_BUCKET_BYTES = 16 << 20
+
+
+def _flatten(variables) -> list:
+    if isinstance(variables, (tf.Variable, keras.Variable)):
+        return [variables]
+    out = []
+    for v in variables:
+        if isinstance(v, (list, tuple)):
+            out.extend(_flatten(v))
+        else:
+            out.append(v)
+    return out
+
+
+def broadcast_variables(variables: Iterable, root: int = 0, name: str = "kungfu/broadcast",
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """Assigns root's values to `variables` on every worker.
+
+    variables: tf.Variable or keras.Variable objects (a list, possibly nested), in the same order
+    on every worker. Works eagerly and inside tf.function (then returns the grouped assign op).
+    name: prefix of the broadcast ops' names; two broadcasts that may run concurrently need
+    different prefixes.
+    """
+    if isinstance(root, bool) or not isinstance(root, int):
+        raise TypeError(f"root must be an int, got {type(root).__name__}")
+    size = kungfu.size()
+    if not 0 <= root < size:
+        raise ValueError(f"root {root} is not a rank of this cluster of {size} workers")
+    variables = _flatten(variables)
+    for v in variables:
+        if not isinstance(v, (tf.Variable, keras.Variable)):
+            raise TypeError(f"broadcast_variables takes variables, got {type(v).__name__}")
+        if not tf.TensorShape(v.shape).is_fully_defined():
+            raise ValueError(f"variable {v.name} has a shape that is not fully defined: "
+                             f"{v.shape}")
+    received = _fusion.broadcast([tf.convert_to_tensor(v) for v in variables], root, name,
+                                 bucket_bytes)
+    assigns = [v.assign(r) for v, r in zip(variables, received)]
+    if tf.executing_eagerly():
+        return None
+    return tf.group([a for a in assigns if isinstance(a, (tf.Tensor, tf.Operation))])
+
+
+def _optimizer_variables(model) -> list:
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        return []
+    if not opt.built:
+        # Keras creates slots lazily: create them now so they can be broadcast too.
+        with keras.name_scope(opt.name, caller=opt):
+            opt.build(list(model.trainable_variables))
+    return list(opt.variables)
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Keras callback: at the start of training every worker takes root's model weights and
+    optimizer state (slots, iteration counter, learning rate variable).
+
+    The broadcast happens once per callback object, in on_train_begin; the optimizer is built on
+    the model's trainable variables first if Keras has not built it yet. When the model's
+    optimizer is a kungfu distributed optimizer and the model was compiled for XLA (Keras does
+    that by itself on GPUs), the callback switches the training step to jit_compile=False, with
+    a warning: kungfu's collectives cannot run inside XLA clusters.
+    """
+
+    def __init__(self, root: int = 0, name: str = "kungfu/broadcast-global", **kwargs):
+        kwargs.pop("with_keras", None)  # accepted for compatibility, nothing to choose
+        root = kwargs.pop("root_rank", root)
+        if kwargs:
+            raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+        super().__init__()
+        self.root = root
+        self.name = name
+        self.done = False
+
+    def broadcast(self):
+        model = self.model
+        # model.weights: trainable and non-trainable weights (e.g. batch-norm statistics), but
+        # not the layers' random seed states, which stay per worker.
+        variables = list(model.weights) + _optimizer_variables(model)
+        broadcast_variables(variables, root=self.root, name=self.name)
+        self.done = True
+
+    def on_train_begin(self, logs=None):
+        _disable_xla_for_distributed_optimizer(self.model)
+        if not self.done:
+            self.broadcast()
+
+
+def _disable_xla_for_distributed_optimizer(model) -> None:
+    """kungfu's collectives have no XLA kernels: a model whose optimizer is distributed must not
+    train in an XLA-compiled step (Keras picks XLA by itself on GPUs with jit_compile="auto")."""
+    from kungfu.tensorflow.optimizers import Optimizer
+
+    if not isinstance(getattr(model, "optimizer", None), Optimizer):
+        return
+    if getattr(model, "jit_compile", False) and not getattr(model, "run_eagerly", False):
+        warnings.warn("kungfu: training without XLA (jit_compile=False): the distributed "
+                      "optimizer's collectives cannot be compiled by XLA")
+        model.jit_compile = False
+        model.make_train_function(force=True)
+
+
+__all__ = ["broadcast_variables", "BroadcastGlobalVariablesCallback"]

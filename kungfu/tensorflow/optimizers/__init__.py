@@ -1,0 +1,68 @@
+"""Distributed optimizers for Keras 3 (KungFu-compatible names).
+
+    opt = kf.Optimizer(keras.optimizers.SGD(0.1))                      # synchronous SGD
+    opt = kf.Optimizer(keras.optimizers.Adam(), algorithm="sma", alpha=0.1)
+    opt = kf.Optimizer(keras.optimizers.SGD(0.1), algorithm="pair-averaging")
+
+The KungFu names are thin functions over `Optimizer`:
+SynchronousSGDOptimizer, SynchronousAveragingOptimizer, PairAveragingOptimizer.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from kungfu.tensorflow.optimizers._core import ALGORITHMS, Optimizer
+
+
+def _unsupported(**flags):
+    on = [k for k, v in flags.items() if v]
+    if on:
+        raise NotImplementedError(f"option(s) {on} are not available in this build of kungfu")
+
+
+def SynchronousSGDOptimizer(optimizer, name: Optional[str] = None, nccl: bool = False,
+                            nccl_fusion: bool = True, hierarchical_nccl: bool = False,
+                            monitor: bool = False, use_locking: bool = False,
+                            with_keras: bool = False, **options):
+    """Synchronous SGD: gradients averaged over all workers before they are applied.
+
+    `name`, `nccl_fusion`, `use_locking` and `with_keras` are accepted for compatibility and
+    change nothing (gradients are always fused into buckets); `nccl`, `hierarchical_nccl` and
+    `monitor` are not available yet. Other options go to `Optimizer`.
+    """
+    del name, nccl_fusion, use_locking, with_keras
+    _unsupported(nccl=nccl, hierarchical_nccl=hierarchical_nccl, monitor=monitor)
+    return Optimizer(optimizer, algorithm="sync-sgd", **options)
+
+
+def SynchronousAveragingOptimizer(optimizer, name: Optional[str] = None, alpha: float = 0.1,
+                                  use_locking: bool = False, with_keras: bool = False,
+                                  **options):
+    """Synchronous model averaging: each step pulls the model towards the workers' average
+    (v <- v + alpha * (avg(v) - v)), then applies the local gradients."""
+    del name, use_locking, with_keras
+    return Optimizer(optimizer, algorithm="sma", alpha=alpha, **options)
+
+
+def PairAveragingOptimizer(optimizer, fuse_requests: bool = True,
+                           fused_model_name: Optional[str] = None, name: Optional[str] = None,
+                           use_locking: bool = False, with_keras: bool = False, **options):
+    """Pair averaging (AD-PSGD): each step averages the model with one random other worker's
+    saved model, applies the local gradients, then saves the model for the others.
+
+    `fused_model_name` sets the prefix of the saved model's blob names (op_prefix); the model
+    is always fetched fused (one request per dtype), whatever `fuse_requests` says.
+    """
+    del fuse_requests, name, use_locking, with_keras
+    if fused_model_name is not None:
+        options.setdefault("op_prefix", fused_model_name)
+    return Optimizer(optimizer, algorithm="pair-averaging", **options)
+
+
+__all__ = [
+    "ALGORITHMS",
+    "Optimizer",
+    "SynchronousSGDOptimizer",
+    "SynchronousAveragingOptimizer",
+    "PairAveragingOptimizer",
+]

@@ -1,0 +1,374 @@
+"""Distributed wrappers for Keras 3 optimizers.
+
+`Optimizer(opt, algorithm=...)` returns an instance of a subclass of `type(opt)`, created from
+`opt.get_config()`, whose `apply()` (which `apply_gradients()`, `model.fit` and custom loops all
+go through) talks to the other workers before, or around, the wrapped optimizer's own update:
+
+- sync-sgd: the gradients are summed over all workers and divided by the live cluster size,
+  then the wrapped optimizer applies the average (clipping, weight decay, loss scaling and
+  gradient accumulation of the wrapped optimizer see the averaged gradients);
+- sma: each variable that has a gradient is pulled towards the workers' average model,
+  v <- v + alpha * (avg(v) - v), then the wrapped optimizer applies the local gradients;
+- pair-averaging: each variable is averaged with one uniformly chosen other worker's saved
+  model, the wrapped optimizer applies the local gradients, and the worker saves its model for
+  the others to fetch.
+
+Every op name is "<prefix>/<what>/<dtype>/<position>": the prefix is `op_prefix` or
+"kungfu/<algorithm>/<k>" for the k-th distributed optimizer of the process, the position that of
+the bucket's first tensor. Workers that create the same optimizers in the same order and train the
+same model therefore issue the same names, step after step.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+from typing import Dict, List, Optional, Tuple
+
+import keras
+import tensorflow as tf
+
+from kungfu.tensorflow import ops
+from kungfu.tensorflow.optimizers._fusion import mean_over_workers as _mean_over_workers
+
+DEFAULT_BUCKET_BYTES = 16 << 20
+
+_ALIASES = {
+    "sync-sgd": "sync-sgd",
+    "ssgd": "sync-sgd",
+    "s-sgd": "sync-sgd",
+    "synchronous-sgd": "sync-sgd",
+    "sma": "sma",
+    "synchronous-averaging": "sma",
+    "synchronous-model-averaging": "sma",
+    "pair-averaging": "pair-averaging",
+    "pair": "pair-averaging",
+    "ad-psgd": "pair-averaging",
+    "adpsgd": "pair-averaging",
+    "async-sgd": "pair-averaging",
+}
+ALGORITHMS = ("sync-sgd", "sma", "pair-averaging")
+_SERIAL = itertools.count()
+
+
+def _in_xla_context() -> bool:
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - private module moved
+        return False
+    if tf.executing_eagerly():
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def _value(v) -> tf.Tensor:
+    return tf.convert_to_tensor(v)
+
+
+class Optimizer:
+    """A distributed Keras optimizer.
+
+    `Optimizer(opt, algorithm="sync-sgd", **options)` wraps a Keras 3 optimizer instance and
+    returns a new optimizer of a subclass of `type(opt)` (so `isinstance(result, type(opt))`,
+    `isinstance(result, keras.optimizers.Optimizer)` and `isinstance(result, Optimizer)` hold).
+
+    algorithm:
+      "sync-sgd" (default): average gradients over all workers before applying them.
+          options: bucket_bytes (fusion bucket size, default 16 MiB), strategy (allreduce
+          strategy name, default: the cluster's).
+      "sma": synchronous model averaging. options: alpha (default 0.1), bucket_bytes, strategy.
+      "pair-averaging": AD-PSGD, average with one random peer each step. options: none besides
+          op_prefix.
+    All algorithms accept op_prefix: the prefix of the collective and blob names. It must be the
+    same on every worker and differ between optimizers that step in the same process; the
+    default, "kungfu/<algorithm>/<k>" for the k-th distributed optimizer this process created,
+    is right when every worker creates its distributed optimizers in the same order.
+
+    The wrapped optimizer's configuration is kept: `get_config()` and Keras serialization give
+    what the wrapped optimizer gives (a saved model reloads with the plain optimizer). State of an
+    already built optimizer (slots, iteration counter) is copied.
+    """
+
+    _kf_algorithm: str = ""
+    _kf_accepts: Tuple[str, ...] = ("op_prefix",)
+    _kf_op_prefix: Optional[str] = None
+
+    def __new__(cls, *args, **kwargs):
+        if cls is Optimizer:
+            return _wrap(*args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        # Python calls __init__ again on what Optimizer(opt, ...) returned: it is complete.
+        if self.__dict__.get("_kf_complete", False):
+            return
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "_kf_serial", next(_SERIAL))
+
+    # -- helpers shared by the algorithms ---------------------------------------------------
+
+    @property
+    def kungfu_algorithm(self) -> str:
+        """The distributed algorithm: "sync-sgd", "sma" or "pair-averaging"."""
+        return self._kf_algorithm
+
+    def kungfu_options(self) -> dict:
+        """The algorithm's options (not part of get_config(), which is the wrapped one's)."""
+        return {k: getattr(self, "_kf_" + k) for k in self._kf_accepts}
+
+    def _kf_prefix(self) -> str:
+        # Not the Keras name: that counts every optimizer the process created, and a worker
+        # may create plain optimizers the others do not (e.g. for evaluation on rank 0).
+        return self._kf_op_prefix or f"kungfu/{self._kf_algorithm}/{self._kf_serial}"
+
+    def _kf_check_context(self):
+        if _in_xla_context():
+            raise RuntimeError(
+                "kungfu's distributed optimizer cannot run inside an XLA-compiled function "
+                "(its collectives have no XLA kernels): compile the model with "
+                "jit_compile=False, or use tf.function(jit_compile=False) in a custom loop")
+
+    def _kf_build_if_needed(self, trainable_variables):
+        if not self.built:
+            if trainable_variables is None:
+                raise ValueError(
+                    "When passing `grads` without `variables`, the optimizer must already be "
+                    "built on a list of variables. Call `optimizer.build(trainable_variables)` "
+                    "first.")
+            with keras.name_scope(self.name, caller=self):
+                self.build(list(trainable_variables))
+            self.built = True
+
+    def _kf_set_options(self, options: dict):
+        unknown = sorted(set(options) - set(self._kf_accepts))
+        if unknown:
+            raise TypeError(
+                f"unknown option(s) {unknown} for algorithm {self._kf_algorithm!r} "
+                f"(accepted: {sorted(self._kf_accepts)})")
+        for k, v in options.items():
+            setattr(self, "_kf_" + k, self._kf_validate(k, v))
+
+    def _kf_validate(self, key, value):
+        if key == "op_prefix":
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"op_prefix must be a non-empty string, got {value!r}")
+        elif key == "bucket_bytes":
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+                raise ValueError(f"bucket_bytes must be a positive integer, got {value!r}")
+            value = int(value)
+        elif key == "strategy":
+            if value is not None:
+                ops._strategy(value)  # raises on an unknown strategy name
+        elif key == "alpha":
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+                    0.0 < float(value) <= 1.0) or math.isnan(float(value)):
+                raise ValueError(f"alpha must be a number in (0, 1], got {value!r}")
+            value = float(value)
+        return value
+
+
+class _SynchronousSGD(Optimizer):
+    _kf_algorithm = "sync-sgd"
+    _kf_accepts = ("op_prefix", "bucket_bytes", "strategy")
+    _kf_bucket_bytes = DEFAULT_BUCKET_BYTES
+    _kf_strategy = None
+
+    def apply(self, grads, trainable_variables=None):
+        self._kf_check_context()
+        grads = list(grads)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        # IndexedSlices (embedding gradients) become dense tensors: workers touch different
+        # rows, and a dense sum is what every worker can agree on in size.
+        dense = [tf.convert_to_tensor(grads[i]) for i in present]
+        averaged = _mean_over_workers(dense, f"{self._kf_prefix()}/grads",
+                                      self._kf_bucket_bytes, self._kf_strategy)
+        for i, g in zip(present, averaged):
+            grads[i] = g
+        return super().apply(grads, trainable_variables)
+
+
+class _SynchronousAveraging(Optimizer):
+    _kf_algorithm = "sma"
+    _kf_accepts = ("op_prefix", "alpha", "bucket_bytes", "strategy")
+    _kf_alpha = 0.1
+    _kf_bucket_bytes = DEFAULT_BUCKET_BYTES
+    _kf_strategy = None
+
+    def apply(self, grads, trainable_variables=None):
+        self._kf_check_context()
+        grads = list(grads)
+        self._kf_build_if_needed(trainable_variables)
+        variables = list(self._trainable_variables if trainable_variables is None
+                         else trainable_variables)
+        if len(variables) != len(grads):
+            raise ValueError(f"got {len(grads)} gradients for {len(variables)} variables")
+        pulled = [v for g, v in zip(grads, variables) if g is not None]
+        values = [_value(v) for v in pulled]
+        averages = _mean_over_workers(values, f"{self._kf_prefix()}/model",
+                                      self._kf_bucket_bytes, self._kf_strategy)
+        assigns = []
+        for v, x, avg in zip(pulled, values, averages):
+            alpha = tf.cast(self._kf_alpha, x.dtype)
+            assigns.append(v.assign(x + alpha * (avg - x)))
+        deps = [a for a in assigns if isinstance(a, (tf.Tensor, tf.Operation))]
+        with tf.control_dependencies(deps if not tf.executing_eagerly() else None):
+            return super().apply(grads, trainable_variables)
+
+
+class _PairAveraging(Optimizer):
+    _kf_algorithm = "pair-averaging"
+    _kf_accepts = ("op_prefix",)
+
+    def build(self, variables):
+        super().build(variables)
+        # Whether this worker has published its model once and passed the start-up barrier.
+        # A plain tf.Variable kept out of the optimizer's variables (and checkpoints).
+        with tf.init_scope():
+            ready = tf.Variable(False, trainable=False, name="kungfu_pair_averaging_ready")
+        object.__setattr__(self, "_kf_ready", ready)
+
+    def _kf_groups(self) -> List[Tuple[tf.DType, list]]:
+        groups: Dict[tf.DType, list] = {}
+        for v in self._trainable_variables:
+            groups.setdefault(tf.as_dtype(v.dtype), []).append(v)
+        return list(groups.items())
+
+    def _kf_blob(self, dtype: tf.DType) -> str:
+        return f"{self._kf_prefix()}/model/{dtype.name}"
+
+    def _kf_save(self):
+        return [ops.save_variable(ops.fuse([_value(v) for v in vs]), name=self._kf_blob(dt))
+                for dt, vs in self._kf_groups()]
+
+    def apply(self, grads, trainable_variables=None):
+        self._kf_check_context()
+        self._kf_build_if_needed(trainable_variables)
+        eager = tf.executing_eagerly()
+        ready = self.__dict__["_kf_ready"]
+        prefix = self._kf_prefix()
+
+        def first_time():
+            saved = self._kf_save()
+            with tf.control_dependencies(None if eager else saved):
+                passed = ops.barrier(name=f"{prefix}/start")
+            with tf.control_dependencies(None if eager else [passed]):
+                ready.assign(True)
+                return tf.constant(True)
+
+        started = tf.cond(ready.read_value(), lambda: tf.constant(False), first_time)
+        rank, size = ops.peer_info()
+
+        def average_with_peer():
+            target = choose_peer(self._iterations, rank, size)
+            for dt, vs in self._kf_groups():
+                total = sum(tf.TensorShape(v.shape).num_elements() for v in vs)
+                fetched = ops.request_variable(target, shape=[total], dtype=dt,
+                                               name=self._kf_blob(dt))
+                parts = ops.defuse(fetched, [tf.TensorShape(v.shape) for v in vs])
+                for v, p in zip(vs, parts):
+                    v.assign((_value(v) + p) * tf.cast(0.5, dt))
+            return tf.constant(True)
+
+        with tf.control_dependencies(None if eager else [started]):
+            averaged = tf.cond(size > 1, average_with_peer, lambda: tf.constant(False))
+        with tf.control_dependencies(None if eager else [averaged]):
+            result = super().apply(grads, trainable_variables)
+        with tf.control_dependencies(None if eager else [_value(self._iterations)]):
+            self._kf_save()
+        return result
+
+
+def choose_peer(step, rank, size):
+    """A worker other than `rank`, uniform over the size - 1 others, as an int32 scalar.
+
+    Drawn from a stateless generator seeded by (step, rank): independent between workers and
+    steps, and reproducible. Draws k from [0, size - 1) and skips over `rank`."""
+    seed = tf.stack([tf.cast(step, tf.int64), tf.cast(rank, tf.int64)])
+    k = tf.random.stateless_uniform([], seed=seed, minval=0, maxval=size - 1, dtype=tf.int32)
+    return k + tf.cast(k >= rank, tf.int32)
+
+
+_CLASSES = {
+    "sync-sgd": _SynchronousSGD,
+    "sma": _SynchronousAveraging,
+    "pair-averaging": _PairAveraging,
+}
+_DYNAMIC: Dict[tuple, type] = {}
+
+
+def _serialize_like(dynamic: type, base: type) -> None:
+    """Makes Keras serialize instances of `dynamic` exactly as instances of `base`."""
+    try:
+        from keras.src import api_export
+        from keras.src.saving import object_registration
+    except ImportError:  # pragma: no cover - Keras internals moved: names still match
+        return
+    public = api_export.get_name_from_symbol(base)
+    if public is not None:
+        api_export.REGISTERED_OBJS_TO_NAMES[dynamic] = public
+    custom = object_registration.GLOBAL_CUSTOM_NAMES.get(base)
+    if custom is not None:
+        object_registration.GLOBAL_CUSTOM_NAMES[dynamic] = custom
+
+
+def _distributed_class(algorithm_cls: type, base: type) -> type:
+    key = (algorithm_cls, base)
+    cls = _DYNAMIC.get(key)
+    if cls is None:
+        cls = type(base.__name__, (algorithm_cls, base), {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+        })
+        _serialize_like(cls, base)
+        _DYNAMIC[key] = cls
+    return cls
+
+
+def _normalize_algorithm(algorithm) -> str:
+    if not isinstance(algorithm, str):
+        raise TypeError(f"algorithm must be a string (one of {', '.join(ALGORITHMS)}), "
+                        f"got {type(algorithm).__name__}")
+    key = algorithm.strip().lower().replace("_", "-")
+    if key not in _ALIASES:
+        raise ValueError(f"unknown algorithm {algorithm!r}: choose one of "
+                         f"{', '.join(repr(a) for a in ALGORITHMS)}")
+    return _ALIASES[key]
+
+
+def _wrap(optimizer=None, algorithm: str = "sync-sgd", **options):
+    if isinstance(optimizer, Optimizer):
+        raise ValueError(f"this optimizer is already distributed "
+                         f"(algorithm {optimizer.kungfu_algorithm!r}); wrap the plain one")
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        what = repr(optimizer) if isinstance(optimizer, str) else type(optimizer).__name__
+        raise TypeError(
+            "kungfu.Optimizer wraps a Keras 3 optimizer instance (keras.optimizers.Optimizer, "
+            f"e.g. keras.optimizers.SGD(0.1)), got {what}")
+    name = _normalize_algorithm(algorithm)
+    cls = _distributed_class(_CLASSES[name], type(optimizer))
+    config = optimizer.get_config()
+    try:
+        wrapped = cls.from_config(dict(config))
+    except Exception as e:  # noqa: BLE001 - explain which step failed
+        raise TypeError(
+            f"cannot recreate {type(optimizer).__name__} from its get_config() to distribute "
+            f"it: {type(e).__name__}: {e}") from e
+    wrapped._kf_set_options(options)
+    if optimizer.built:
+        _copy_state(optimizer, wrapped)
+    object.__setattr__(wrapped, "_kf_complete", True)
+    return wrapped
+
+
+def _copy_state(src, dst) -> None:
+    with tf.init_scope():
+        with keras.name_scope(dst.name, caller=dst):
+            dst.build(list(src._trainable_variables))
+        dst.built = True
+        if len(src.variables) != len(dst.variables):
+            raise ValueError(
+                f"cannot copy the state of the built {type(src).__name__}: it has "
+                f"{len(src.variables)} variables, the distributed copy {len(dst.variables)}")
+        for d, s in zip(dst.variables, src.variables):
+            d.assign(s)
