@@ -110,10 +110,15 @@ class CollectiveKernel : public tf::AsyncOpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("op_name", &options_.name));
     if (c->HasAttr("strategy")) OP_REQUIRES_OK(c, c->GetAttr("strategy", &options_.strategy));
     if (c->HasAttr("timeout_ms")) OP_REQUIRES_OK(c, c->GetAttr("timeout_ms", &options_.timeout_ms));
+    if (c->num_inputs() > 0) {
+      OP_REQUIRES(c, ToDType(c->input_type(0), &dtype_),
+                  tf::errors::InvalidArgument("unsupported dtype ", tf::DataTypeString(c->input_type(0))));
+    }
   }
 
  protected:
   OpOptions options_;
+  DType dtype_ = DType::kUInt8;  // of input 0, if any
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -136,7 +141,6 @@ class AllReduceOp : public CollectiveKernel {
     std::string op;
     OP_REQUIRES_OK(c, c->GetAttr("op", &op));
     OP_REQUIRES(c, ParseOp(op, &op_), tf::errors::InvalidArgument("unknown op ", op));
-    OP_REQUIRES(c, ToDType(c->input_type(0), &dtype_), tf::errors::InvalidArgument("bad dtype"));
   }
   void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
     RunLikeInput(ctx, done, [this](Peer* peer, const tf::Tensor& in, tf::Tensor* out) {
@@ -146,7 +150,6 @@ class AllReduceOp : public CollectiveKernel {
 
  private:
   ReduceOp op_;
-  DType dtype_;
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuAllReduce").Device(tf::DEVICE_CPU), AllReduceOp);
 
@@ -166,7 +169,6 @@ class BroadcastOp : public CollectiveKernel {
  public:
   explicit BroadcastOp(tf::OpKernelConstruction* c) : CollectiveKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("root", &root_));
-    OP_REQUIRES(c, ToDType(c->input_type(0), &dtype_), tf::errors::InvalidArgument("bad dtype"));
   }
   void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
     RunLikeInput(ctx, done, [this](Peer* peer, const tf::Tensor& in, tf::Tensor* out) {
@@ -176,7 +178,6 @@ class BroadcastOp : public CollectiveKernel {
 
  private:
   int root_;
-  DType dtype_;
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuBroadcast").Device(tf::DEVICE_CPU), BroadcastOp);
 
@@ -203,9 +204,7 @@ REGISTER_OP("KungfuAllGather")
 // Rows may differ per worker: the output is allocated once the counts are known.
 class AllGatherOp : public CollectiveKernel {
  public:
-  explicit AllGatherOp(tf::OpKernelConstruction* c) : CollectiveKernel(c) {
-    OP_REQUIRES(c, ToDType(c->input_type(0), &dtype_), tf::errors::InvalidArgument("bad dtype"));
-  }
+  using CollectiveKernel::CollectiveKernel;
   void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
     Peer* peer = GetPeer(ctx);
     if (!peer) return done();
@@ -243,9 +242,6 @@ class AllGatherOp : public CollectiveKernel {
       done();
     });
   }
-
- private:
-  DType dtype_;
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuAllGather").Device(tf::DEVICE_CPU), AllGatherOp);
 
