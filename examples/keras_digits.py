@@ -41,8 +41,10 @@ from kungfu.tensorflow import BroadcastGlobalVariablesCallback, Optimizer  # noq
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--epochs", type=int, default=20, help="passes over the training set (default 20)")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per step on each worker (default 32)")
+    p.add_argument("--epochs", type=int, default=20,
+                   help="passes over the training set (default 20)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="samples per step on each worker (default 32)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
                    help="sgd: SGD with momentum 0.9 (default); adam: Adam")
     p.add_argument("--lr", type=float, default=None,
@@ -53,12 +55,14 @@ def parse_args(argv=None):
     p.add_argument("--test-fraction", type=float, default=0.2,
                    help="fraction of the data held out for testing (default 0.2)")
     p.add_argument("--min-accuracy", type=float, default=None,
-                   help="exit with code 1 when the test accuracy is below this (default: only print)")
+                   help="exit with code 1 when the test accuracy is below this "
+                        "(default: only print it)")
     return p.parse_args(argv)
 
 
 def load_data(seed: int, test_fraction: float):
-    """The same split on every worker: ((x_train, y_train), (x_test, y_test)), x as NHWC in [0, 1]."""
+    """The same split on every worker: ((x_train, y_train), (x_test, y_test)); x is NHWC
+    float32 in [0, 1]."""
     digits = load_digits()
     x = (digits.images.astype(np.float32) / 16.0)[..., None]
     y = digits.target.astype(np.int64)

@@ -7,6 +7,7 @@ both the initial broadcast and the gradient averaging to work.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import re
@@ -15,8 +16,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import importlib.util
 
 import pytest
 
@@ -62,7 +61,8 @@ def run_example(script: str, np_: int, *args: str, timeout: float = 80) -> str:
            "-timeout", f"{int(timeout) - 5}s", PY, str(EXAMPLES / script), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO),
                        timeout=timeout, check=False)
-    assert r.returncode == 0, f"{cmd} exited with {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    assert r.returncode == 0, (
+        f"{cmd} exited with {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
     return r.stdout
 
 
