@@ -68,6 +68,9 @@ _TENSORFLOW_NAMES = {
     "Optimizer": "kungfu.tensorflow",
     "BroadcastGlobalVariablesCallback": "kungfu.tensorflow",
     "broadcast_variables": "kungfu.tensorflow",
+    "grad_noise_scale": "kungfu.tensorflow",
+    "grad_variance": "kungfu.tensorflow",
+    "Hook": "kungfu.tensorflow",
 }
 
 

@@ -9,10 +9,20 @@ connects this worker to its peers.
     model.fit(..., callbacks=[kf.BroadcastGlobalVariablesCallback()])
 """
 from kungfu.tensorflow import ops  # noqa: F401
+from kungfu.tensorflow._hook import Hook  # noqa: F401
+from kungfu.tensorflow._monitor import grad_noise_scale, grad_variance  # noqa: F401
 from kungfu.tensorflow.initializer import (  # noqa: F401
     BroadcastGlobalVariablesCallback,
     broadcast_variables,
 )
 from kungfu.tensorflow.optimizers import Optimizer  # noqa: F401
 
-__all__ = ["ops", "Optimizer", "BroadcastGlobalVariablesCallback", "broadcast_variables"]
+__all__ = [
+    "ops",
+    "Optimizer",
+    "BroadcastGlobalVariablesCallback",
+    "broadcast_variables",
+    "grad_noise_scale",
+    "grad_variance",
+    "Hook",
+]

@@ -144,7 +144,16 @@ def request_variable(target, shape=None, dtype=None, name: Optional[str] = None,
                                         timeout_ms=_timeout_ms(timeout))
 
 
+def global_noise_scale(batch_small, batch_big, tensor, avg_tensor, alpha: float = 0.6,
+                       name: Optional[str] = None):
+    """KungFu's gradient noise scale op; see kungfu.tensorflow._monitor.global_noise_scale."""
+    from kungfu.tensorflow import _monitor
+
+    return _monitor.global_noise_scale(batch_small, batch_big, tensor, avg_tensor, alpha, name)
+
+
 __all__ = [
+    "global_noise_scale",
     "all_reduce", "group_all_reduce", "broadcast", "all_gather", "barrier", "consensus",
     "peer_info", "rank", "cluster_size", "counter", "fuse", "defuse", "save_variable",
     "request_variable",

@@ -4,8 +4,10 @@
     opt = kf.Optimizer(keras.optimizers.Adam(), algorithm="sma", alpha=0.1)
     opt = kf.Optimizer(keras.optimizers.SGD(0.1), algorithm="pair-averaging")
 
-The KungFu names are thin functions over `Optimizer`:
-SynchronousSGDOptimizer, SynchronousAveragingOptimizer, PairAveragingOptimizer.
+The KungFu names are thin functions over `Optimizer`: SynchronousSGDOptimizer,
+SynchronousAveragingOptimizer, PairAveragingOptimizer, and the monitoring ones,
+MonitorGradientNoiseScaleOptimizer and MonitorGradientVarianceOptimizer (synchronous SGD with
+monitor="gns" or "variance").
 """
 from __future__ import annotations
 
@@ -59,7 +61,31 @@ def PairAveragingOptimizer(optimizer, fuse_requests: bool = True,
     return Optimizer(optimizer, algorithm="pair-averaging", **options)
 
 
+def MonitorGradientNoiseScaleOptimizer(optimizer, device_batch_size, monitor_interval: int = 1,
+                                       name: Optional[str] = None, use_locking: bool = False,
+                                       with_keras: bool = False, alpha: float = 0.9, **options):
+    """Synchronous SGD that estimates the gradient noise scale every `monitor_interval` steps
+    (read it with kf.grad_noise_scale()). `device_batch_size` is this worker's batch size,
+    `alpha` the EMA decay."""
+    del name, use_locking, with_keras
+    return Optimizer(optimizer, algorithm="sync-sgd", monitor="gns",
+                     batch_size=device_batch_size, monitor_interval=monitor_interval,
+                     monitor_decay=alpha, **options)
+
+
+def MonitorGradientVarianceOptimizer(optimizer, monitor_interval: int = 1,
+                                     name: Optional[str] = None, use_locking: bool = False,
+                                     with_keras: bool = False, alpha: float = 0.9, **options):
+    """Synchronous SGD that estimates the gradient variance every `monitor_interval` steps
+    (read it with kf.grad_variance()); `alpha` is the EMA decay."""
+    del name, use_locking, with_keras
+    return Optimizer(optimizer, algorithm="sync-sgd", monitor="variance",
+                     monitor_interval=monitor_interval, monitor_decay=alpha, **options)
+
+
 __all__ = [
+    "MonitorGradientNoiseScaleOptimizer",
+    "MonitorGradientVarianceOptimizer",
     "ALGORITHMS",
     "Optimizer",
     "SynchronousSGDOptimizer",

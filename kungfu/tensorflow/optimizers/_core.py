@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import keras
 import tensorflow as tf
 
-from kungfu.tensorflow import ops
+from kungfu.tensorflow import _monitor, ops
 from kungfu.tensorflow.optimizers._fusion import mean_over_workers as _mean_over_workers
 
 DEFAULT_BUCKET_BYTES = 16 << 20
@@ -75,7 +75,14 @@ class Optimizer:
     algorithm:
       "sync-sgd" (default): average gradients over all workers before applying them.
           options: bucket_bytes (fusion bucket size, default 16 MiB), strategy (allreduce
-          strategy name, default: the cluster's).
+          strategy name, default: the cluster's), and monitoring:
+          monitor: "gns" (gradient noise scale) and/or "variance" (gradient variance), a name
+              or a list; computed inside the training step from the local and the averaged
+              gradients, read with kf.grad_noise_scale() / kf.grad_variance() or in Keras logs
+              (with kf.Hook()); default: none.
+          monitor_interval: monitor every k-th step (default 1).
+          monitor_decay: EMA decay of the estimates, weighting the old value (default 0.9).
+          batch_size: this worker's batch size (needed by "gns").
       "sma": synchronous model averaging. options: alpha (default 0.1), bucket_bytes, strategy.
       "pair-averaging": AD-PSGD, average with one random peer each step. options: none besides
           op_prefix.
@@ -142,11 +149,18 @@ class Optimizer:
     def _kf_set_options(self, options: dict):
         unknown = sorted(set(options) - set(self._kf_accepts))
         if unknown:
+            hint = ""
+            if set(unknown) & set(_MONITOR_OPTIONS):
+                hint = (" (monitoring needs the averaged gradients, which only the sync-sgd "
+                        "algorithm computes)")
             raise TypeError(
                 f"unknown option(s) {unknown} for algorithm {self._kf_algorithm!r} "
-                f"(accepted: {sorted(self._kf_accepts)})")
+                f"(accepted: {sorted(self._kf_accepts)}){hint}")
         for k, v in options.items():
             setattr(self, "_kf_" + k, self._kf_validate(k, v))
+
+    def _kf_configured(self):
+        """Called once the options are set."""
 
     def _kf_validate(self, key, value):
         if key == "op_prefix":
@@ -159,6 +173,14 @@ class Optimizer:
         elif key == "strategy":
             if value is not None:
                 ops._strategy(value)  # raises on an unknown strategy name
+        elif key == "monitor":
+            value = _monitor.normalize(value)
+        elif key == "monitor_interval":
+            value = _monitor.check_interval(value)
+        elif key == "monitor_decay":
+            value = _monitor.check_decay(value)
+        elif key == "batch_size":
+            value = None if value is None else _monitor.check_batch_size(value)
         elif key == "alpha":
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
                     0.0 < float(value) <= 1.0) or math.isnan(float(value)):
@@ -167,11 +189,30 @@ class Optimizer:
         return value
 
 
+_MONITOR_OPTIONS = ("monitor", "monitor_interval", "monitor_decay", "batch_size")
+
+
 class _SynchronousSGD(Optimizer):
     _kf_algorithm = "sync-sgd"
-    _kf_accepts = ("op_prefix", "bucket_bytes", "strategy")
+    _kf_accepts = ("op_prefix", "bucket_bytes", "strategy") + _MONITOR_OPTIONS
     _kf_bucket_bytes = DEFAULT_BUCKET_BYTES
     _kf_strategy = None
+    _kf_monitor: Tuple[str, ...] = ()
+    _kf_monitor_interval = 1
+    _kf_monitor_decay = _monitor.DEFAULT_DECAY
+    _kf_batch_size = None
+
+    def _kf_configured(self):
+        monitor = None
+        if self._kf_monitor:
+            monitor = _monitor.GradientMonitor(self._kf_monitor, self._kf_monitor_interval,
+                                               self._kf_monitor_decay, self._kf_batch_size)
+        object.__setattr__(self, "_kf_gradient_monitor", monitor)
+
+    @property
+    def kungfu_monitor(self) -> Optional[_monitor.GradientMonitor]:
+        """The gradient monitor (None without monitor=...)."""
+        return self.__dict__.get("_kf_gradient_monitor")
 
     def apply(self, grads, trainable_variables=None):
         self._kf_check_context()
@@ -184,7 +225,15 @@ class _SynchronousSGD(Optimizer):
                                       self._kf_bucket_bytes, self._kf_strategy)
         for i, g in zip(present, averaged):
             grads[i] = g
-        return super().apply(grads, trainable_variables)
+        monitor = self.kungfu_monitor
+        step = None
+        if monitor is not None:
+            self._kf_build_if_needed(trainable_variables)
+            step = _value(self._iterations)
+        result = super().apply(grads, trainable_variables)
+        if monitor is not None and dense:
+            monitor.update(dense, averaged, step, f"{self._kf_prefix()}/monitor")
+        return result
 
 
 class _SynchronousAveraging(Optimizer):
@@ -355,6 +404,7 @@ def _wrap(optimizer=None, algorithm: str = "sync-sgd", **options):
             f"cannot recreate {type(optimizer).__name__} from its get_config() to distribute "
             f"it: {type(e).__name__}: {e}") from e
     wrapped._kf_set_options(options)
+    wrapped._kf_configured()
     if optimizer.built:
         _copy_state(optimizer, wrapped)
     object.__setattr__(wrapped, "_kf_complete", True)

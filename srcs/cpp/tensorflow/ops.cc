@@ -13,113 +13,12 @@
 #include <memory>
 #include <string>
 
-#include "kungfu/peer.h"
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
+#include "common.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
-#include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/framework/tensor.h"
-
-namespace tf = tensorflow;
-using tf::shape_inference::InferenceContext;
 
 namespace kungfu {
+namespace tfops {
 namespace {
-
-#define KF_TF_TYPES "{int8, int16, int32, int64, uint8, uint16, uint32, uint64, half, bfloat16, float, double, bool}"
-
-tf::Status ToTF(const Status& s) {
-  switch (s.code()) {
-    case Code::kOk: return tf::OkStatus();
-    case Code::kInvalidArgument: return tf::errors::InvalidArgument(s.message());
-    case Code::kDeadlineExceeded: return tf::errors::DeadlineExceeded(s.message());
-    case Code::kUnavailable: return tf::errors::Unavailable(s.message());
-    case Code::kCancelled: return tf::errors::Cancelled(s.message());
-    case Code::kNotFound: return tf::errors::NotFound(s.message());
-    case Code::kInternal: break;
-  }
-  return tf::errors::Internal(s.message());
-}
-
-bool ToDType(tf::DataType t, DType* out) {
-  switch (t) {
-    case tf::DT_INT8: *out = DType::kInt8; return true;
-    case tf::DT_INT16: *out = DType::kInt16; return true;
-    case tf::DT_INT32: *out = DType::kInt32; return true;
-    case tf::DT_INT64: *out = DType::kInt64; return true;
-    case tf::DT_UINT8: *out = DType::kUInt8; return true;
-    case tf::DT_UINT16: *out = DType::kUInt16; return true;
-    case tf::DT_UINT32: *out = DType::kUInt32; return true;
-    case tf::DT_UINT64: *out = DType::kUInt64; return true;
-    case tf::DT_HALF: *out = DType::kFloat16; return true;
-    case tf::DT_BFLOAT16: *out = DType::kBFloat16; return true;
-    case tf::DT_FLOAT: *out = DType::kFloat32; return true;
-    case tf::DT_DOUBLE: *out = DType::kFloat64; return true;
-    case tf::DT_BOOL: *out = DType::kBool; return true;
-    default: return false;
-  }
-}
-
-bool ParseOp(const std::string& s, ReduceOp* op) {
-  if (s == "sum") *op = ReduceOp::kSum;
-  else if (s == "min") *op = ReduceOp::kMin;
-  else if (s == "max") *op = ReduceOp::kMax;
-  else if (s == "prod") *op = ReduceOp::kProd;
-  else return false;
-  return true;
-}
-
-Peer* GetPeer(tf::OpKernelContext* ctx) {
-  Peer* p = DefaultPeer();
-  if (p == nullptr) {
-    ctx->SetStatus(tf::errors::FailedPrecondition(
-        "kungfu is not initialised in this process: import kungfu.tensorflow (or call "
-        "kungfu.init()) before running kungfu ops"));
-  }
-  return p;
-}
-
-const void* In(const tf::Tensor& t) { return t.tensor_data().data(); }
-void* Out(tf::Tensor* t) { return const_cast<char*>(t->tensor_data().data()); }
-
-// Completes a kernel from the runtime's callback.
-void Finish(tf::OpKernelContext* ctx, const tf::AsyncOpKernel::DoneCallback& done, const Handle& h) {
-  h.OnComplete([ctx, done](const Status& s) {
-    if (!s.ok()) ctx->SetStatus(ToTF(s));
-    done();
-  });
-}
-
-// Runs `start(peer, input, output)` with an output shaped like input 0, and completes the kernel
-// when the operation it returns does.
-template <typename Start>
-void RunLikeInput(tf::OpKernelContext* ctx, const tf::AsyncOpKernel::DoneCallback& done,
-                  Start start) {
-  Peer* peer = GetPeer(ctx);
-  if (!peer) return done();
-  const tf::Tensor& in = ctx->input(0);
-  tf::Tensor* out = nullptr;
-  OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, in.shape(), &out), done);
-  Finish(ctx, done, start(peer, in, out));
-}
-
-// Base of kernels that carry the matching name and an optional per-call timeout and strategy.
-class CollectiveKernel : public tf::AsyncOpKernel {
- public:
-  explicit CollectiveKernel(tf::OpKernelConstruction* c) : AsyncOpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("op_name", &options_.name));
-    if (c->HasAttr("strategy")) OP_REQUIRES_OK(c, c->GetAttr("strategy", &options_.strategy));
-    if (c->HasAttr("timeout_ms")) OP_REQUIRES_OK(c, c->GetAttr("timeout_ms", &options_.timeout_ms));
-    if (c->num_inputs() > 0) {
-      OP_REQUIRES(c, ToDType(c->input_type(0), &dtype_),
-                  tf::errors::InvalidArgument("unsupported dtype ", tf::DataTypeString(c->input_type(0))));
-    }
-  }
-
- protected:
-  OpOptions options_;
-  DType dtype_ = DType::kUInt8;  // of input 0, if any
-};
 
 // ---------------------------------------------------------------------------------------------
 
@@ -417,4 +316,5 @@ class CounterOp : public tf::OpKernel {
 REGISTER_KERNEL_BUILDER(Name("KungfuCounter").Device(tf::DEVICE_CPU), CounterOp);
 
 }  // namespace
+}  // namespace tfops
 }  // namespace kungfu

@@ -1,0 +1,199 @@
+"""Gradient monitoring inside the training step: gradient noise scale and gradient variance.
+
+A `GradientMonitor` belongs to one synchronous-SGD optimizer. Every `interval` steps, inside the
+same step as the update (no extra pass over the model), it runs:
+
+1. KungfuGradientStats: one fused pass over the local and the averaged gradients, and one
+   allreduce of four doubles, giving every worker the same statistics (srcs/cpp/tensorflow/
+   monitor.cc has the formulas);
+2. KungfuNoiseScale and/or KungfuGradientVariance: the EMA-smoothed estimates, from the
+   statistics and the state kept in this monitor's variables.
+
+The latest estimates are variables too: `kf.grad_noise_scale()` and `kf.grad_variance()` read
+those of the most recently built monitor, `kf.Hook` puts them in Keras's logs.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
+
+import tensorflow as tf
+
+from kungfu.tensorflow._oplib import lib as _lib
+
+GNS = "gns"
+VARIANCE = "variance"
+MONITORS = (GNS, VARIANCE)
+# Keras log keys of the estimates.
+LOG_KEYS = {GNS: "gns", VARIANCE: "grad_variance"}
+DEFAULT_DECAY = 0.9
+_ALIASES = {
+    "gns": GNS,
+    "noise-scale": GNS,
+    "grad-noise-scale": GNS,
+    "gradient-noise-scale": GNS,
+    "variance": VARIANCE,
+    "grad-variance": VARIANCE,
+    "gradient-variance": VARIANCE,
+}
+# The most recently built monitor of each quantity (what kf.grad_noise_scale() reads).
+_LATEST: Dict[str, "GradientMonitor"] = {}
+
+
+def normalize(monitor: Union[None, str, Iterable[str]]) -> Tuple[str, ...]:
+    """The monitored quantities, in MONITORS order, from a name or a list of names."""
+    if monitor is None:
+        return ()
+    names = [monitor] if isinstance(monitor, str) else monitor
+    try:
+        names = list(names)
+    except TypeError:
+        raise TypeError(f"monitor must be a name or a list of names ({', '.join(MONITORS)}), "
+                        f"got {type(monitor).__name__}") from None
+    chosen = set()
+    for m in names:
+        key = m.strip().lower().replace("_", "-") if isinstance(m, str) else None
+        if key not in _ALIASES:
+            raise ValueError(f"unknown monitor {m!r}: choose from {', '.join(MONITORS)}")
+        chosen.add(_ALIASES[key])
+    return tuple(m for m in MONITORS if m in chosen)
+
+
+def check_batch_size(value, what: str = "batch_size") -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+            math.isfinite(float(value)) and float(value) > 0):
+        raise ValueError(f"{what} must be a positive number (this worker's batch size), "
+                         f"got {value!r}")
+    return float(value)
+
+
+def check_interval(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"monitor_interval must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_decay(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+            0.0 <= float(value) < 1.0):
+        raise ValueError(f"monitor_decay must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+def _variable(value, name: str) -> tf.Variable:
+    with tf.init_scope():
+        return tf.Variable(tf.constant(value, tf.float64), trainable=False, name=name)
+
+
+def gradient_stats(local: Sequence, averaged: Sequence, batch_size, name: str,
+                   timeout_ms: int = -1) -> tf.Tensor:
+    """[mean_i |g_i|^2, |g|^2, mean_i |g_i - g|^2, mean_i 1/B_i, n], the same on every worker.
+
+    local: this worker's gradients; averaged: their average over the workers; batch_size: this
+    worker's batch size B_i. A collective: every worker must run it with the same name."""
+    local, averaged = list(local), list(averaged)
+    if len(local) != len(averaged) or not local:
+        raise ValueError(f"gradient statistics need as many averaged as local gradients "
+                         f"(at least one), got {len(local)} and {len(averaged)}")
+    local = [tf.convert_to_tensor(t) for t in local]
+    averaged = [tf.cast(tf.convert_to_tensor(a), t.dtype) for a, t in zip(averaged, local)]
+    return _lib.kungfu_gradient_stats(local, averaged, tf.cast(batch_size, tf.float64),
+                                      op_name=name, timeout_ms=timeout_ms)
+
+
+class GradientMonitor:
+    """The state and ops of the monitors of one optimizer (see the module docstring)."""
+
+    def __init__(self, monitors: Sequence[str], interval: int = 1,
+                 decay: float = DEFAULT_DECAY, batch_size: Optional[float] = None):
+        self.monitors = tuple(monitors)
+        self.interval = check_interval(interval)
+        self.decay = check_decay(decay)
+        if GNS in self.monitors and batch_size is None:
+            raise ValueError("monitoring the gradient noise scale needs this worker's batch size: "
+                             "pass batch_size=<local batch size> to kf.Optimizer")
+        # The variance does not depend on the batch size; 1 keeps the statistics op's check.
+        self.batch_size = _variable(1.0 if batch_size is None else check_batch_size(batch_size),
+                                    "kungfu_monitor_batch_size")
+        self.gns_state = _variable([0.0, 0.0, 0.0, math.nan], "kungfu_gns_state")
+        self.variance_state = _variable([0.0, 0.0], "kungfu_grad_variance_state")
+        self.values = {m: _variable(math.nan, f"kungfu_{LOG_KEYS[m]}") for m in self.monitors}
+        for m in self.monitors:
+            _LATEST[m] = self
+
+    def set_batch_size(self, batch_size) -> None:
+        """This worker's batch size from the next monitored step on."""
+        self.batch_size.assign(check_batch_size(batch_size))
+
+    def value(self, monitor: str) -> float:
+        return float(self.values[monitor].numpy())
+
+    def update(self, local: Sequence, averaged: Sequence, step, name: str):
+        """Runs the monitors if step % interval == 0; returns a bool tensor: whether they ran."""
+
+        def run():
+            stats = gradient_stats(local, averaged, self.batch_size, name)
+            estimators = {
+                GNS: (_lib.kungfu_noise_scale, self.gns_state),
+                VARIANCE: (_lib.kungfu_gradient_variance, self.variance_state),
+            }
+            for m in self.monitors:
+                op, state = estimators[m]
+                estimate, new_state = op(stats, state, tf.constant(self.decay, tf.float64))
+                state.assign(new_state)
+                self.values[m].assign(estimate)
+            return tf.constant(True)
+
+        if self.interval == 1:
+            return run()
+        due = tf.equal(tf.math.floormod(tf.cast(step, tf.int64), self.interval), 0)
+        return tf.cond(due, run, lambda: tf.constant(False))
+
+
+def latest(monitor: str) -> GradientMonitor:
+    m = _LATEST.get(monitor)
+    if m is None:
+        what = "gradient noise scale" if monitor == GNS else "gradient variance"
+        raise RuntimeError(
+            f"no optimizer monitors the {what}: create it with "
+            f"kf.Optimizer(opt, monitor=[{monitor!r}]{', batch_size=...' if monitor == GNS else ''})"
+            " and run at least one training step")
+    return m
+
+
+def grad_noise_scale() -> float:
+    """The latest gradient noise scale, the same on every worker (NaN before the first
+    estimate). Reads the most recently built optimizer that monitors it."""
+    return latest(GNS).value(GNS)
+
+
+def grad_variance() -> float:
+    """The latest gradient variance (EMA of mean_i |g_i - g|^2), the same on every worker (NaN
+    before the first estimate). Reads the most recently built optimizer that monitors it."""
+    return latest(VARIANCE).value(VARIANCE)
+
+
+def global_noise_scale(batch_small, batch_big, tensor, avg_tensor, alpha: float = 0.6,
+                       name: Optional[str] = None):
+    """KungFu's op: the gradient noise scale from a local gradient and its average over workers.
+
+    `tensor` is this worker's (fused) gradient from `batch_small` samples, `avg_tensor` its
+    average over the workers. The big batch is derived from every worker's `batch_small` (it is
+    n * batch_small when all are equal), so `batch_big` is accepted for compatibility only. Unlike
+    KungFu's, the local squared norm is averaged over the workers, so every worker gets the same
+    value. The EMA state (decay `alpha`) lives in variables created on first use of `name`.
+    """
+    del batch_big
+    key = name or "kungfu/global_noise_scale"
+    state = _GLOBAL_STATE.get(key)
+    if state is None:
+        state = _GLOBAL_STATE[key] = _variable([0.0, 0.0, 0.0, math.nan], "kungfu_gns_state")
+    stats = gradient_stats([tensor], [avg_tensor], batch_small, key)
+    estimate, new_state = _lib.kungfu_noise_scale(
+        stats, state, tf.constant(check_decay(alpha), tf.float64))
+    with tf.control_dependencies([state.assign(new_state)]):
+        return tf.identity(estimate)
+
+
+_GLOBAL_STATE: Dict[str, tf.Variable] = {}

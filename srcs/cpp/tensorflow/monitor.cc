@@ -1,0 +1,302 @@
+// Monitoring ops: statistics of the gradients, computed inside the training step.
+//
+// KungfuGradientStats (a collective) takes this worker's local gradients g_i (from its local
+// batch of B_i samples) and the averaged gradients g = (1/n) sum_i g_i of the same step. One
+// pass over both, accumulating in double precision, gives |g_i|^2, |g|^2 and |g_i - g|^2; one
+// allreduce of four doubles [|g_i|^2, 1/B_i, |g_i - g|^2, 1] then gives every worker the same
+//
+//   stats = [mean_i |g_i|^2, |g|^2, mean_i |g_i - g|^2, mean_i 1/B_i, n].
+//
+// n is counted by the allreduce itself: it is the size of the cluster that ran the step, read
+// when the op runs (never when the graph was built), so it follows a resize.
+//
+// KungfuNoiseScale and KungfuGradientVariance turn stats into smoothed estimates. They are pure:
+// their state (EMAs, number of updates, last valid value) goes in and comes out as a tensor that
+// the caller keeps in a variable, so it is checkpointed and can be sent to a joining worker.
+//
+// EMA rule (as in KungFu): the first sample sets the average; after that
+// ema = decay * ema + (1 - decay) * x, so `decay` weights the old value.
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "common.h"
+#include "tensorflow/core/platform/threadpool.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace kungfu {
+namespace tfops {
+namespace {
+
+constexpr int kStats = 5;      // mean |g_i|^2, |g|^2, mean |g_i - g|^2, mean 1/B_i, n
+constexpr int kReduced = 4;    // what each worker contributes to the allreduce
+constexpr int64_t kBlock = 1 << 15;  // elements per partial sum: fixed, so sums are reproducible
+
+// Partial sums of one block: |l|^2, |g|^2, |l - g|^2.
+struct Sums {
+  double local = 0, global = 0, diff = 0;
+};
+
+template <typename T>
+Sums SumBlock(const T* l, const T* g, int64_t begin, int64_t end) {
+  Sums s;
+  for (int64_t k = begin; k < end; ++k) {
+    const double a = static_cast<double>(static_cast<float>(l[k]));
+    const double b = static_cast<double>(static_cast<float>(g[k]));
+    s.local += a * a;
+    s.global += b * b;
+    s.diff += (a - b) * (a - b);
+  }
+  return s;
+}
+
+template <>
+Sums SumBlock<double>(const double* l, const double* g, int64_t begin, int64_t end) {
+  Sums s;
+  for (int64_t k = begin; k < end; ++k) {
+    s.local += l[k] * l[k];
+    s.global += g[k] * g[k];
+    s.diff += (l[k] - g[k]) * (l[k] - g[k]);
+  }
+  return s;
+}
+
+Sums SumBlockOf(const tf::Tensor& l, const tf::Tensor& g, int64_t begin, int64_t end) {
+  switch (l.dtype()) {
+    case tf::DT_HALF: return SumBlock(l.flat<Eigen::half>().data(), g.flat<Eigen::half>().data(), begin, end);
+    case tf::DT_BFLOAT16:
+      return SumBlock(l.flat<tf::bfloat16>().data(), g.flat<tf::bfloat16>().data(), begin, end);
+    case tf::DT_FLOAT: return SumBlock(l.flat<float>().data(), g.flat<float>().data(), begin, end);
+    default: return SumBlock(l.flat<double>().data(), g.flat<double>().data(), begin, end);
+  }
+}
+
+REGISTER_OP("KungfuGradientStats")
+    .Input("local: T")
+    .Input("averaged: T")
+    .Input("batch_size: float64")
+    .Output("stats: float64")
+    .Attr("T: list({half, bfloat16, float, double}) >= 1")
+    .Attr("op_name: string")
+    .Attr("timeout_ms: int = -1")
+    .SetIsStateful()
+    .SetIsDistributedCommunication()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(kStats));
+      return tf::OkStatus();
+    });
+
+class GradientStatsOp : public tf::AsyncOpKernel {
+ public:
+  explicit GradientStatsOp(tf::OpKernelConstruction* c) : AsyncOpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("op_name", &options_.name));
+    OP_REQUIRES_OK(c, c->GetAttr("timeout_ms", &options_.timeout_ms));
+  }
+
+  void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
+    Peer* peer = GetPeer(ctx);
+    if (!peer) return done();
+    tf::OpInputList local, averaged;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->input_list("local", &local), done);
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->input_list("averaged", &averaged), done);
+    const double batch = ctx->input(2 * local.size()).scalar<double>()();
+    OP_REQUIRES_ASYNC(ctx, std::isfinite(batch) && batch > 0,
+                      tf::errors::InvalidArgument("gradient statistics: the batch size must be "
+                                                  "positive, got ", batch),
+                      done);
+
+    // Fixed blocks, summed in parallel, partial sums added in block order.
+    struct Block {
+      int tensor;
+      int64_t begin, end;
+    };
+    std::vector<Block> blocks;
+    for (int i = 0; i < local.size(); ++i) {
+      OP_REQUIRES_ASYNC(ctx, local[i].NumElements() == averaged[i].NumElements(),
+                        tf::errors::InvalidArgument(
+                            "gradient statistics: local gradient ", i, " has ",
+                            local[i].NumElements(), " elements, its average ",
+                            averaged[i].NumElements()),
+                        done);
+      for (int64_t b = 0; b < local[i].NumElements(); b += kBlock) {
+        blocks.push_back({i, b, std::min(b + kBlock, local[i].NumElements())});
+      }
+    }
+    std::vector<Sums> partial(blocks.size());
+    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    pool->ParallelFor(static_cast<int64_t>(blocks.size()), kBlock * 8,
+                      [&](int64_t first, int64_t last) {
+                        for (int64_t j = first; j < last; ++j) {
+                          const Block& b = blocks[j];
+                          partial[j] = SumBlockOf(local[b.tensor], averaged[b.tensor], b.begin, b.end);
+                        }
+                      });
+    Sums total;
+    for (const Sums& s : partial) {
+      total.local += s.local;
+      total.global += s.global;
+      total.diff += s.diff;
+    }
+
+    tf::Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, tf::TensorShape({kStats}), &out), done);
+    auto reduced = std::make_shared<std::vector<double>>(
+        std::vector<double>{total.local, 1.0 / batch, total.diff, 1.0});
+    const double global = total.global;
+    Handle h = peer->AllReduce(reduced->data(), reduced->data(), kReduced, DType::kFloat64,
+                               ReduceOp::kSum, options_);
+    h.OnComplete([ctx, done, reduced, global, out](const Status& s) {
+      if (!s.ok()) {
+        ctx->SetStatus(ToTF(s));
+        return done();
+      }
+      const std::vector<double>& r = *reduced;
+      const double n = r[3];
+      auto stats = out->flat<double>();
+      stats(0) = r[0] / n;
+      stats(1) = global;
+      stats(2) = r[2] / n;
+      stats(3) = r[1] / n;
+      stats(4) = n;
+      done();
+    });
+  }
+
+ private:
+  OpOptions options_;
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuGradientStats").Device(tf::DEVICE_CPU), GradientStatsOp);
+
+// ---------------------------------------------------------------------------------------------
+
+// The EMA `value` of `count` samples so far, after sample x.
+double Ema(double value, double count, double x, double decay) {
+  return count == 0 ? x : decay * value + (1 - decay) * x;
+}
+
+// Reads a float64 vector input of exactly `n` elements.
+bool ReadVector(tf::OpKernelContext* ctx, int index, int64_t n, const char* what,
+                std::vector<double>* out) {
+  const tf::Tensor& t = ctx->input(index);
+  if (t.dims() != 1 || t.NumElements() != n) {
+    ctx->SetStatus(tf::errors::InvalidArgument(what, " must be a vector of ", n,
+                                               " float64 values, got shape ",
+                                               t.shape().DebugString()));
+    return false;
+  }
+  auto v = t.flat<double>();
+  out->assign(v.data(), v.data() + n);
+  return true;
+}
+
+// Kernels of the estimators: stats + state in, estimate + new state out.
+class EstimatorOp : public tf::OpKernel {
+ public:
+  explicit EstimatorOp(tf::OpKernelConstruction* c, int state_size)
+      : OpKernel(c), state_size_(state_size) {}
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    std::vector<double> stats, state;
+    if (!ReadVector(ctx, 0, kStats, "stats", &stats)) return;
+    if (!ReadVector(ctx, 1, state_size_, "state", &state)) return;
+    const double decay = ctx->input(2).scalar<double>()();
+    OP_REQUIRES(ctx, decay >= 0 && decay < 1,
+                tf::errors::InvalidArgument("decay must be in [0, 1), got ", decay));
+    const double estimate = Update(stats, decay, &state);
+    tf::Tensor* value = nullptr;
+    tf::Tensor* next = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &value));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({state_size_}), &next));
+    value->scalar<double>()() = estimate;
+    std::copy(state.begin(), state.end(), next->flat<double>().data());
+  }
+
+ protected:
+  // Updates state with stats and returns the estimate to report.
+  virtual double Update(const std::vector<double>& stats, double decay,
+                        std::vector<double>* state) const = 0;
+
+ private:
+  int state_size_;
+};
+
+#define KF_ESTIMATOR_OP(name, state_size)                                   \
+  REGISTER_OP(name)                                                         \
+      .Input("stats: float64")                                              \
+      .Input("state: float64")                                              \
+      .Input("decay: float64")                                              \
+      .Output("estimate: float64")                                          \
+      .Output("new_state: float64")                                         \
+      .SetShapeFn([](InferenceContext* c) {                                 \
+        c->set_output(0, c->Scalar());                                      \
+        c->set_output(1, c->Vector(state_size));                            \
+        return tf::OkStatus();                                              \
+      })
+
+// Gradient noise scale (McCandlish et al. 2018, "simple" noise scale B = tr(S) / |G|^2).
+//
+// With the workers' batch sizes B_i, E|g_i|^2 = |G|^2 + tr(S) / B_i, so the averaged squared
+// local norm estimates |G|^2 + tr(S) / B_small with 1 / B_small = mean_i 1/B_i, and the
+// (unweighted) average gradient gives E|g|^2 = |G|^2 + tr(S) / B_big with B_big = n B_small.
+// With equal batches B, B_small = B and B_big = n B. The two-batch estimators:
+//   |G|^2 = (B_big |g|^2 - B_small mean|g_i|^2) / (B_big - B_small)
+//   tr(S) = (mean|g_i|^2 - |g|^2) / (1/B_small - 1/B_big)
+// are smoothed separately; the estimate is EMA(tr(S)) / EMA(|G|^2), a ratio of EMAs.
+//
+// state = [EMA tr(S), EMA |G|^2, samples, last valid estimate]. Defined cases:
+// - n == 1 (B_big == B_small): no sample is taken;
+// - a non-finite sample (NaN or infinite gradients) is skipped, so it cannot poison the EMAs;
+// - EMA |G|^2 <= 0: no valid ratio.
+// In each case the estimate is the last valid one, NaN if there has been none.
+KF_ESTIMATOR_OP("KungfuNoiseScale", 4);
+class NoiseScaleOp : public EstimatorOp {
+ public:
+  explicit NoiseScaleOp(tf::OpKernelConstruction* c) : EstimatorOp(c, 4) {}
+
+ protected:
+  double Update(const std::vector<double>& stats, double decay,
+                std::vector<double>* state) const override {
+    std::vector<double>& st = *state;
+    const double small_sq = stats[0], big_sq = stats[1], n = stats[4];
+    const double b_small = 1.0 / stats[3], b_big = n * b_small;
+    if (n >= 2 && std::isfinite(b_small)) {
+      const double g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small);
+      const double trace = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big);
+      if (std::isfinite(g2) && std::isfinite(trace)) {
+        st[0] = Ema(st[0], st[2], trace, decay);
+        st[1] = Ema(st[1], st[2], g2, decay);
+        st[2] += 1;
+        if (st[1] > 0) st[3] = st[0] / st[1];
+      }
+    }
+    return st[3];
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuNoiseScale").Device(tf::DEVICE_CPU), NoiseScaleOp);
+
+// Gradient variance: the population variance of the workers' gradients around their average,
+// summed over all elements of all gradients: mean_i |g_i - g|^2 (divided by n, not n - 1; 0 for
+// a single worker). state = [EMA, samples]; the estimate is the EMA, NaN before the first sample.
+// A non-finite sample is skipped.
+KF_ESTIMATOR_OP("KungfuGradientVariance", 2);
+class GradientVarianceOp : public EstimatorOp {
+ public:
+  explicit GradientVarianceOp(tf::OpKernelConstruction* c) : EstimatorOp(c, 2) {}
+
+ protected:
+  double Update(const std::vector<double>& stats, double decay,
+                std::vector<double>* state) const override {
+    std::vector<double>& st = *state;
+    if (std::isfinite(stats[2])) {
+      st[0] = Ema(st[0], st[1], stats[2], decay);
+      st[1] += 1;
+    }
+    return st[1] > 0 ? st[0] : std::numeric_limits<double>::quiet_NaN();
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuGradientVariance").Device(tf::DEVICE_CPU), GradientVarianceOp);
+
+}  // namespace
+}  // namespace tfops
+}  // namespace kungfu
