@@ -192,11 +192,13 @@ class _RoundTimer:
         self.callback = CB()
 
 
-def run_rounds(keras, entries, data, args, phases: dict) -> Dict[str, List[float]]:
+def run_rounds(keras, entries, data, args, phases: dict,
+               rotate: bool = False) -> Dict[str, List[float]]:
     """entries: [(label, model, warmup_callbacks)]. Warm every model up (the first fit traces
     the step), then time --rounds rounds of LEAD_IN_STEPS + --steps steps, of which the last
     --steps are timed: one epoch each of a single fit() for one model, or, for several models,
-    one fit() each, alternating between the models round by round.
+    one fit() each, alternating between the models round by round (with rotate, round r starts
+    at entry r mod len(entries), so that no model always follows the same one).
     Returns {label: [seconds per round]}."""
     phases["built_s"] = round(time.time() - _T0, 2)
     for _, model, callbacks in entries:
@@ -211,8 +213,9 @@ def run_rounds(keras, entries, data, args, phases: dict) -> Dict[str, List[float
         model.fit(data, epochs=args.rounds, steps_per_epoch=total, verbose=0, shuffle=False,
                   callbacks=[timers[label].callback])
     else:
-        for _ in range(args.rounds):
-            for label, model, _ in entries:
+        for r in range(args.rounds):
+            first = r % len(entries) if rotate else 0
+            for label, model, _ in entries[first:] + entries[:first]:
                 model.fit(data, epochs=1, steps_per_epoch=total, verbose=0, shuffle=False,
                           callbacks=[timers[label].callback])
     phases["done_s"] = round(time.time() - _T0, 2)
@@ -244,30 +247,30 @@ def worker_kungfu(args) -> None:
     result = {"rank": rank, "np": size, "times": times, "params": model.count_params(),
               "phases": phases}
     if args.with_plain and args.overhead_steps > 0:
-        result["interleaved"] = interleaved_steps(plain, model, args, seed=rank)
+        result["interleaved"] = interleaved_steps([("plain", plain), ("kungfu", model)],
+                                                  args.overhead_steps, args.batch_size, seed=rank)
         phases["interleaved_done_s"] = round(time.time() - _T0, 2)
     result["digest"] = trainable_digest(model)
     _write_result(args.out, f"kungfu-np{size}-rank{rank}", result)
 
 
-def interleaved_steps(plain, wrapped, args, seed: int) -> Dict[str, List[float]]:
-    """Seconds per train_on_batch step of each model, --overhead-steps pairs, the two models
-    taking turns step by step (plain first in even pairs, wrapped first in odd ones), so that
-    load on the machine falls on both alike."""
+def interleaved_steps(entries, steps: int, batch: int, seed: int) -> Dict[str, List[float]]:
+    """Seconds per train_on_batch step of each model in entries ([(label, model)]), `steps`
+    rounds of one step per model, the models taking turns step by step (round i starts at entry
+    i mod len(entries): with two models, plain first in even rounds, wrapped first in odd ones),
+    so that load on the machine falls on all alike."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    x = rng.random((args.batch_size, 32, 32, 3), dtype=np.float32)
-    y = rng.integers(0, 10, size=(args.batch_size,), dtype=np.int64)
-    for m in (plain, wrapped):
+    x = rng.random((batch, 32, 32, 3), dtype=np.float32)
+    y = rng.integers(0, 10, size=(batch,), dtype=np.int64)
+    for _, m in entries:
         for _ in range(2):
             m.train_on_batch(x, y)
-    out: Dict[str, List[float]] = {"plain": [], "kungfu": []}
-    for i in range(args.overhead_steps):
-        order = [("plain", plain), ("kungfu", wrapped)]
-        if i % 2:
-            order.reverse()
-        for label, m in order:
+    out: Dict[str, List[float]] = {label: [] for label, _ in entries}
+    for i in range(steps):
+        first = i % len(entries)
+        for label, m in entries[first:] + entries[:first]:
             t0 = time.perf_counter()
             m.train_on_batch(x, y)
             out[label].append(time.perf_counter() - t0)
@@ -463,22 +466,30 @@ def _clear_results(out_dir: str, prefix: str, np_: int) -> None:
             os.remove(path)
 
 
-def run_kungfu(args, np_: int, out_dir: str) -> None:
-    _clear_results(out_dir, "kungfu", np_)
+def launch_kungfu(np_: int, worker_cmd: List[str], log: str, strategy: Optional[str],
+                  timeout: float, what: str) -> None:
+    """Runs worker_cmd in np_ workers under kungfu-run (free loopback ports, output to log) and
+    waits for all of them to exit 0."""
     base = free_port_block(np_)
     cmd = [sys.executable, "-m", "kungfu.cmd", "-np", str(np_), "-q",
            "-port-range", f"{base}-{base + np_ - 1}"]
-    if args.strategy:
-        cmd += ["-strategy", args.strategy]
-    cmd += [sys.executable, os.path.abspath(__file__), "--worker", "kungfu"]
-    cmd += _common_worker_args(args, out_dir, np_)
-    if np_ == 1:
-        cmd.append("--with-plain")
-    log = os.path.join(out_dir, f"kungfu-np{np_}.log")
+    if strategy:
+        cmd += ["-strategy", strategy]
+    cmd += worker_cmd
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, env=_worker_env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True)
-    _wait_all([p], [log], args.timeout, f"kungfu at np={np_}")
+    _wait_all([p], [log], timeout, what)
+
+
+def run_kungfu(args, np_: int, out_dir: str) -> None:
+    _clear_results(out_dir, "kungfu", np_)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "kungfu"]
+    cmd += _common_worker_args(args, out_dir, np_)
+    if np_ == 1:
+        cmd.append("--with-plain")
+    launch_kungfu(np_, cmd, os.path.join(out_dir, f"kungfu-np{np_}.log"), args.strategy,
+                  args.timeout, f"kungfu at np={np_}")
 
 
 def run_mwms(args, np_: int, out_dir: str) -> None:

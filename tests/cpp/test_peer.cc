@@ -591,3 +591,46 @@ TEST(MixedOperationsShareOneCluster) {
     for (int i = 0; i < 4; ++i) CHECK_EQ(gd[i], i * 10);
   });
 }
+
+// Peer::SetStrategy: a valid tree is installed everywhere and allreduces run on it (counted as
+// TREE); a malformed tree or peers that disagree fail on every peer and leave the old default.
+TEST(SetStrategyInstallsATreeOrFailsEverywhere) {
+  LocalCluster c({"127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"}, SmallChunks());
+  REQUIRE(c.Start());
+  const int n = c.size();
+  const kungfu::Tree tree = {2, 2, 2, 0};  // root 2; 3 hangs below 0
+  OnEveryRank(n, [&](int r) {
+    const std::string who = "rank " + std::to_string(r);
+    CHECK_OK(WAIT(c[r].SetStrategy(StrategyKind::kTree, tree, Opts("set"))));
+    auto d = c[r].DefaultStrategy();
+    CHECK_MSG(d.first == StrategyKind::kTree && d.second == tree, who);
+    std::vector<float> x(5000, static_cast<float>(r + 1));
+    kungfu::OpOptions o = Opts("after-set");
+    o.strategy = -1;  // the default
+    CHECK_OK(WAIT(c[r].AllReduce(x.data(), x.data(), x.size(), DType::kFloat32, ReduceOp::kSum, o)));
+    CHECK_MSG(x[0] == 10.0f && x[4999] == 10.0f, who + " got " + std::to_string(x[0]));
+    auto counters = c[r].StrategyCounters();
+    const auto& t = counters[static_cast<int>(StrategyKind::kTree)];
+    CHECK_MSG(t.ops == 1 && t.bytes == 5000 * sizeof(float) && t.seconds > 0, who);
+
+    // Malformed on every peer: a cycle (0 -> 1 -> 0, no root).
+    kungfu::Status st = WAIT(c[r].SetStrategy(StrategyKind::kTree, {1, 0, 0, 0}, Opts("bad")));
+    CHECK_MSG(st.code() == Code::kInvalidArgument, who + ": " + st.ToString());
+    // Malformed on one peer only: every peer fails.
+    kungfu::Tree one_bad = r == 1 ? kungfu::Tree{0, 0, 0} : kungfu::Tree{0, 0, 0, 0};
+    st = WAIT(c[r].SetStrategy(StrategyKind::kTree, one_bad, Opts("one-bad")));
+    CHECK_MSG(!st.ok(), who + " accepted a tree that rank 1 rejected");
+    // Valid but different trees.
+    kungfu::Tree mine = r == 3 ? kungfu::Tree{3, 3, 3, 3} : kungfu::Tree{0, 0, 0, 0};
+    st = WAIT(c[r].SetStrategy(StrategyKind::kTree, mine, Opts("differ")));
+    CHECK_MSG(st.code() == Code::kInvalidArgument &&
+                  st.message().find("different") != std::string::npos, who + ": " + st.ToString());
+    d = c[r].DefaultStrategy();
+    CHECK_MSG(d.second == tree, who + ": the old tree must stay");
+
+    // Back to a named strategy.
+    CHECK_OK(WAIT(c[r].SetStrategy(StrategyKind::kRing, {}, Opts("ring"))));
+    d = c[r].DefaultStrategy();
+    CHECK_MSG(d.first == StrategyKind::kRing && d.second.empty(), who);
+  });
+}

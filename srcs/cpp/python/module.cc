@@ -214,5 +214,27 @@ PYBIND11_MODULE(_kungfu, m) {
         h->agreed = std::make_shared<bool>(false);
         h->handle = p.Consensus(d, n, h->agreed.get(), Options(name, -1, timeout_ms));
         return h;
+      })
+      .def("set_strategy",
+           [](Peer& p, int kind, const std::vector<int>& tree, const std::string& name,
+              int64_t timeout_ms) {
+             auto h = std::make_shared<PyHandle>();
+             h->handle = p.SetStrategy(static_cast<StrategyKind>(kind), tree,
+                                       Options(name, -1, timeout_ms));
+             return h;
+           })
+      .def("default_strategy",
+           [](Peer& p) {
+             auto d = p.DefaultStrategy();
+             return py::make_tuple(static_cast<int>(d.first), d.second);
+           })
+      .def("strategy_counters", [](Peer& p) {
+        py::list out;
+        auto counters = p.StrategyCounters();
+        for (size_t k = 0; k < counters.size(); ++k) {
+          out.append(py::make_tuple(std::string(StrategyName(static_cast<StrategyKind>(k))),
+                                    counters[k].ops, counters[k].bytes, counters[k].seconds));
+        }
+        return out;
       });
 }

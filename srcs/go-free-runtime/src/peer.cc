@@ -329,4 +329,37 @@ Handle Peer::Consensus(const void* data, size_t bytes, bool* agreed, const OpOpt
   });
 }
 
+Handle Peer::SetStrategy(StrategyKind kind, const Tree& tree, const OpOptions& options) {
+  OpOptions o = options;
+  if (o.name.empty()) o.name = "kungfu::set-strategy";
+  return Run("set-strategy", o, [this, kind, tree](Session& s, const OpContext& ctx) {
+    // Agree first, validate after: every peer takes part in the consensus whatever it was
+    // given, so a proposal that is malformed on some peers only fails as a disagreement on all.
+    std::vector<int32_t> proposal{static_cast<int32_t>(kind)};
+    proposal.insert(proposal.end(), tree.begin(), tree.end());
+    bool agreed = false;
+    KF_RETURN_IF_ERROR(s.Consensus(ctx, proposal.data(), proposal.size() * sizeof(int32_t), &agreed));
+    if (!agreed) {
+      return InvalidArgument("peers proposed different strategies or trees; the old one stays");
+    }
+    if (!IsValidStrategy(static_cast<int>(kind)) || (kind == StrategyKind::kDirect && !s.direct_ok())) {
+      return InvalidArgument(std::string("strategy ") +
+                             (IsValidStrategy(static_cast<int>(kind)) ? "DIRECT is not possible here"
+                                                                       : "code is unknown") +
+                             "; the old one stays");
+    }
+    if (!tree.empty()) {
+      if (kind != StrategyKind::kTree) return InvalidArgument("a tree needs strategy kind TREE");
+      Status valid = ValidateTree(tree, s.size());
+      if (!valid.ok()) return InvalidArgument(valid.message() + "; the old tree stays");
+    }
+    s.SetDefault(kind, tree);
+    return Status::OK();
+  });
+}
+
+std::pair<StrategyKind, Tree> Peer::DefaultStrategy() const { return session_->Default(); }
+
+std::vector<StrategyCounter> Peer::StrategyCounters() const { return session_->Counters(); }
+
 }  // namespace kungfu

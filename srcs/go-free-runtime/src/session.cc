@@ -58,14 +58,36 @@ Session::Session(uint64_t version, PeerList peers, int rank, StrategyKind strate
                  TransportOptions transport_options, size_t chunk_bytes, int parallelism)
     : peers_(peers),
       rank_(rank),
-      default_strategy_(strategy),
+      default_kind_(strategy),
+      counters_(kNumStrategies),
       chunk_bytes_(std::max<size_t>(chunk_bytes, 4096)),
       parallelism_(std::max(parallelism, 1)),
       transport_(version, std::move(peers), rank, transport_options) {}
 
 Strategy Session::StrategyFor(int requested, size_t bytes) const {
-  StrategyKind kind = requested < 0 ? default_strategy_ : static_cast<StrategyKind>(requested);
+  StrategyKind kind = static_cast<StrategyKind>(requested);
+  if (requested < 0) {
+    std::lock_guard<std::mutex> lk(default_mu_);
+    if (!default_tree_.empty()) return MakeStrategyFromTree(default_tree_);
+    kind = default_kind_;
+  }
   return MakeStrategy(ResolveAuto(kind, peers_, bytes, direct_ok_), peers_);
+}
+
+void Session::SetDefault(StrategyKind kind, Tree tree) {
+  std::lock_guard<std::mutex> lk(default_mu_);
+  default_kind_ = kind;
+  default_tree_ = std::move(tree);
+}
+
+std::pair<StrategyKind, Tree> Session::Default() const {
+  std::lock_guard<std::mutex> lk(default_mu_);
+  return {default_kind_, default_tree_};
+}
+
+std::vector<StrategyCounter> Session::Counters() const {
+  std::lock_guard<std::mutex> lk(default_mu_);
+  return counters_;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -80,6 +102,22 @@ Status Session::AllReduce(const OpContext& ctx, const void* send, void* recv, si
     return Status::OK();
   }
   Strategy s = StrategyFor(strategy, bytes);
+  const TimePoint start = Clock::now();
+  Status st = AllReduceWith(ctx, send, recv, count, dtype, op, s, spawn);
+  if (st.ok() && strategy < 0) {  // explicit strategies are the runtime's own small ops
+    std::lock_guard<std::mutex> lk(default_mu_);
+    StrategyCounter& c = counters_[static_cast<int>(s.kind)];
+    c.ops += 1;
+    c.bytes += bytes;
+    c.seconds += std::chrono::duration<double>(Clock::now() - start).count();
+  }
+  return st;
+}
+
+Status Session::AllReduceWith(const OpContext& ctx, const void* send, void* recv, size_t count,
+                              DType dtype, ReduceOp op, const Strategy& s, const Spawner& spawn) {
+  const size_t esize = DTypeSize(dtype);
+  const size_t bytes = count * esize;
   if (s.direct) {
     if (!direct_ok_) {
       return InvalidArgument(

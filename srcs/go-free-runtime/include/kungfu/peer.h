@@ -105,6 +105,15 @@ class Peer {
   // *agreed becomes true on every peer iff every peer passed the same bytes.
   Handle Consensus(const void* data, size_t bytes, bool* agreed, const OpOptions& options);
 
+  // Changes the default strategy of every peer (a collective; every peer passes the same):
+  // `tree` empty for the named strategy `kind`, else a father array over the ranks (kind must be
+  // kTree). 1. each peer validates; 2. a consensus on (kind, tree); 3. each installs it. A
+  // malformed tree or a disagreement fails on every peer and leaves the old default in place.
+  // Call it between operations: one already running keeps the strategy it started with.
+  Handle SetStrategy(StrategyKind kind, const Tree& tree, const OpOptions& options);
+  std::pair<StrategyKind, Tree> DefaultStrategy() const;
+  std::vector<StrategyCounter> StrategyCounters() const;
+
  private:
   explicit Peer(const PeerConfig& config);
   using Body = std::function<Status(Session&, const struct OpContext&)>;

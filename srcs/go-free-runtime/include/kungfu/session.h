@@ -7,6 +7,10 @@
 
 #include "kungfu/dtype.h"
 #include "kungfu/peer.h"
+#include <mutex>
+#include <utility>
+#include <vector>
+
 #include "kungfu/strategy.h"
 #include "kungfu/transport.h"
 
@@ -30,6 +34,17 @@ class Session {
   // The strategy an operation of `bytes` runs with when it asks for `requested` (-1: default).
   Strategy StrategyFor(int requested, size_t bytes) const;
 
+  // The default strategy (for operations that ask for none): a named one, or a user tree (kind
+  // kTree with a non-empty father array). Peer::SetStrategy changes it between operations,
+  // after every peer agreed; an operation reads it once, when it starts.
+  void SetDefault(StrategyKind kind, Tree tree);
+  std::pair<StrategyKind, Tree> Default() const;
+
+  // Traffic of allreduces that used the default strategy, per strategy that ran them (AUTO
+  // resolved; a user tree counts as TREE), for policies that compare strategies: operations,
+  // bytes per peer and seconds.
+  std::vector<StrategyCounter> Counters() const;
+
   // `run_parallel` runs independent parts of one op concurrently (the peer's worker pool).
   using Spawner = std::function<void(std::function<void()>)>;
   Status AllReduce(const OpContext& ctx, const void* send, void* recv, size_t count, DType dtype,
@@ -52,6 +67,8 @@ class Session {
 
  private:
   struct Part;
+  Status AllReduceWith(const OpContext& ctx, const void* send, void* recv, size_t count,
+                       DType dtype, ReduceOp op, const Strategy& s, const Spawner& spawn);
   Status DirectAllReduce(const OpContext& ctx, const void* send, void* recv, size_t count,
                          DType dtype, ReduceOp op);
   Status RingPart(const OpContext& ctx, const Part& p);
@@ -63,7 +80,10 @@ class Session {
 
   const PeerList peers_;
   const int rank_;
-  const StrategyKind default_strategy_;
+  mutable std::mutex default_mu_;  // guards default_kind_, default_tree_, counters_
+  StrategyKind default_kind_;
+  Tree default_tree_;
+  std::vector<StrategyCounter> counters_;
   const size_t chunk_bytes_;
   const int parallelism_;
   bool direct_ok_ = false;

@@ -1,6 +1,7 @@
 // Strategies are data: a list of reduction trees (father arrays), or the ring. Collectives read
 // a Strategy and never special-case where it came from, so a policy can swap one at run time.
 #pragma once
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,13 @@ struct Strategy {
   // A tree rooted at `root` to broadcast or reduce along: one of `trees` if one has that root,
   // else trees[0] re-rooted; for the ring, the chain root -> root+1 -> ...
   Tree TreeRootedAt(int root, int n) const;
+};
+
+// Traffic that ran under one strategy: operations, bytes per peer, seconds.
+struct StrategyCounter {
+  uint64_t ops = 0;
+  uint64_t bytes = 0;
+  double seconds = 0;
 };
 
 // Builds the graphs of a named strategy for a cluster. kAuto must be resolved first.
