@@ -73,6 +73,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,6 +81,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from keras_throughput import (  # noqa: E402
+    _T0,
     _clear_results,
     _configure_tf,
     _loadavg,
@@ -87,6 +89,7 @@ from keras_throughput import (  # noqa: E402
     build_model,
     collect,
     compile_model,
+    interleaved_steps,
     launch_kungfu,
     run_rounds,
     synthetic_dataset,
@@ -137,29 +140,32 @@ def parse_configs(text: str) -> List[dict]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        description="Step time of Keras model.fit with kf.Optimizer, with and without gradient "
-                    "monitoring (gradient noise scale, gradient variance), configurations "
-                    "interleaved round by round. Starts the workers itself.",
-        epilog="Example: python benchmarks/monitoring_overhead.py --np 2,4",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        description="Step time of Keras training with kf.Optimizer, with and without gradient "
+                    "monitoring (gradient noise scale, gradient variance), the configurations "
+                    "taking turns step by step. Starts the workers itself (kungfu-run).",
+        epilog="Example: python benchmarks/monitoring_overhead.py --np 2,4   "
+               "(the module docstring explains the measurement and every output key)")
     p.add_argument("--np", default="2,4",
                    help="worker counts, comma separated; each runs as its own kungfu-run job "
-                        "(default 2,4; monitoring needs at least 2 workers to estimate anything)")
+                        "(default 2,4; the estimates need at least 2 workers)")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help="configurations, comma separated, each off, gns, variance or both, "
-                        "optionally @k for monitor_interval=k; 'off' (the baseline) is added "
-                        f"when missing (default {DEFAULT_CONFIGS})")
+                   help="configurations, comma separated: off, gns, variance or both, each "
+                        "optionally NAME@k for monitor_interval=k; 'off' (the baseline) is "
+                        f"added when missing (default {DEFAULT_CONFIGS})")
     p.add_argument("--batch-size", type=int, default=64,
                    help="samples per step per worker, also the batch_size given to the "
                         "optimizer for the gradient noise scale (default 64)")
-    p.add_argument("--steps", type=int, default=16,
-                   help="timed steps per round and configuration; keep it a multiple of every "
-                        "interval in --configs (default 16)")
-    p.add_argument("--rounds", type=int, default=9,
-                   help="rounds; each runs every configuration once (default 9)")
+    p.add_argument("--steps", type=int, default=8,
+                   help="steps per block and configuration; must be a multiple of every "
+                        "interval in --configs (default 8)")
+    p.add_argument("--rounds", type=int, default=10,
+                   help="timed blocks; the overhead is the median over them (default 10)")
     p.add_argument("--warmup-steps", type=int, default=8,
-                   help="untimed steps per configuration before the rounds, the first of which "
-                        "traces the step (default 8)")
+                   help="untimed model.fit steps per configuration before the timed ones, the "
+                        "first of which traces the step (default 8)")
+    p.add_argument("--fit-rounds", type=int, default=0,
+                   help="also time this many rounds of model.fit calls (one per configuration, "
+                        "2 untimed + --steps timed steps each), for fit_overhead (default 0)")
     p.add_argument("--threads", type=int, default=0,
                    help="TensorFlow intra- and inter-op threads per worker; 0: the machine's "
                         "cores divided by N, at least 1 (default 0)")
@@ -184,6 +190,12 @@ def parse_args(argv=None):
     for name in ("batch_size", "steps", "rounds", "warmup_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.fit_rounds < 0:
+        p.error("--fit-rounds must be at least 0")
+    uneven = [c["label"] for c in args.config_list if args.steps % c["interval"]]
+    if uneven:
+        p.error(f"--steps {args.steps} is not a multiple of the interval of "
+                f"{', '.join(uneven)}: blocks would hold different numbers of monitored steps")
     return args
 
 
@@ -208,8 +220,7 @@ def estimates(optimizer) -> dict:
     if "gns" in monitor.monitors:
         state = monitor.gns_state.numpy()
         out.update(gns=_finite_or_none(monitor.value("gns")),
-                   gns_g2_ema=_finite_or_none(float(state[1])),
-                   gns_samples=int(state[2]))
+                   gns_g2_ema=_finite_or_none(float(state[1])), gns_samples=int(state[2]))
     if "variance" in monitor.monitors:
         out.update(grad_variance=_finite_or_none(monitor.value("variance")),
                    variance_samples=int(monitor.variance_state.numpy()[1]))
@@ -240,15 +251,21 @@ def worker(args) -> None:
         entries.append((c["label"], model, [BroadcastGlobalVariablesCallback()]))
         optimizers[c["label"]] = opt
     phases: dict = {}
-    times = run_rounds(keras, entries, data, args, phases, rotate=True)
+    # Warm-up fits, then --fit-rounds rounds of fit() calls.
+    fit_args = types.SimpleNamespace(warmup_steps=args.warmup_steps, steps=args.steps,
+                                     rounds=args.fit_rounds)
+    fit_times = run_rounds(keras, entries, data, fit_args, phases, rotate=True)
+    steps = interleaved_steps([(label, model) for label, model, _ in entries],
+                              args.rounds * args.steps, args.batch_size, seed=rank)
+    phases["steps_done_s"] = round(time.time() - _T0, 2)
     digest = hashlib.sha256()
     for _, model, _ in entries:
         digest.update(trainable_digest(model).encode())
     _write_result(args.out, f"{RESULT_PREFIX}-np{size}-rank{rank}", {
-        "rank": rank, "np": size, "times": times, "params": entries[0][1].count_params(),
-        "phases": phases, "digest": digest.hexdigest()[:16],
-        "estimates": {label: estimates(opt) for label, opt in optimizers.items()},
-        "threads": threads_for(args, size)})
+        "rank": rank, "np": size, "times": fit_times, "steps": steps,
+        "params": entries[0][1].count_params(), "phases": phases,
+        "digest": digest.hexdigest()[:16], "threads": threads_for(args, size),
+        "estimates": {label: estimates(opt) for label, opt in optimizers.items()}})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,12 +278,12 @@ def run_np(args, np_: int, out_dir: str) -> None:
            "--configs", ",".join(c["label"] for c in args.config_list),
            "--batch-size", str(args.batch_size), "--steps", str(args.steps),
            "--rounds", str(args.rounds), "--warmup-steps", str(args.warmup_steps),
-           "--threads", str(args.threads)]
+           "--fit-rounds", str(args.fit_rounds), "--threads", str(args.threads)]
     launch_kungfu(np_, cmd, os.path.join(out_dir, f"{RESULT_PREFIX}-np{np_}.log"),
                   args.strategy, args.timeout, f"monitoring_overhead at np={np_}")
 
 
-def read_estimates(out_dir: str, np_: int) -> List[dict]:
+def read_results(out_dir: str, np_: int) -> List[dict]:
     per_rank = []
     for r in range(np_):
         with open(os.path.join(out_dir, f"{RESULT_PREFIX}-np{np_}-rank{r}.json")) as f:
@@ -274,37 +291,69 @@ def read_estimates(out_dir: str, np_: int) -> List[dict]:
     return per_rank
 
 
-def rows_for(args, np_: int, times: Dict[str, List[float]], per_rank: List[dict],
+def block_times(per_rank: List[dict], label: str, steps: int) -> List[float]:
+    """Seconds per block of `steps` consecutive steps, each step the slowest worker's."""
+    slowest = [max(ts) for ts in zip(*(d["steps"][label] for d in per_rank))]
+    return [sum(slowest[i:i + steps]) for i in range(0, len(slowest) - steps + 1, steps)]
+
+
+def overhead(times: List[float], base: List[float]) -> float:
+    """Median over paired blocks (or rounds) of times / base, minus 1."""
+    return statistics.median(t / b for t, b in zip(times, base)) - 1
+
+
+def rows_for(args, np_: int, per_rank: List[dict], fit_times: Dict[str, List[float]],
              extra: dict) -> List[dict]:
-    off = times["off"]
+    blocks = {c["label"]: block_times(per_rank, c["label"], args.steps)
+              for c in args.config_list}
+    off = blocks["off"]
     rows = []
     for c in args.config_list:
         label = c["label"]
-        t = times[label]
-        est = dict(per_rank[0]["estimates"][label])
-        agree = all(d["estimates"][label] == est for d in per_rank[1:])
+        t = blocks[label]
+        est = per_rank[0]["estimates"][label]
         target = TARGETS.get((tuple(c["monitor"]), c["interval"]))
-        overhead = statistics.median(a / b for a, b in zip(t, off)) - 1
+        ovh = overhead(t, off)
         row = {
             "np": np_, "config": label, "monitor": c["monitor"], "interval": c["interval"],
-            "batch_per_worker": args.batch_size, "steps": args.steps, "rounds": len(t),
+            "batch_per_worker": args.batch_size, "steps": args.steps, "blocks": len(t),
             "step_s": round(statistics.median(t) / args.steps, 5),
             "step_s_min": round(min(t) / args.steps, 5),
             "step_s_max": round(max(t) / args.steps, 5),
-            "overhead": round(overhead, 4),
+            "overhead": round(ovh, 4),
             "overhead_of_medians": round(statistics.median(t) / statistics.median(off) - 1, 4),
             "overhead_best": round(min(t) / min(off) - 1, 4),
-            "target": target,
-            "within_target": None if target is None else overhead < target,
+            "target": target, "within_target": None if target is None else ovh < target,
             "gns": est.get("gns"), "grad_variance": est.get("grad_variance"),
             "gns_g2_ema": est.get("gns_g2_ema"),
             "monitored_steps": est.get("gns_samples", est.get("variance_samples")),
-            "estimates_agree": agree if c["monitor"] else None,
+            "estimates_agree": (all(d["estimates"][label] == est for d in per_rank[1:])
+                                if c["monitor"] else None),
             "threads": per_rank[0]["threads"],
         }
+        if fit_times.get(label):
+            row["fit_step_s"] = round(statistics.median(fit_times[label]) / args.steps, 5)
+            row["fit_overhead"] = round(overhead(fit_times[label], fit_times["off"]), 4)
         row.update(extra)
         rows.append(row)
     return rows
+
+
+def problems_of(row: dict) -> List[str]:
+    where = f"np={row['np']} {row['config']}"
+    if not row["monitor"]:
+        return []
+    out = []
+    if row["estimates_agree"] is False:
+        out.append(f"{where}: the workers' estimates differ")
+    if row["np"] > 1:
+        if "variance" in row["monitor"] and row["grad_variance"] is None:
+            out.append(f"{where}: grad_variance is not a finite number")
+        if "gns" in row["monitor"] and row["gns"] is None and not (
+                row["gns_g2_ema"] is not None and row["gns_g2_ema"] <= 0):
+            out.append(f"{where}: gns is not a finite number, and the EMA of |G|^2 is "
+                       f"{row['gns_g2_ema']}")
+    return out
 
 
 def _fmt_value(row: dict, monitor: str, key: str) -> str:
@@ -314,27 +363,38 @@ def _fmt_value(row: dict, monitor: str, key: str) -> str:
     return "NaN" if v is None else f"{v:.4g}"
 
 
+def _pct(x: Optional[float], width: int) -> str:
+    return f"{'-':>{width}}" if x is None else f"{100 * x:>+{width - 1}.1f}%"
+
+
 def print_table(rows: List[dict]) -> None:
+    fit = any("fit_overhead" in r for r in rows)
     print()
-    print(f"{'np':>3} | {'config':<11} | {'step ms':>8} | {'overhead':>8} | {'of medians':>10} | "
-          f"{'best':>7} | {'target':>8} | {'gns':>10} | {'grad_variance':>13}")
-    print("-" * 106)
+    head = (f"{'np':>3} | {'config':<11} | {'step ms':>7} | {'overhead':>8} | {'target':>9} | "
+            f"{'of medians':>10} | {'best':>7} | ")
+    head += f"{'fit':>7} | " if fit else ""
+    head += f"{'gns':>9} | {'grad_variance':>13}"
+    print(head)
+    print("-" * len(head))
     for r in rows:
-        if r["config"] == "off":
-            over = f"{'(base)':>8}"
-            target = f"{'':>8}"
+        base = r["config"] == "off"
+        if r["target"] is None:
+            target = "" if base else "-"
         else:
-            over = f"{100 * r['overhead']:>+7.1f}%"
-            target = "-" if r["target"] is None else (
-                f"<{100 * r['target']:.0f}% " + ("ok" if r["within_target"] else "MISS"))
-        cells = [f"{r['np']:>3}", f"{r['config']:<11}", f"{1000 * r['step_s']:>8.1f}", over,
-                 f"{100 * r['overhead_of_medians']:>+9.1f}%", f"{100 * r['overhead_best']:>+6.1f}%",
-                 f"{target:>8}", f"{_fmt_value(r, 'gns', 'gns'):>10}",
-                 f"{_fmt_value(r, 'variance', 'grad_variance'):>13}"]
+            target = f"<{100 * r['target']:.0f}% " + ("ok" if r["within_target"] else "MISS")
+        cells = [f"{r['np']:>3}", f"{r['config']:<11}", f"{1000 * r['step_s']:>7.1f}",
+                 f"{'(base)':>8}" if base else _pct(r["overhead"], 8), f"{target:>9}",
+                 _pct(r["overhead_of_medians"], 10), _pct(r["overhead_best"], 7)]
+        if fit:
+            cells.append(_pct(r.get("fit_overhead"), 7))
+        cells += [f"{_fmt_value(r, 'gns', 'gns'):>9}",
+                  f"{_fmt_value(r, 'variance', 'grad_variance'):>13}"]
         print(" | ".join(cells))
     print()
-    print("overhead: median over rounds of (step time / step time of off in the same round) - 1; "
-          "of medians: ratio of median step times - 1; best: ratio of fastest rounds - 1")
+    print("step ms: median block time / steps (slowest worker per step). overhead: median over "
+          "blocks of (time / time of off in the same block) - 1; of medians: ratio of the "
+          "median block times - 1; best: ratio of the fastest blocks - 1"
+          + ("; fit: the same as overhead, from model.fit rounds" if fit else "") + ".")
     print()
 
 
@@ -347,10 +407,6 @@ def driver(args) -> int:
     if not nps or min(nps) < 1:
         print("--np: at least one worker count, each at least 1", file=sys.stderr)
         return 2
-    for c in args.config_list:
-        if args.steps % c["interval"]:
-            print(f"warning: --steps {args.steps} is not a multiple of {c['label']}'s interval: "
-                  "its timed rounds hold different numbers of monitored steps", file=sys.stderr)
     out_dir = args.keep or tempfile.mkdtemp(prefix="monitoring_overhead.")
     os.makedirs(out_dir, exist_ok=True)
     json_file = open(args.json, "w") if args.json else None
@@ -363,26 +419,19 @@ def driver(args) -> int:
             run_np(args, n, out_dir)
             wall = time.monotonic() - t0
             after = _loadavg()
-            times = collect(out_dir, RESULT_PREFIX, n)
-            times.pop("_params")
-            phases = times.pop("_phases")
-            times.pop("_interleaved")
+            # collect: the fit rounds (slowest worker per round); it also checks that every
+            # worker ended with the same trainable weights.
+            fit_times = collect(out_dir, RESULT_PREFIX, n)
             extra = {"loadavg_before": before, "loadavg_after": after, "wall_s": round(wall, 1),
-                     "rank0_phases_s": phases}
-            for row in rows_for(args, n, times, read_estimates(out_dir, n), extra):
+                     "rank0_phases_s": fit_times["_phases"]}
+            for row in rows_for(args, n, read_results(out_dir, n), fit_times, extra):
                 rows.append(row)
+                problems += problems_of(row)
                 line = json.dumps(row)
                 print(line, flush=True)
                 if json_file:
                     json_file.write(line + "\n")
                     json_file.flush()
-                if row["estimates_agree"] is False:
-                    problems.append(f"np={n} {row['config']}: the workers' estimates differ")
-                if n > 1 and row["monitor"] and (
-                        ("variance" in row["monitor"] and row["grad_variance"] is None) or
-                        ("gns" in row["monitor"] and row["gns"] is None and
-                         (row["gns_g2_ema"] is None or row["gns_g2_ema"] > 0))):
-                    problems.append(f"np={n} {row['config']}: an estimate is not a finite number")
     finally:
         if json_file:
             json_file.close()

@@ -24,6 +24,17 @@ from kungfu._collective import (
     reduce_async,
 )
 
+from kungfu.policy import (
+    BasePolicy,
+    TrainingState,
+    linear_scaled_lr,
+    set_batch_size,
+    set_learning_rate,
+    set_strategy,
+    set_tree,
+    sqrt_scaled_lr,
+)
+
 __version__ = "0.1.0"
 
 
@@ -71,6 +82,7 @@ _TENSORFLOW_NAMES = {
     "grad_noise_scale": "kungfu.tensorflow",
     "grad_variance": "kungfu.tensorflow",
     "Hook": "kungfu.tensorflow",
+    "ElasticData": "kungfu.tensorflow",
 }
 
 
@@ -91,6 +103,14 @@ def __dir__():
 
 __all__ = [
     "errors",
+    "BasePolicy",
+    "TrainingState",
+    "set_tree",
+    "set_strategy",
+    "set_batch_size",
+    "set_learning_rate",
+    "linear_scaled_lr",
+    "sqrt_scaled_lr",
     "Handle",
     "init",
     "rank",

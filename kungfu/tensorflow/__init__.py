@@ -10,6 +10,7 @@ connects this worker to its peers.
 """
 from kungfu.tensorflow import ops  # noqa: F401
 from kungfu.tensorflow._hook import Hook  # noqa: F401
+from kungfu.tensorflow.data import ElasticData  # noqa: F401
 from kungfu.tensorflow._monitor import grad_noise_scale, grad_variance  # noqa: F401
 from kungfu.tensorflow.initializer import (  # noqa: F401
     BroadcastGlobalVariablesCallback,
@@ -25,4 +26,5 @@ __all__ = [
     "grad_noise_scale",
     "grad_variance",
     "Hook",
+    "ElasticData",
 ]

@@ -1,15 +1,35 @@
-"""`kf.Hook`: the Keras callback that connects `model.fit` to kungfu.
+"""`kf.Hook`: runs adaptation policies in `model.fit` (as a Keras callback) or in a custom loop.
 
-It adds the latest monitored estimates of the model's distributed optimizer to Keras's logs, as
-`gns` and `grad_variance`, after every batch and epoch, so the progress bar, History and
-TensorBoard show them.
+    model.fit(data.dataset(), callbacks=[kf.Hook(MyPolicy(), data=data)])
+
+    hook = kf.Hook(MyPolicy(), optimizer=opt, data=data)       # a custom loop
+    hook.before_train()
+    for epoch in range(E):
+        hook.before_epoch()
+        for x, y, w in data.epoch_batches():   # or any loop
+            hook.before_step(); loss = train_step(x, y, w); hook.after_step({"loss": loss})
+        hook.after_epoch()
+    hook.after_train()
+
+Per step:
+1. before the step, decisions recorded since the last agreement (by any hook of any policy) are
+   agreed and applied on every worker (kungfu/policy/_actions.py), then the policies'
+   `before_step` run (their decisions apply before the following step), then the data (if
+   given) is released to make this step's batch;
+2. after the step the training state is updated (step, samples, step time, throughput, the
+   monitored `gns` / `grad_variance`, which also go into Keras's logs), then `after_step` runs.
+
+Every worker runs the same hooks at the same steps, so policies may call collectives
+(`kf.allreduce(kf.grad_noise_scale(), "avg")`) in them.
 """
 from __future__ import annotations
 
-from typing import Optional
+import time
+from typing import Optional, Sequence
 
 import keras
 
+from kungfu.policy import HOOKS, BasePolicy, TrainingState, _actions
 from kungfu.tensorflow import _monitor
 
 
@@ -22,14 +42,169 @@ def monitor_logs(optimizer) -> dict:
 
 
 class Hook(keras.callbacks.Callback):
-    """A Keras callback for `model.fit`: `model.fit(..., callbacks=[kf.Hook()])`."""
+    """Runs policies (kf.BasePolicy) and applies their actions consistently on every worker;
+    adds the monitored estimates to Keras's logs. `data`: a kungfu.tensorflow.data.ElasticData
+    (needed for kf.set_batch_size in model.fit); `optimizer`: for custom loops (in model.fit the
+    model's optimizer is used)."""
 
-    def _add_monitor_logs(self, logs):
-        if logs is not None and self.model is not None:
-            logs.update(monitor_logs(self.model.optimizer))
+    def __init__(self, *policies: BasePolicy, data=None, optimizer=None, name: str = "kungfu/hook"):
+        super().__init__()
+        for p in policies:
+            if not isinstance(p, BasePolicy):
+                raise TypeError(f"kf.Hook takes kf.BasePolicy instances, got {type(p).__name__}")
+        self.policies = list(policies)
+        self.data = data
+        self._optimizer = optimizer
+        self._name = name
+        self._rounds = 0
+        self.state = TrainingState()
+        self._step_start: Optional[float] = None
+        self._step_samples = 0
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    @property
+    def optimizer(self):
+        if self._optimizer is not None:
+            return self._optimizer
+        model = getattr(self, "model", None)
+        return None if model is None else model.optimizer
+
+    def _run(self, hook: str) -> None:
+        assert hook in HOOKS
+        if not _actions.in_round():
+            _actions.open_round()
+        for p in self.policies:
+            getattr(p, hook)(self.state)
+
+    def _agree_and_apply(self) -> None:
+        decisions = _actions.close_round()
+        self._rounds += 1
+        winners = _actions.agree(decisions, f"{self._name}/{self._rounds}")
+        _actions.open_round()
+        for kind in _actions.KINDS:
+            if kind in winners:
+                getattr(self, "_apply_" + kind)(winners[kind])
+
+    def _apply_strategy(self, decision) -> None:
+        _actions.apply_strategy(decision)
+
+    def _apply_batch_size(self, b: int) -> None:
+        if self.data is None:
+            raise RuntimeError("kf.set_batch_size needs kungfu's data in training: pass "
+                               "data=kf.ElasticData(...) to kf.Hook and train on data.dataset()")
+        self.data.set_batch_size(b)
+        monitor = getattr(self.optimizer, "kungfu_monitor", None)
+        if monitor is not None:
+            monitor.set_batch_size(b)
+        self._refresh_sizes()
+
+    def _apply_learning_rate(self, lr: float) -> None:
+        opt = self.optimizer
+        if opt is None:
+            raise RuntimeError("kf.set_learning_rate needs an optimizer: pass optimizer= to "
+                               "kf.Hook in a custom loop")
+        try:
+            opt.learning_rate = lr
+        except (TypeError, ValueError) as e:
+            raise RuntimeError(f"cannot set the learning rate of {type(opt).__name__} "
+                               f"(a schedule?): {e}") from e
+        self.state.learning_rate = lr
+
+    def _refresh_sizes(self) -> None:
+        import kungfu as kf
+
+        s = self.state
+        s.rank, s.cluster_size = kf.rank(), kf.size()
+        if self.data is not None:
+            s.local_batch_size = self.data.batch_size
+        if s.local_batch_size is not None:
+            s.global_batch_size = s.local_batch_size * s.cluster_size
+        opt = self.optimizer
+        if opt is not None:
+            try:
+                s.learning_rate = float(keras.ops.convert_to_numpy(opt.learning_rate))
+            except Exception:  # noqa: BLE001 - a schedule or no learning rate: leave it
+                pass
+
+    # -- the hooks, for custom loops ----------------------------------------------------------
+
+    def before_train(self) -> None:
+        if self.data is not None:
+            self.data.attach()
+        self._epochs_begun = 0
+        self._refresh_sizes()
+        self._run("before_train")
+
+    def before_epoch(self, epoch: Optional[int] = None) -> None:
+        if epoch is not None:
+            self.state.epoch = epoch
+        self._epochs_begun += 1
+        self.state.step_in_epoch = 0
+        self._run("before_epoch")
+
+    def before_step(self) -> None:
+        self._agree_and_apply()
+        self._run("before_step")
+        self._step_samples = self.state.global_batch_size or 0
+        if self.data is not None:
+            # Before the release: the batch of this step has not been made yet.
+            self._step_samples = min(self._step_samples, len(self.data) - self.data.offset)
+            self.data.release(self._epochs_begun - 1, self.state.step_in_epoch)
+        self._step_start = time.perf_counter()
+
+    def after_step(self, logs: Optional[dict] = None) -> None:
+        s = self.state
+        elapsed = time.perf_counter() - self._step_start if self._step_start else None
+        s.step += 1
+        s.step_in_epoch += 1
+        s.samples_seen += self._step_samples
+        if elapsed:
+            s.metrics["step_time"] = elapsed
+            if self._step_samples:
+                s.metrics["throughput"] = self._step_samples / elapsed
+        estimates = monitor_logs(self.optimizer)
+        s.metrics.update(estimates)
+        if logs is not None:
+            logs.update(estimates)
+            s.logs = logs
+        self._run("after_step")
+
+    def after_epoch(self, logs: Optional[dict] = None) -> None:
+        if logs is not None:
+            logs.update(monitor_logs(self.optimizer))
+            self.state.logs = logs
+        self._run("after_epoch")
+        self.state.epoch += 1
+
+    def after_train(self) -> None:
+        self._run("after_train")
+        self._agree_and_apply()
+        _actions.close_round()
+        if self.data is not None:
+            self.data.detach()
+
+    # -- Keras ----------------------------------------------------------------------------------
+
+    _epochs_begun = 0
+
+    def on_train_begin(self, logs=None):
+        spe = getattr(self.model, "steps_per_execution", 1)
+        if self.data is not None and int(keras.ops.convert_to_numpy(spe)) != 1:
+            raise ValueError("kf.Hook with kungfu data needs steps_per_execution=1")
+        self.before_train()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.before_epoch(epoch)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.before_step()
 
     def on_train_batch_end(self, batch, logs=None):
-        self._add_monitor_logs(logs)
+        self.after_step(logs)
 
     def on_epoch_end(self, epoch, logs=None):
-        self._add_monitor_logs(logs)
+        self.after_epoch(logs)
+
+    def on_train_end(self, logs=None):
+        self.after_train()

@@ -1,0 +1,98 @@
+"""Adaptation policies: user code that watches training and changes it while it runs.
+
+    class GrowBatch(kf.BasePolicy):
+        def after_epoch(self, state):
+            gns = kf.allreduce(kf.grad_noise_scale(), "avg")
+            if gns > 2 * state.global_batch_size:
+                kf.set_batch_size(2 * state.local_batch_size)
+
+    model.fit(kf.data(x, y, batch_size=32), callbacks=[kf.Hook(GrowBatch())])
+
+A policy subclasses `BasePolicy` and overrides any of its hooks; each gets a `TrainingState`.
+`kf.Hook` runs the hooks of its policies on every worker and applies their actions
+(`set_tree`, `set_strategy`, `set_batch_size`, `set_learning_rate`) at the same step on every
+worker (see kungfu/policy/_actions.py for the agreement rule). Nothing here imports TensorFlow.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from kungfu.policy._actions import (
+    check_tree,
+    current_strategy,
+    linear_scaled_lr,
+    set_batch_size,
+    set_learning_rate,
+    set_strategy,
+    set_tree,
+    sqrt_scaled_lr,
+    strategy_stats,
+)
+
+
+@dataclass
+class TrainingState:
+    """What a policy sees. Counters are global (the same on every worker)."""
+
+    step: int = 0  # steps finished since training began
+    epoch: int = 0
+    step_in_epoch: int = 0
+    samples_seen: int = 0  # samples of every worker, since training began
+    local_batch_size: Optional[int] = None
+    global_batch_size: Optional[int] = None
+    learning_rate: Optional[float] = None
+    cluster_size: int = 1
+    rank: int = 0
+    metrics: Dict[str, float] = field(default_factory=dict)  # gns, grad_variance, step_time, ...
+    logs: Dict[str, Any] = field(default_factory=dict)  # Keras's logs of the last batch/epoch
+
+
+class BasePolicy:
+    """Base of adaptation policies: override the hooks you need (each receives the
+    TrainingState). Policy state lives in the instance; `state_dict()` / `load_state_dict()`
+    (by default: the instance's attributes) make it part of what a worker syncs."""
+
+    def before_train(self, state: TrainingState) -> None:
+        pass
+
+    def before_epoch(self, state: TrainingState) -> None:
+        pass
+
+    def before_step(self, state: TrainingState) -> None:
+        pass
+
+    def after_step(self, state: TrainingState) -> None:
+        pass
+
+    def after_epoch(self, state: TrainingState) -> None:
+        pass
+
+    def after_train(self, state: TrainingState) -> None:
+        pass
+
+    def state_dict(self) -> Dict[str, Any]:
+        return copy.deepcopy(self.__dict__)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(copy.deepcopy(state))
+
+
+HOOKS = ("before_train", "before_epoch", "before_step", "after_step", "after_epoch",
+         "after_train")
+
+__all__ = [
+    "BasePolicy",
+    "TrainingState",
+    "HOOKS",
+    "set_tree",
+    "set_strategy",
+    "set_batch_size",
+    "set_learning_rate",
+    "linear_scaled_lr",
+    "sqrt_scaled_lr",
+    "check_tree",
+    "current_strategy",
+    "strategy_stats",
+]

@@ -1,0 +1,151 @@
+"""Elastic data: training samples addressed by global offset, batch size changeable per step.
+
+    data = kf.ElasticData(x, y, batch_size=32)           # per-worker batch size
+    model.fit(data.dataset(), epochs=5, callbacks=[kf.Hook(policy, data=data)])
+
+Each epoch has one global order of the samples (a permutation seeded by (seed, epoch), the same
+on every worker). Step s consumes the next slice of that order, of the global batch
+(local batch size x workers, fewer at the end of the epoch); worker r takes the r-th part of the
+slice. So every sample of an epoch is used exactly once, whatever batch sizes the steps had, and
+every worker's epoch has the same number of steps.
+
+Batches come as (x, y, sample_weight). The weights make the averaged gradient exactly the mean over
+the slice even when parts differ in size (at the end of an epoch): a sample of a part of p
+samples, in a slice of L over n workers, weighs n p / L (1 when all parts are equal). A worker
+whose part is empty gets one sample of weight 0.
+
+With a Hook, batch s is made only once the Hook has released step s (after the decisions of
+step s - 1 were applied), so tf.data's read-ahead cannot make a batch with an outdated size. Use
+steps_per_execution=1 (the default). Without a Hook the batch size is fixed.
+"""
+from __future__ import annotations
+
+import threading
+from typing import List, Optional
+
+import numpy as np
+
+from kungfu.policy._actions import check_batch_size
+
+RELEASE_TIMEOUT = 600.0  # seconds a batch waits for the Hook to release its step
+
+
+class ElasticData:
+    """Arrays (x, and optionally y) served as per-worker batches by global sample offset."""
+
+    def __init__(self, x, y=None, batch_size: int = 32, shuffle: bool = True, seed: int = 0,
+                 record: bool = False):
+        self.x = np.asarray(x)
+        self.y = None if y is None else np.asarray(y)
+        if self.y is not None and len(self.y) != len(self.x):
+            raise ValueError(f"x has {len(self.x)} samples, y has {len(self.y)}")
+        if len(self.x) == 0:
+            raise ValueError("no samples")
+        self.batch_size = check_batch_size(batch_size)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.epoch = 0  # the epoch being served
+        self.offset = 0  # samples of this epoch already served, over all workers
+        self.record = record
+        self.served: List[np.ndarray] = []  # this worker's sample indices per step (if record)
+        self._cv = threading.Condition()
+        # With a Hook: the last (epoch since attach, step in epoch) it released, and this
+        # object's epoch when it was attached.
+        self._attached = False
+        self._released = (-1, -1)
+        self._base_epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def set_batch_size(self, b: int) -> None:
+        """This worker's batch size from the next batch made on."""
+        self.batch_size = check_batch_size(b)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The global order of the samples in `epoch`."""
+        n = len(self.x)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch]).permutation(n)
+
+    def part(self, order: np.ndarray, offset: int, rank: int, size: int):
+        """(indices, weight, slice length) of worker `rank`'s part of the step at `offset`."""
+        length = min(self.batch_size * size, len(order) - offset)
+        piece = np.array_split(order[offset:offset + length], size)[rank]
+        if piece.size == 0:
+            return order[:1], 0.0, length
+        return piece, size * piece.size / length, length
+
+    # -- the Hook's side ------------------------------------------------------------------------
+
+    def attach(self) -> None:
+        """Called by the Hook when training begins: from now on batches wait for release()."""
+        with self._cv:
+            self._attached = True
+            self._released = (-1, -1)
+            self._base_epoch = self.epoch
+
+    def detach(self) -> None:
+        with self._cv:
+            self._attached = False
+            self._cv.notify_all()
+
+    def release(self, epoch: int, step_in_epoch: int) -> None:
+        """Allows the batch of step `step_in_epoch` of the Hook's epoch `epoch` (0: the first
+        epoch since attach) to be made."""
+        with self._cv:
+            self._released = max(self._released, (epoch, step_in_epoch))
+            self._cv.notify_all()
+
+    def _wait_for(self, step: int) -> None:
+        with self._cv:
+            key = (self.epoch - self._base_epoch, step)
+            if not self._cv.wait_for(lambda: not self._attached or self._released >= key,
+                                     RELEASE_TIMEOUT):
+                raise RuntimeError(
+                    f"kungfu data: step {step} of epoch {self.epoch} was not released by kf.Hook "
+                    f"within {RELEASE_TIMEOUT:.0f} s (is the Hook in model.fit's callbacks, and "
+                    "steps_per_execution 1?)")
+
+    # -- iteration ------------------------------------------------------------------------------
+
+    def epoch_batches(self):
+        """Yields this worker's (x, y, sample_weight) batches of one epoch, then moves on to the
+        next epoch."""
+        import kungfu as kf
+
+        order = self.order(self.epoch)
+        step = 0
+        while self.offset < len(order):
+            self._wait_for(step)
+            rank, size = kf.rank(), kf.size()
+            idx, weight, length = self.part(order, self.offset, rank, size)
+            self.offset += length
+            if self.record:
+                self.served.append(idx if weight > 0 else idx[:0])
+            w = np.full(len(idx), weight, dtype=np.float32)
+            yield (self.x[idx], w) if self.y is None else (self.x[idx], self.y[idx], w)
+            step += 1
+        with self._cv:
+            self.epoch += 1
+            self.offset = 0
+
+    def dataset(self):
+        """A tf.data.Dataset of this worker's batches, one epoch per iteration."""
+        import tensorflow as tf
+
+        def spec(a):
+            return tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype))
+
+        weight = tf.TensorSpec((None,), tf.float32)
+        signature = (spec(self.x), weight) if self.y is None else (
+            spec(self.x), spec(self.y), weight)
+        return tf.data.Dataset.from_generator(self.epoch_batches, output_signature=signature)
+
+    def steps_left(self) -> Optional[int]:
+        """Steps left in the current epoch at the current batch size."""
+        import kungfu as kf
+
+        per_step = self.batch_size * kf.size()
+        return -(-(len(self.x) - self.offset) // per_step)
