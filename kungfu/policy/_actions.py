@@ -84,11 +84,7 @@ def _strategy_code(name: str) -> int:
         raise ValueError(str(e)) from None
 
 
-def check_tree(fathers: Sequence[int], size: Optional[int] = None) -> List[int]:
-    """fathers as a list of ints, or ValueError naming what is wrong with it."""
-    from kungfu import _kungfu
-    import kungfu as kf
-
+def _tree_ints(fathers: Sequence[int]) -> List[int]:
     if isinstance(fathers, (str, bytes)) or not hasattr(fathers, "__len__"):
         raise TypeError(f"a tree is a father array (a list of ranks), got {type(fathers).__name__}")
     tree = []
@@ -96,6 +92,15 @@ def check_tree(fathers: Sequence[int], size: Optional[int] = None) -> List[int]:
         if isinstance(f, bool) or not isinstance(f, numbers.Integral):
             raise ValueError(f"tree: fathers must be integers, got {f!r}")
         tree.append(int(f))
+    return tree
+
+
+def check_tree(fathers: Sequence[int], size: Optional[int] = None) -> List[int]:
+    """fathers as a list of ints, or ValueError naming what is wrong with it."""
+    from kungfu import _kungfu
+    import kungfu as kf
+
+    tree = _tree_ints(fathers)
     n = kf.size() if size is None else size
     code, message = _kungfu.validate_tree(tree, n)
     if code != 0:
@@ -112,18 +117,40 @@ def _install(kind: int, tree: List[int], name: str) -> None:
 
 def set_tree(fathers: Sequence[int]) -> None:
     """Reduce along this tree from now on: fathers[i] is rank i's parent, fathers[root] == root
-    (one root; a forest is rejected). A malformed tree is a ValueError and changes nothing."""
-    tree = check_tree(fathers)
-    if _record("strategy", {"tree": tree}):
+    (one root; a forest is rejected). A malformed tree is a ValueError and changes nothing.
+
+    In a policy hook the tree is checked at once, on the calling worker. Outside, this is a
+    collective: the runtime agrees first and checks after, so a tree that is malformed on some
+    workers only, or trees that differ, fail on every worker rather than leaving some waiting."""
+    if in_round():
+        _record("strategy", {"tree": check_tree(fathers)})
         return
+    try:
+        tree = _tree_ints(fathers)
+    except (TypeError, ValueError):
+        # Still take part (with a proposal no one else makes), so the others fail too.
+        try:
+            _install(_strategy_code("TREE"), [-1], "kungfu::set-tree")
+        except ValueError:
+            pass
+        raise
     _install(_strategy_code("TREE"), tree, "kungfu::set-tree")
 
 
 def set_strategy(name: str) -> None:
     """Use this named strategy (RING, STAR, BINARY_TREE_STAR, AUTO, ...) from now on."""
-    code = _strategy_code(name)
-    if _record("strategy", {"name": name.upper()}):
+    if in_round():
+        _strategy_code(name)
+        _record("strategy", {"name": name.upper()})
         return
+    try:
+        code = _strategy_code(name)
+    except (TypeError, ValueError):
+        try:  # take part, as set_tree does, so the others fail too
+            _install(-1, [], "kungfu::set-strategy")
+        except ValueError:
+            pass
+        raise
     _install(code, [], "kungfu::set-strategy")
 
 

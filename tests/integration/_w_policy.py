@@ -1,0 +1,94 @@
+"""Worker bodies for test_policy.py: policies driven by kf.Hook in model.fit, real processes."""
+from __future__ import annotations
+
+import numpy as np
+
+from _w_tf_optim import _digest, _setup
+
+
+def adaptive_fit(samples: int, epochs: int):
+    """One model.fit with a policy that, at fixed steps: installs a tree (decided on rank 0
+    only), tries a malformed tree (every worker, expects ValueError), grows the batch size
+    (rank 1 only) and sets the learning rate to 0 (rank 0 only). Returns what every step saw."""
+    kf, tf, keras = _setup()
+    from kungfu.policy import current_strategy
+
+    rank, size = kf.rank(), kf.size()
+    tree = [size - 1] * size  # rooted at the last rank
+    log = []
+
+    class Policy(kf.BasePolicy):
+        def __init__(self):
+            self.errors = []
+
+        def before_step(self, s):
+            log.append({"step": s.step, "epoch": s.epoch, "strategy": current_strategy(),
+                        "batch": s.local_batch_size, "lr": s.learning_rate,
+                        "weights": _digest(model.get_weights())})
+
+        def after_step(self, s):
+            if s.step == 2 and rank == 0:
+                kf.set_tree(tree)
+            if s.step == 4:
+                try:
+                    kf.set_tree([0] * (size + 1))
+                except ValueError as e:
+                    self.errors.append(str(e))
+            if s.step == 5 and rank == min(1, size - 1):
+                kf.set_batch_size(7)
+            if s.step == 9 and rank == 0:
+                kf.set_learning_rate(0.0)
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((samples, 6)).astype(np.float32)
+    y = (x @ np.arange(6, dtype=np.float32))[:, None]
+    data = kf.ElasticData(x, y, batch_size=4, seed=3, record=True)
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile(optimizer=kf.Optimizer(keras.optimizers.SGD(0.01)), loss="mse",
+                  jit_compile=False)
+    policy = Policy()
+    history = model.fit(data.dataset(), epochs=epochs, verbose=0,
+                        callbacks=[kf.Hook(policy, data=data)])
+    return {
+        "log": log,
+        "errors": policy.errors,
+        "served": [i.tolist() for i in data.served],
+        "loss": history.history["loss"],
+        "final": _digest(model.get_weights()),
+        "strategy": current_strategy(),
+    }
+
+
+def outside_hook():
+    """set_tree / set_strategy as plain collectives, and the actions that need a Hook."""
+    kf, tf, keras = _setup()
+    from kungfu.policy import current_strategy
+
+    size = kf.size()
+    out = {}
+    kf.set_tree(list(range(size))[:1] * size)
+    out["tree"] = current_strategy()
+    kf.set_strategy("ring")
+    out["ring"] = current_strategy()
+    try:
+        kf.set_tree([0] if kf.rank() == 0 else [0] * size)  # malformed on rank 0 only
+    except Exception as e:  # noqa: BLE001
+        out["one_bad"] = f"{type(e).__name__}: {e}"
+    try:
+        kf.set_tree([kf.rank()] * size if kf.rank() < 2 else [0] * size)  # valid, different
+    except Exception as e:  # noqa: BLE001
+        out["differ"] = f"{type(e).__name__}: {e}"
+    out["after"] = current_strategy()
+    x = kf.allreduce(np.arange(5, dtype=np.float32))
+    out["sum"] = x.tolist()
+    for name, fn in (("batch", lambda: kf.set_batch_size(3)),
+                     ("lr", lambda: kf.set_learning_rate(0.1)),
+                     ("bad_batch", lambda: kf.set_batch_size(0)),
+                     ("bad_strategy", lambda: kf.set_strategy("NOPE"))):
+        try:
+            fn()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {e}"
+    return out

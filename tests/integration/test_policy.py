@@ -1,0 +1,88 @@
+"""Adaptation policies in model.fit (kf.Hook), in real worker processes."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+import _w_policy as w  # noqa: E402
+
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
+SAMPLES, EPOCHS = 101, 3
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def fit_run(request, session_spawn):
+    return request.param, session_spawn(request.param, w.adaptive_fit, SAMPLES, EPOCHS, env=ENV,
+                                        timeout=150)
+
+
+@pytest.mark.timeout(400)
+def test_every_worker_sees_every_change_at_the_same_step(fit_run):
+    n, results = fit_run
+    logs = [r["log"] for r in results]
+    assert all(len(lg) == len(logs[0]) for lg in logs)
+    for entries in zip(*logs):
+        # Same step, strategy, batch size, learning rate and weights before every step.
+        assert len({repr({k: e[k] for k in ("step", "strategy", "batch", "lr", "weights")})
+                    for e in entries}) == 1
+    by_step = {e["step"]: e for e in logs[0]}
+    tree = [n - 1] * n
+    # state.step counts finished steps: decided in after_step when 2 steps are done, applied
+    # before the next step (the one whose before_step sees step == 2).
+    assert by_step[1]["strategy"] != {"tree": tree}
+    assert by_step[2]["strategy"] == {"tree": tree}
+    assert results[0]["strategy"] == {"tree": tree}
+    assert [by_step[s]["batch"] for s in (4, 5)] == [4, 7]
+    assert by_step[8]["lr"] == pytest.approx(0.01) and by_step[9]["lr"] == 0.0
+    # lr 0 in the compiled step: the weights stop changing from step 9 on.
+    weights = [e["weights"] for e in logs[0] if e["step"] >= 9]
+    assert len(set(weights)) == 1 and results[0]["final"] == weights[0]
+    assert by_step[8]["weights"] != by_step[3]["weights"]
+
+
+@pytest.mark.timeout(400)
+def test_malformed_tree_raises_everywhere_and_training_goes_on(fit_run):
+    n, results = fit_run
+    for r in results:
+        assert len(r["errors"]) == 1 and "malformed tree" in r["errors"][0]
+        assert f"{n + 1} entries" in r["errors"][0]
+        assert r["strategy"] == {"tree": [n - 1] * n}  # the tree installed before stays
+
+
+@pytest.mark.timeout(400)
+def test_every_sample_once_per_epoch_despite_batch_change(fit_run):
+    n, results = fit_run
+    served = [r["served"] for r in results]
+    steps = len(served[0])
+    assert all(len(s) == steps for s in served)
+    # Rebuild epochs: each epoch ends when SAMPLES samples were served over all workers.
+    epoch, seen_epochs = [], []
+    shapes = set()
+    for i in range(steps):
+        for s in served:
+            epoch.extend(s[i])
+            shapes.add(len(s[i]))
+        if len(epoch) >= SAMPLES:
+            seen_epochs.append(sorted(epoch))
+            epoch = []
+    assert epoch == [] and len(seen_epochs) == EPOCHS
+    for e in seen_epochs:
+        assert e == list(range(SAMPLES))
+    assert {4, 7} <= shapes
+
+
+@pytest.mark.timeout(200)
+def test_actions_outside_a_hook(spawn):
+    results = spawn(3, w.outside_hook, env=ENV, timeout=120)
+    for r in results:
+        assert r["tree"] == {"tree": [0, 0, 0]}
+        assert r["ring"] == {"name": "RING"}
+        assert "different" in r["one_bad"]  # malformed on rank 0 only: a disagreement
+        assert "different" in r["differ"]
+        assert r["after"] == {"name": "RING"}
+        assert r["sum"] == [0.0, 3.0, 6.0, 9.0, 12.0]
+        assert r["batch"].startswith("RuntimeError") and "kf.Hook" in r["batch"]
+        assert r["lr"].startswith("RuntimeError")
+        assert r["bad_batch"].startswith("ValueError")
+        assert r["bad_strategy"].startswith("ValueError")
