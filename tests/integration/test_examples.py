@@ -108,3 +108,18 @@ def test_min_accuracy_fails_the_run():
     assert r.returncode == 1, r.stdout + r.stderr
     assert "workers: 1," in r.stdout
     assert "FAILED: test accuracy" in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_adaptive_batch_two_workers():
+    out = run_example("adaptive_batch.py", 2, "--epochs", "6", "--min-accuracy", "0.9")
+    decisions = re.findall(r"\[0\] epoch \d+: gns [0-9.]+ > global batch (\d+): local batch -> "
+                           r"(\d+)", out)
+    assert decisions, out  # the noise scale grows past the small initial batch
+    for global_batch, local in decisions:  # each decision doubles the batch
+        assert int(local) == int(global_batch)  # 2 workers: new local = 2 x old local
+    finals = re.findall(r"rank (\d): decisions (\d+), final local batch (\d+), weights (\w+)", out)
+    assert len(finals) == 2 and finals[0][1:] == finals[1][1:], out
+    assert int(finals[0][2]) == 8 * 2 ** len(decisions)
+    accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out).group(1))
+    assert accuracy >= 0.9
