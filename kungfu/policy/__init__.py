@@ -79,10 +79,13 @@ class BasePolicy:
         self.__dict__.update(copy.deepcopy(state))
 
 
+from kungfu.policy.adaptive_strategy import AdaptiveStrategyPolicy  # noqa: E402
+
 HOOKS = ("before_train", "before_epoch", "before_step", "after_step", "after_epoch",
          "after_train")
 
 __all__ = [
+    "AdaptiveStrategyPolicy",
     "BasePolicy",
     "TrainingState",
     "HOOKS",

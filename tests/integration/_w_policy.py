@@ -92,3 +92,34 @@ def outside_hook():
         except Exception as e:  # noqa: BLE001
             out[name] = f"{type(e).__name__}: {e}"
     return out
+
+
+def adaptive_strategy(slow_ms: float):
+    """AdaptiveStrategyPolicy driven by a plain numpy loop (its actions are then collectives):
+    explore, exploit; then the chosen strategy is slowed down (rank 0 enters its allreduces
+    `slow_ms` late, which the others wait for inside the operation) and the policy must move."""
+    import time
+
+    import kungfu as kf
+    from kungfu.policy import AdaptiveStrategyPolicy, TrainingState, current_strategy
+
+    cands = ["BINARY_TREE_STAR", "RING", "STAR"]
+    policy = AdaptiveStrategyPolicy(cands, trial_steps=6, warmup_steps=1, check_steps=8)
+    state = TrainingState(rank=kf.rank(), cluster_size=kf.size())
+    x = np.ones(1 << 18, dtype=np.float32)  # 1 MiB
+    policy.before_train(state)
+    slowed = None
+    seen = []
+    for step in range(80):
+        name = current_strategy()["name"]
+        seen.append(name)
+        if step == 40:
+            slowed = policy.best
+        if name == slowed and kf.rank() == 0:
+            time.sleep(slow_ms / 1000)
+        y = kf.allreduce(x, name="grads")
+        assert y[0] == kf.size()
+        state.step = step + 1
+        policy.after_step(state)
+    return {"seen": seen, "trials": policy.trials, "history": policy.history,
+            "decisions": policy.decisions, "slowed": slowed, "best": policy.best}

@@ -86,3 +86,24 @@ def test_actions_outside_a_hook(spawn):
         assert r["lr"].startswith("RuntimeError")
         assert r["bad_batch"].startswith("ValueError")
         assert r["bad_strategy"].startswith("ValueError")
+
+
+@pytest.mark.timeout(200)
+def test_adaptive_strategy_picks_the_fastest_and_leaves_a_slowed_one(spawn):
+    results = spawn(3, w.adaptive_strategy, 30.0, env=ENV, timeout=150)
+    r0 = results[0]
+    for r in results[1:]:
+        assert r["seen"] == r0["seen"] and r["decisions"] == r0["decisions"]
+        assert r["history"] == r0["history"]
+    decisions = r0["decisions"]
+    # Explore the three candidates in order, then install the fastest.
+    assert [d[1] for d in decisions[:3]] == ["BINARY_TREE_STAR", "RING", "STAR"]
+    first = {name: rate for _, name, rate in r0["history"][:3]}
+    fastest = max(first, key=first.get)
+    assert decisions[3][1:] == (fastest, "fastest")
+    assert r0["slowed"] == fastest
+    # Slowed from step 40: a check sees the drop, the policy explores again and settles on
+    # another strategy.
+    again = [d for d in decisions[4:] if "dropped" in d[2]]
+    assert again, decisions
+    assert r0["best"] != fastest and r0["seen"][-1] == r0["best"]
