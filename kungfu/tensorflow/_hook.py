@@ -6,18 +6,24 @@
     hook.before_train()
     for epoch in range(E):
         hook.before_epoch()
-        for x, y, w in data.epoch_batches():   # or any loop
+        for x, y, w in data.epoch_batches():   # or any loop; state.local_batch_size is the size
             hook.before_step(); loss = train_step(x, y, w); hook.after_step({"loss": loss})
         hook.after_epoch()
     hook.after_train()
 
-Per step:
-1. before the step, decisions recorded since the last agreement (by any hook of any policy) are
-   agreed and applied on every worker (kungfu/policy/_actions.py), then the policies'
-   `before_step` run (their decisions apply before the following step), then the data (if
-   given) is released to make this step's batch;
+Decisions recorded by the policies (kungfu/policy/_actions.py) are agreed and applied on every
+worker at the end of before_train, of every after_step, of after_epoch and of after_train, so a
+decision takes effect from the next step; one taken in before_epoch or before_step takes effect
+after that step. Per step:
+1. before the step the policies' `before_step` run; in model.fit the data (if given) is then
+   released to make this step's batch (tf.data reads ahead; this keeps it from making a batch
+   before the decisions that shape it were applied);
 2. after the step the training state is updated (step, samples, step time, throughput, the
-   monitored `gns` / `grad_variance`, which also go into Keras's logs), then `after_step` runs.
+   monitored `gns` / `grad_variance`, which also go into Keras's logs), `after_step` runs, and
+   the decisions are agreed and applied.
+
+Over a dataset of unknown length Keras calls on_train_batch_begin once more at the end of each
+epoch, so `before_step` runs once more there without a step following.
 
 Every worker runs the same hooks at the same steps, so policies may call collectives
 (`kf.allreduce(kf.grad_noise_scale(), "avg")`) in them.
@@ -59,7 +65,6 @@ class Hook(keras.callbacks.Callback):
         self._rounds = 0
         self.state = TrainingState()
         self._step_start: Optional[float] = None
-        self._step_samples = 0
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -90,10 +95,12 @@ class Hook(keras.callbacks.Callback):
         _actions.apply_strategy(decision)
 
     def _apply_batch_size(self, b: int) -> None:
-        if self.data is None:
+        if self.data is not None:
+            self.data.set_batch_size(b)
+        elif getattr(self, "model", None) is not None:
             raise RuntimeError("kf.set_batch_size needs kungfu's data in training: pass "
                                "data=kf.ElasticData(...) to kf.Hook and train on data.dataset()")
-        self.data.set_batch_size(b)
+        self.state.local_batch_size = b
         monitor = getattr(self.optimizer, "kungfu_monitor", None)
         if monitor is not None:
             monitor.set_batch_size(b)
@@ -130,11 +137,10 @@ class Hook(keras.callbacks.Callback):
     # -- the hooks, for custom loops ----------------------------------------------------------
 
     def before_train(self) -> None:
-        if self.data is not None:
-            self.data.attach()
         self._epochs_begun = 0
         self._refresh_sizes()
         self._run("before_train")
+        self._agree_and_apply()
 
     def before_epoch(self, epoch: Optional[int] = None) -> None:
         if epoch is not None:
@@ -144,45 +150,42 @@ class Hook(keras.callbacks.Callback):
         self._run("before_epoch")
 
     def before_step(self) -> None:
-        self._agree_and_apply()
         self._run("before_step")
-        self._step_samples = self.state.global_batch_size or 0
         if self.data is not None:
-            # Before the release: the batch of this step has not been made yet.
-            self._step_samples = min(self._step_samples, len(self.data) - self.data.offset)
             self.data.release(self._epochs_begun - 1, self.state.step_in_epoch)
         self._step_start = time.perf_counter()
 
     def after_step(self, logs: Optional[dict] = None) -> None:
         s = self.state
         elapsed = time.perf_counter() - self._step_start if self._step_start else None
+        samples = self.data.last_length if self.data is not None else (s.global_batch_size or 0)
         s.step += 1
         s.step_in_epoch += 1
-        s.samples_seen += self._step_samples
+        s.samples_seen += samples
         if elapsed:
             s.metrics["step_time"] = elapsed
-            if self._step_samples:
-                s.metrics["throughput"] = self._step_samples / elapsed
+            if samples:
+                s.metrics["throughput"] = samples / elapsed
         estimates = monitor_logs(self.optimizer)
         s.metrics.update(estimates)
         if logs is not None:
             logs.update(estimates)
             s.logs = logs
         self._run("after_step")
+        self._agree_and_apply()
 
     def after_epoch(self, logs: Optional[dict] = None) -> None:
         if logs is not None:
             logs.update(monitor_logs(self.optimizer))
             self.state.logs = logs
         self._run("after_epoch")
+        self._agree_and_apply()
         self.state.epoch += 1
 
     def after_train(self) -> None:
         self._run("after_train")
         self._agree_and_apply()
         _actions.close_round()
-        if self.data is not None:
-            self.data.detach()
 
     # -- Keras ----------------------------------------------------------------------------------
 
@@ -192,6 +195,8 @@ class Hook(keras.callbacks.Callback):
         spe = getattr(self.model, "steps_per_execution", 1)
         if self.data is not None and int(keras.ops.convert_to_numpy(spe)) != 1:
             raise ValueError("kf.Hook with kungfu data needs steps_per_execution=1")
+        if self.data is not None:
+            self.data.attach()  # tf.data reads ahead: make each batch wait for its step
         self.before_train()
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -207,4 +212,8 @@ class Hook(keras.callbacks.Callback):
         self.after_epoch(logs)
 
     def on_train_end(self, logs=None):
-        self.after_train()
+        try:
+            self.after_train()
+        finally:
+            if self.data is not None:
+                self.data.detach()

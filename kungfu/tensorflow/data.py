@@ -14,14 +14,15 @@ the slice even when parts differ in size (at the end of an epoch): a sample of a
 samples, in a slice of L over n workers, weighs n p / L (1 when all parts are equal). A worker
 whose part is empty gets one sample of weight 0.
 
-With a Hook, batch s is made only once the Hook has released step s (after the decisions of
-step s - 1 were applied), so tf.data's read-ahead cannot make a batch with an outdated size. Use
-steps_per_execution=1 (the default). Without a Hook the batch size is fixed.
+In model.fit with a Hook, batch s is made only once the Hook has released step s (after the
+decisions of step s - 1 were applied), so tf.data's read-ahead cannot make a batch with an
+outdated size. Use steps_per_execution=1 (the default). In a custom loop, iterate
+`epoch_batches()`: each batch is made when the loop asks for it.
 """
 from __future__ import annotations
 
 import threading
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 
@@ -46,6 +47,7 @@ class ElasticData:
         self.seed = int(seed)
         self.epoch = 0  # the epoch being served
         self.offset = 0  # samples of this epoch already served, over all workers
+        self.last_length = 0  # samples over all workers in the last batch made
         self.record = record
         self.served: List[np.ndarray] = []  # this worker's sample indices per step (if record)
         self._cv = threading.Condition()
@@ -122,6 +124,7 @@ class ElasticData:
             rank, size = kf.rank(), kf.size()
             idx, weight, length = self.part(order, self.offset, rank, size)
             self.offset += length
+            self.last_length = length
             if self.record:
                 self.served.append(idx if weight > 0 else idx[:0])
             w = np.full(len(idx), weight, dtype=np.float32)
@@ -142,10 +145,3 @@ class ElasticData:
         signature = (spec(self.x), weight) if self.y is None else (
             spec(self.x), spec(self.y), weight)
         return tf.data.Dataset.from_generator(self.epoch_batches, output_signature=signature)
-
-    def steps_left(self) -> Optional[int]:
-        """Steps left in the current epoch at the current batch size."""
-        import kungfu as kf
-
-        per_step = self.batch_size * kf.size()
-        return -(-(len(self.x) - self.offset) // per_step)

@@ -123,3 +123,36 @@ def adaptive_strategy(slow_ms: float):
         policy.after_step(state)
     return {"seen": seen, "trials": policy.trials, "history": policy.history,
             "decisions": policy.decisions, "slowed": slowed, "best": policy.best}
+
+
+def custom_loop(samples: int):
+    """kf.Hook without Keras: a GradientTape loop over ElasticData.epoch_batches(), a policy
+    doubling the batch (rank 0 only) after step 3. Returns the batch shapes and samples served."""
+    kf, tf, keras = _setup()
+
+    class Double(kf.BasePolicy):
+        def after_step(self, s):
+            if s.step == 3 and kf.rank() == 0:
+                kf.set_batch_size(2 * s.local_batch_size)
+
+    x = np.arange(samples * 2, dtype=np.float32).reshape(samples, 2)
+    data = kf.ElasticData(x, x[:, :1], batch_size=3, record=True)
+    w = tf.Variable([[0.0], [0.0]])
+    opt = kf.Optimizer(keras.optimizers.SGD(1e-4))
+    hook = kf.Hook(Double(), data=data, optimizer=opt)
+    shapes, seen = [], []
+    hook.before_train()
+    for epoch in range(2):
+        hook.before_epoch()
+        for xb, yb, wb in data.epoch_batches():
+            hook.before_step()
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(wb[:, None] * (xb @ w - yb) ** 2)
+            opt.apply_gradients([(tape.gradient(loss, w), w)])
+            shapes.append(int(xb.shape[0]))
+            hook.after_step({"loss": float(loss)})
+        hook.after_epoch()
+        seen.append(hook.state.samples_seen)
+    hook.after_train()
+    return {"shapes": shapes, "served": [i.tolist() for i in data.served], "seen": seen,
+            "batch": hook.state.local_batch_size}

@@ -107,3 +107,15 @@ def test_adaptive_strategy_picks_the_fastest_and_leaves_a_slowed_one(spawn):
     again = [d for d in decisions[4:] if "dropped" in d[2]]
     assert again, decisions
     assert r0["best"] != fastest and r0["seen"][-1] == r0["best"]
+
+
+@pytest.mark.timeout(200)
+def test_hook_in_a_custom_loop(spawn):
+    results = spawn(2, w.custom_loop, 30, env=ENV, timeout=120)
+    r0, r1 = results
+    # Steps 0-2 at batch 3 (3 x 2 x 3 = 18 samples), then 6: 12 left in epoch 0 -> one step.
+    assert r0["shapes"][:4] == [3, 3, 3, 6] and r1["shapes"][:4] == [3, 3, 3, 6]
+    assert r0["seen"] == [30, 60] and r0["batch"] == 6
+    for epoch_start, epoch_end in ((0, 4), (4, 4 + 3)):
+        got = sorted(i for r in results for s in r["served"][epoch_start:epoch_end] for i in s)
+        assert got == list(range(30))
