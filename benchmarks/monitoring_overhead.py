@@ -50,15 +50,17 @@ the same on every worker and finite (gns may stay NaN only while the EMA of |G|^
 that every model's trainable weights ended the same on every worker (it exits 1 otherwise).
 
 Output: one JSON line per (N, configuration) on stdout (also written to --json PATH), then a
-table. Keys: np, config, monitor, interval, batch_per_worker, steps (per block), blocks,
-step_s (median block time / steps), step_s_min, step_s_max, overhead, overhead_of_medians,
-overhead_best, target (null where none is set), within_target, gns, grad_variance (null where
-not monitored; NaN is written as null too), gns_g2_ema (the EMA of |G|^2), monitored_steps
-(samples the estimator took, warm-up included), estimates_agree (the same on every worker),
-threads, loadavg_before, loadavg_after (1-minute load average of this machine around the run at
-N), wall_s (the run at N, process start-up included), rank0_phases_s (seconds since rank 0's
-process started: models built, warm, fit rounds done, steps done); with --fit-rounds also
-fit_step_s and fit_overhead.
+table. Keys: np, config, monitor, interval, batch_per_worker, steps (per block), blocks, step_s
+(median block time / steps), step_s_min, step_s_max, overhead, overhead_of_medians,
+overhead_quartiles (first and third quartile over the blocks of the same ratio - 1, the noise to
+judge overhead by), overhead_best, target (null where none is set), within_target, gns,
+grad_variance (null where not monitored; NaN is written as null too), gns_g2_ema (the EMA of
+|G|^2), gns_stale (gns_g2_ema <= 0, so gns is the last valid estimate; marked * in the table),
+monitored_steps (samples the estimator took, warm-up included), estimates_agree (the same on
+every worker), threads, loadavg_before, loadavg_after (1-minute load average of this machine
+around the run at N), wall_s (the run at N, process start-up included), rank0_phases_s (seconds
+since rank 0's process started: models built, warm, fit rounds done, steps done); with
+--fit-rounds also fit_step_s and fit_overhead.
 
 On a machine with few cores the N workers share them: step times grow with N, and any other
 load on the machine lands directly in the step times. Run it more than once before drawing
@@ -147,7 +149,7 @@ def parse_args(argv=None):
                     "monitoring (gradient noise scale, gradient variance), the configurations "
                     "taking turns step by step. Starts the workers itself (kungfu-run). "
                     "overhead = median over blocks of (block time of a configuration / block "
-                    "time of off) - 1. Targets: gns < 3%%, variance < 5%%, variance@8 < 2%%. "
+                    "time of off) - 1. Targets: gns < 3%, variance < 5%, variance@8 < 2%. "
                     "Prints a JSON line per worker count and configuration, then a table.",
         epilog="Example: python benchmarks/monitoring_overhead.py --np 2,4   "
                "(the module docstring explains the measurement and every output key)")
@@ -165,12 +167,12 @@ def parse_args(argv=None):
                    help="timed steps of each configuration per block (a block: --steps "
                         "rounds of one step per configuration); must be a multiple of every "
                         "interval in --configs (default 8)")
-    p.add_argument("--blocks", type=int, default=10,
+    p.add_argument("--blocks", type=int, default=8,
                    help="timed blocks; the overhead is the median over them of the per-block "
-                        "ratio to off (default 10)")
-    p.add_argument("--warmup-steps", type=int, default=8,
+                        "ratio to off (default 8)")
+    p.add_argument("--warmup-steps", type=int, default=4,
                    help="untimed model.fit steps per configuration before the timed ones, the "
-                        "first of which traces the step (default 8)")
+                        "first of which traces the step (default 4)")
     p.add_argument("--fit-rounds", type=int, default=0,
                    help="also time this many rounds of model.fit calls (one per configuration, "
                         "2 untimed + --steps timed steps each), for fit_overhead (default 0)")
@@ -310,6 +312,16 @@ def overhead(times: List[float], base: List[float]) -> float:
     return statistics.median(t / b for t, b in zip(times, base)) - 1
 
 
+def quartiles(times: List[float], base: List[float]) -> List[float]:
+    """First and third quartile of times / base - 1 over paired blocks: the noise to judge the
+    median by."""
+    ratios = [t / b - 1 for t, b in zip(times, base)]
+    if len(ratios) < 2:
+        return [ratios[0], ratios[0]]
+    q = statistics.quantiles(ratios, n=4)
+    return [q[0], q[2]]
+
+
 def rows_for(args, np_: int, per_rank: List[dict], fit_times: Dict[str, List[float]],
              extra: dict) -> List[dict]:
     blocks = {c["label"]: block_times(per_rank, c["label"], args.steps)
@@ -329,11 +341,15 @@ def rows_for(args, np_: int, per_rank: List[dict], fit_times: Dict[str, List[flo
             "step_s_min": round(min(t) / args.steps, 5),
             "step_s_max": round(max(t) / args.steps, 5),
             "overhead": round(ovh, 4),
+            "overhead_quartiles": [round(q, 4) for q in quartiles(t, off)],
             "overhead_of_medians": round(statistics.median(t) / statistics.median(off) - 1, 4),
             "overhead_best": round(min(t) / min(off) - 1, 4),
             "target": target, "within_target": None if target is None else ovh < target,
             "gns": est.get("gns"), "grad_variance": est.get("grad_variance"),
             "gns_g2_ema": est.get("gns_g2_ema"),
+            # The estimator keeps its last valid value while the EMA of |G|^2 is <= 0.
+            "gns_stale": ("gns" in c["monitor"] and est.get("gns") is not None
+                          and est.get("gns_g2_ema") is not None and est["gns_g2_ema"] <= 0),
             "monitored_steps": est.get("gns_samples", est.get("variance_samples")),
             "estimates_agree": (all(d["estimates"][label] == est for d in per_rank[1:])
                                 if c["monitor"] else None),
@@ -368,7 +384,7 @@ def _fmt_value(row: dict, monitor: str, key: str) -> str:
     if monitor not in row["monitor"]:
         return "-"
     v = row[key]
-    return "NaN" if v is None else f"{v:.4g}"
+    return "NaN" if v is None else f"{v:.4g}" + ("*" if row.get(f"{key}_stale") else "")
 
 
 def _pct(x: Optional[float], width: int) -> str:
@@ -379,9 +395,9 @@ def print_table(rows: List[dict]) -> None:
     fit = any("fit_overhead" in r for r in rows)
     print()
     head = (f"{'np':>3} | {'config':<11} | {'step ms':>7} | {'overhead':>8} | {'target':>9} | "
-            f"{'of medians':>10} | {'best':>7} | ")
+            f"{'quartiles':>13} | {'of medians':>10} | {'best':>7} | ")
     head += f"{'fit':>7} | " if fit else ""
-    head += f"{'gns':>9} | {'grad_variance':>13}"
+    head += f"{'gns':>11} | {'grad_variance':>13}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -392,17 +408,23 @@ def print_table(rows: List[dict]) -> None:
             target = f"<{100 * r['target']:.0f}% " + ("ok" if r["within_target"] else "MISS")
         cells = [f"{r['np']:>3}", f"{r['config']:<11}", f"{1000 * r['step_s']:>7.1f}",
                  f"{'(base)':>8}" if base else _pct(r["overhead"], 8), f"{target:>9}",
+                 f"{'':>13}" if base else "{:+.1f}..{:+.1f}%".format(
+                     *(100 * q for q in r["overhead_quartiles"])).rjust(13),
                  _pct(r["overhead_of_medians"], 10), _pct(r["overhead_best"], 7)]
         if fit:
             cells.append(_pct(r.get("fit_overhead"), 7))
-        cells += [f"{_fmt_value(r, 'gns', 'gns'):>9}",
+        cells += [f"{_fmt_value(r, 'gns', 'gns'):>11}",
                   f"{_fmt_value(r, 'variance', 'grad_variance'):>13}"]
         print(" | ".join(cells))
     print()
     print("step ms: median block time / steps (slowest worker per step). overhead: median over "
-          "blocks of (time / time of off in the same block) - 1; of medians: ratio of the "
-          "median block times - 1; best: ratio of the fastest blocks - 1"
+          "blocks of (time / time of off in the same block) - 1; quartiles: the first and third "
+          "quartile of that ratio - 1 over the blocks; of medians: ratio of the median block "
+          "times - 1; best: ratio of the fastest blocks - 1"
           + ("; fit: the same as overhead, from model.fit rounds" if fit else "") + ".")
+    if any(r.get("gns_stale") for r in rows):
+        print("gns*: the last valid estimate, kept because the EMA of |G|^2 (gns_g2_ema) is <= 0 "
+              "now: the averaged gradient is smaller than the spread of the workers' gradients.")
     print()
 
 

@@ -24,6 +24,7 @@ from kungfu._collective import (
     reduce_async,
 )
 
+from kungfu._elastic import ResizeError, detached, resize
 from kungfu.policy import (
     BasePolicy,
     TrainingState,
@@ -103,6 +104,9 @@ def __dir__():
 
 __all__ = [
     "errors",
+    "resize",
+    "detached",
+    "ResizeError",
     "BasePolicy",
     "TrainingState",
     "set_tree",

@@ -61,6 +61,25 @@ INIT_PEERS = Var("KUNGFU_INIT_PEERS", str, None, "comma-separated host:port of a
 INIT_CLUSTER_VERSION = Var("KUNGFU_INIT_CLUSTER_VERSION", int, 0, "cluster version the worker starts in")
 ALLREDUCE_STRATEGY = Var("KUNGFU_ALLREDUCE_STRATEGY", str, "AUTO", "default collective strategy")
 
+# Elastic jobs (kungfu-run -w): set by kungfu-run for each worker.
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("must be 0 or 1")
+
+
+CONFIG_SERVER = Var("KUNGFU_CONFIG_SERVER", str, None,
+                    "URL of the config store of an elastic job (http://... or etcd://...)")
+ELASTIC_HOSTS = Var("KUNGFU_ELASTIC_HOSTS", str, None,
+                    "an elastic job's hosts and slots (kungfu-run's -H); bounds kf.resize")
+PORT_RANGE = Var("KUNGFU_PORT_RANGE", str, None, "the ports workers listen on (kungfu-run's -port-range)")
+ELASTIC_JOINING = Var("KUNGFU_ELASTIC_JOINING", _bool, False,
+                      "this worker joins a running elastic job (it syncs state before training)")
+RESIZE_TIMEOUT = Var("KUNGFU_RESIZE_TIMEOUT", _positive_duration, 120.0,
+                     "how long a resize waits for its joiners before it is abandoned")
+
 # Tuning: users may set these.
 OP_TIMEOUT = Var("KUNGFU_OP_TIMEOUT", _positive_duration, 300.0, "deadline of one collective")
 PEER_TIMEOUT = Var("KUNGFU_PEER_TIMEOUT", _positive_duration, 10.0,
@@ -70,7 +89,8 @@ CONNECT_TIMEOUT = Var("KUNGFU_CONNECT_TIMEOUT", _positive_duration, 120.0,
 CHUNK_BYTES = Var("KUNGFU_CHUNK_BYTES", _positive_int, 1 << 20, "largest message; bigger tensors are pipelined")
 PARALLELISM = Var("KUNGFU_PARALLELISM", _positive_int, 2, "independent pipelines per large allreduce")
 
-ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, OP_TIMEOUT, PEER_TIMEOUT,
+ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, CONFIG_SERVER,
+       ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, RESIZE_TIMEOUT, OP_TIMEOUT, PEER_TIMEOUT,
        CONNECT_TIMEOUT, CHUNK_BYTES, PARALLELISM]
 
 

@@ -73,6 +73,9 @@ class Options:
     timeout: Optional[float] = None  # seconds
     command: List[str] = field(default_factory=list)
     help: bool = False
+    elastic: bool = False
+    builtin_config_port: Optional[int] = None
+    config_server: Optional[str] = None
 
 
 HELP = """\
@@ -99,6 +102,12 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
                       errors are still printed)
   -timeout DURATION   stop the job after DURATION (e.g. 90, 30s, 10m, 1h30m), print one line
                       and exit with code 124 (default: no limit)
+  -w                  elastic: watch the job's config store and start or stop this host's
+                      workers to match each new cluster version (kf.resize); -np is the
+                      initial size, the slots of -H the largest. Needs one of:
+  -builtin-config-port P  host the config store here, on port P of this host's address
+                      (one launcher of the job hosts it; the others use -config-server)
+  -config-server URL  the job's config store: http://HOST:P (a builtin one) or etcd://HOST:P
   -h, -help, --help   print this help and exit
 
 Each worker inherits the environment of kungfu-run plus its identity
@@ -139,6 +148,8 @@ _VALUE_FLAGS = {
     "strategy": "strategy",
     "logdir": "logdir",
     "timeout": "timeout",
+    "builtin-config-port": "builtin_config_port",
+    "config-server": "config_server",
 }
 _HELP_FLAGS = {"h", "help"}
 
@@ -212,6 +223,9 @@ def parse_args(argv: Sequence[str]) -> Options:
         if name == "q":
             opts.quiet = _parse_bool(name, inline) if eq else True
             continue
+        if name == "w":
+            opts.elastic = _parse_bool(name, inline) if eq else True
+            continue
         if name not in _VALUE_FLAGS:
             raise UsageError(f"unknown flag {arg.split('=', 1)[0]!r} (see {PROG} -help)")
         if eq:
@@ -230,6 +244,10 @@ def parse_args(argv: Sequence[str]) -> Options:
             opts.strategy = parse_strategy(value)
         elif attr == "timeout":
             opts.timeout = _parse_timeout(value)
+        elif attr == "builtin_config_port":
+            if not value.isdigit() or not 0 < int(value) < 65536:
+                raise UsageError(f"-builtin-config-port must be a port number, got {value!r}")
+            opts.builtin_config_port = int(value)
         else:
             if value == "":
                 raise UsageError(f"flag -{name} needs a non-empty value")
@@ -239,6 +257,13 @@ def parse_args(argv: Sequence[str]) -> Options:
         raise UsageError(f"no command to run (usage: {PROG} -np N [flags] [--] command args...)")
     if opts.self_host is not None and opts.nic is not None:
         raise UsageError("give only one of -self and -nic")
+    if opts.elastic and (opts.builtin_config_port is None) == (opts.config_server is None):
+        raise UsageError("-w needs exactly one of -builtin-config-port P and -config-server URL")
+    if not opts.elastic and (opts.builtin_config_port is not None or opts.config_server):
+        raise UsageError("-builtin-config-port and -config-server are for elastic jobs (-w)")
+    if opts.config_server is not None and not opts.config_server.startswith(("http://", "etcd://")):
+        raise UsageError(f"-config-server must be http://HOST:P or etcd://HOST:P, "
+                         f"got {opts.config_server!r}")
     return opts
 
 
@@ -533,11 +558,12 @@ class Launcher:
         return previous
 
     # workers ----------------------------------------------------------------------------
-    def _spawn(self, worker: Worker) -> _Running:
+    def _spawn(self, worker: Worker, peers: Optional[List[str]] = None, version: int = 0,
+               extra_env: Optional[Dict[str, str]] = None) -> _Running:
         env = dict(os.environ)
-        env.update(
-            _env.worker_env(worker.spec, [p.spec for p in self.peers], 0, self.opts.strategy)
-        )
+        peers = [p.spec for p in self.peers] if peers is None else peers
+        env.update(_env.worker_env(worker.spec, peers, version, self.opts.strategy))
+        env.update(extra_env or {})
         env["PYTHONUNBUFFERED"] = "1"
         log = None
         if self.opts.logdir is not None:
@@ -573,9 +599,9 @@ class Launcher:
                         pass
         pipe.close()
 
-    def _wait(self, run: _Running) -> None:
+    def _wait(self, run: _Running, key=None) -> None:
         code = run.proc.wait()
-        self.events.put(("exit", run.worker.rank, code))
+        self.events.put(("exit", run.worker.rank if key is None else key, code))
 
     def _signal_all(self, sig: int) -> None:
         for run in self.running.values():
@@ -639,12 +665,16 @@ class Launcher:
                     run.returncode = run.proc.returncode
                 return code
         for run in self.running.values():
-            for pipe, sink in ((run.proc.stdout, self.out), (run.proc.stderr, self.err)):
-                t = threading.Thread(target=self._pump, args=(run, pipe, sink), daemon=True)
-                t.start()
-                run.readers.append(t)
-            threading.Thread(target=self._wait, args=(run,), daemon=True).start()
+            self._watch(run)
         return None
+
+    def _watch(self, run: _Running, key=None) -> None:
+        """Threads that copy the worker's output and report its exit."""
+        for pipe, sink in ((run.proc.stdout, self.out), (run.proc.stderr, self.err)):
+            t = threading.Thread(target=self._pump, args=(run, pipe, sink), daemon=True)
+            t.start()
+            run.readers.append(t)
+        threading.Thread(target=self._wait, args=(run, key), daemon=True).start()
 
     def _run(self, start: float) -> int:
         mine = self.mine
@@ -771,6 +801,10 @@ def run(argv: Sequence[str]) -> int:
         sys.stderr.write(f"{PROG}: {e}\n")
         sys.stderr.flush()
         return EXIT_USAGE
+    if opts.elastic:
+        from kungfu._elastic_launcher import ElasticLauncher
+
+        return ElasticLauncher(opts, peers, mine, hosts, here).run()
     if not mine:
         if not opts.quiet:
             sys.stderr.write(

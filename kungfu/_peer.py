@@ -59,6 +59,27 @@ def identity_from_env(environ=None) -> Identity:
 
 _lock = threading.Lock()
 _peer = None
+_detached = False
+
+
+def _create(self_spec: Optional[str], peers: List[str], version: int):
+    from kungfu import _kungfu
+
+    multi = len(peers) > 1
+    peer = _kungfu.Peer(
+        self_id=self_spec if multi else "127.0.0.1:1",
+        peers=peers if multi else [],
+        version=version,
+        strategy=_kungfu.parse_strategy(_env.ALLREDUCE_STRATEGY.get()),
+        op_timeout_ms=int(_env.OP_TIMEOUT.get() * 1000),
+        peer_timeout_ms=int(_env.PEER_TIMEOUT.get() * 1000),
+        connect_timeout_ms=int(_env.CONNECT_TIMEOUT.get() * 1000),
+        chunk_bytes=_env.CHUNK_BYTES.get(),
+        parallelism=_env.PARALLELISM.get(),
+    )
+    raise_for_status(peer.start())
+    atexit.register(peer.stop)
+    return peer
 
 
 def get():
@@ -68,26 +89,36 @@ def get():
         return _peer
     with _lock:
         if _peer is None:
-            from kungfu import _kungfu
-
             ident = identity_from_env()
-            multi = ident.size > 1
-            peer = _kungfu.Peer(
-                self_id=ident.self_spec if multi else "127.0.0.1:1",
-                peers=ident.peers if multi else [],
-                version=ident.version,
-                strategy=_kungfu.parse_strategy(_env.ALLREDUCE_STRATEGY.get()),
-                op_timeout_ms=int(_env.OP_TIMEOUT.get() * 1000),
-                peer_timeout_ms=int(_env.PEER_TIMEOUT.get() * 1000),
-                connect_timeout_ms=int(_env.CONNECT_TIMEOUT.get() * 1000),
-                chunk_bytes=_env.CHUNK_BYTES.get(),
-                parallelism=_env.PARALLELISM.get(),
-            )
-            raise_for_status(peer.start())
-            atexit.register(peer.stop)
-            _peer = peer
+            _peer = _create(ident.self_spec, ident.peers, ident.version)
     return _peer
 
 
 def started() -> bool:
     return _peer is not None
+
+
+def joining() -> bool:
+    """Whether this is a worker of an elastic job that joins a running cluster and has not
+    connected yet (it connects when kf.Hook syncs it, not on import)."""
+    return _peer is None and bool(_env.ELASTIC_JOINING.get())
+
+
+def replace(self_spec: str, peers: List[str], version: int) -> None:
+    """Swaps in a new native peer for cluster `version` (the old one, if any, is stopped first:
+    the new one listens on the same address). Call between operations only."""
+    global _peer, _detached
+    with _lock:
+        old, _peer = _peer, None
+        if old is not None:
+            old.stop()
+        if self_spec in peers:
+            _peer = _create(self_spec, list(peers), version)
+        else:  # detached: a cluster of one, so that code after training still runs
+            _peer = _create(None, [], version)
+            _detached = True
+
+
+def detached() -> bool:
+    """Whether this worker was removed from the cluster by a resize."""
+    return _detached

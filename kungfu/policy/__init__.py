@@ -40,6 +40,7 @@ class TrainingState:
     epoch: int = 0
     step_in_epoch: int = 0
     samples_seen: int = 0  # samples of every worker, since training began
+    samples_in_epoch: int = 0  # samples of every worker, in this epoch
     local_batch_size: Optional[int] = None
     global_batch_size: Optional[int] = None
     learning_rate: Optional[float] = None
@@ -73,13 +74,28 @@ class BasePolicy:
         pass
 
     def state_dict(self) -> Dict[str, Any]:
-        return copy.deepcopy(self.__dict__)
+        """The policy's state: by default a copy of its attributes that hold plain data
+        (numbers, strings, None, numpy arrays, and lists, tuples and dicts of them); attributes
+        that refer to other objects (a model, a file) are the worker's own and are left out."""
+        return {k: copy.deepcopy(v) for k, v in self.__dict__.items() if _plain(v)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(copy.deepcopy(state))
 
 
 from kungfu.policy.adaptive_strategy import AdaptiveStrategyPolicy  # noqa: E402
+
+def _plain(v) -> bool:
+    import numpy as np
+
+    if v is None or isinstance(v, (bool, int, float, str, bytes, np.ndarray, np.generic)):
+        return True
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return all(_plain(x) for x in v)
+    if isinstance(v, dict):
+        return all(_plain(k) and _plain(x) for k, x in v.items())
+    return False
+
 
 HOOKS = ("before_train", "before_epoch", "before_step", "after_step", "after_epoch",
          "after_train")

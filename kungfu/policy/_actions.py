@@ -24,8 +24,8 @@ import numpy as np
 
 from kungfu import _peer
 
-# Decision kinds in the order they are applied.
-KINDS = ("strategy", "batch_size", "learning_rate")
+# Decision kinds in the order they are applied ("resize" and "elastic": kungfu/_elastic.py).
+KINDS = ("strategy", "batch_size", "learning_rate", "resize", "elastic")
 
 _round: Optional[Dict[str, object]] = None  # decisions of the current round, if one is open
 

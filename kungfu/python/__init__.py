@@ -32,8 +32,22 @@ def all_reduce_int_max(x: int) -> int:
 
 
 def detached() -> bool:
-    """Whether this worker has been removed from the cluster (always False without elasticity)."""
-    return False
+    """Whether a resize removed this worker from the cluster."""
+    from kungfu import _elastic
+
+    return _elastic.detached()
+
+
+def resize(n: int) -> bool:
+    """KungFu's resize: asks for n workers (from a policy hook run by kf.Hook; see kf.resize)."""
+    from kungfu import _elastic
+
+    return _elastic.resize(n)
+
+
+def propose_new_size(n: int) -> bool:
+    """KungFu's name for asking for n workers; the same as resize(n) here."""
+    return resize(n)
 
 
 __all__ = [
@@ -44,4 +58,6 @@ __all__ = [
     "run_barrier",
     "all_reduce_int_max",
     "detached",
+    "resize",
+    "propose_new_size",
 ]

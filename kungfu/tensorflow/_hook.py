@@ -30,12 +30,18 @@ Every worker runs the same hooks at the same steps, so policies may call collect
 """
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import time
-from typing import Optional, Sequence
+import warnings
+from typing import Optional
 
 import keras
+import numpy as np
 
+from kungfu import _elastic, _peer
 from kungfu.policy import HOOKS, BasePolicy, TrainingState, _actions
+from kungfu.store import ClusterConfig
 from kungfu.tensorflow import _monitor
 
 
@@ -53,7 +59,8 @@ class Hook(keras.callbacks.Callback):
     (needed for kf.set_batch_size in model.fit); `optimizer`: for custom loops (in model.fit the
     model's optimizer is used)."""
 
-    def __init__(self, *policies: BasePolicy, data=None, optimizer=None, name: str = "kungfu/hook"):
+    def __init__(self, *policies: BasePolicy, data=None, optimizer=None, name: str = "kungfu/hook",
+                 exit_on_detach: bool = True):
         super().__init__()
         for p in policies:
             if not isinstance(p, BasePolicy):
@@ -65,6 +72,11 @@ class Hook(keras.callbacks.Callback):
         self._rounds = 0
         self.state = TrainingState()
         self._step_start: Optional[float] = None
+        self.exit_on_detach = exit_on_detach
+        self.detached = False
+        self._epochs_total: Optional[int] = None
+        self._epoch_shift = 0  # a joiner's epoch minus its Keras epoch
+        self._resumed = False  # a joiner whose first Keras epoch continues the others' epoch
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -83,6 +95,7 @@ class Hook(keras.callbacks.Callback):
             getattr(p, hook)(self.state)
 
     def _agree_and_apply(self) -> None:
+        self._check_pending_resize()
         decisions = _actions.close_round()
         self._rounds += 1
         winners = _actions.agree(decisions, f"{self._name}/{self._rounds}")
@@ -118,6 +131,137 @@ class Hook(keras.callbacks.Callback):
                                f"(a schedule?): {e}") from e
         self.state.learning_rate = lr
 
+    # -- elasticity (kungfu/_elastic.py has the protocol) ----------------------------------
+
+    def _check_pending_resize(self) -> None:
+        """Rank 0, while a resize waits for its joiners: decide to switch or to give up."""
+        import kungfu as kf
+
+        ctx = _elastic.context()
+        if ctx.pending is None or kf.rank() != 0:
+            return
+        if self.data is not None and self.state.samples_in_epoch >= len(self.data):
+            return  # not at the end of an epoch: a joiner then starts a fresh one with the rest
+        if ctx.ready():
+            _actions._record("elastic", {"switch": ctx.pending.version})
+        elif ctx.overdue():
+            _actions._record("elastic", {"abandon": ctx.pending.version})
+
+    def _apply_resize(self, n: int) -> None:
+        import kungfu as kf
+
+        ctx = _elastic.context()
+        if ctx.pending is not None:
+            warnings.warn(f"kungfu: resize to {n} ignored: the resize to "
+                          f"{len(ctx.pending.peers)} is still in progress")
+            return
+        if n == kf.size():
+            return
+        if self.model is not None and self.data is None and n > kf.size():
+            raise RuntimeError("growing the cluster in model.fit needs kungfu's data: pass "
+                               "data=kf.ElasticData(...) to kf.Hook (joiners continue from its "
+                               "sample offset)")
+        proposal = ""
+        if kf.rank() == 0:
+            new = ctx.propose(n)
+            proposal = new.to_json() if new is not None else ""
+        proposal = self._broadcast_blob(proposal.encode(), "kungfu/elastic/propose").decode()
+        if not proposal:
+            warnings.warn(f"kungfu: resize to {n} lost: the stored configuration changed")
+            return
+        new = ClusterConfig.from_json(proposal)
+        if ctx.joiners(new):
+            ctx.pending, ctx.pending_since = new, time.monotonic()
+        else:
+            self._switch(new)
+
+    def _apply_elastic(self, decision: dict) -> None:
+        import kungfu as kf
+
+        ctx = _elastic.context()
+        if ctx.pending is None:
+            return
+        if "switch" in decision:
+            self._switch(ctx.pending)
+        else:
+            ctx.abandon(kf.rank())
+
+    def _switch(self, new: ClusterConfig) -> None:
+        ctx = _elastic.context()
+        joiners = ctx.joiners(new)
+        if not ctx.switch(new):
+            self.detached = True
+            if getattr(self, "model", None) is not None:
+                self.model.stop_training = True
+            return
+        if joiners:
+            self._sync()
+        self._refresh_sizes()
+
+    def _broadcast_blob(self, blob: bytes, name: str) -> bytes:
+        """rank 0's bytes on every worker."""
+        import kungfu as kf
+
+        n = int(kf.broadcast(np.array([len(blob)], np.int64), name=f"{name}/length")[0])
+        data = np.frombuffer(blob, np.uint8) if kf.rank() == 0 else np.zeros(n, np.uint8)
+        return kf.broadcast(data, name=f"{name}/bytes").tobytes()
+
+    def _synced_variables(self) -> list:
+        from kungfu.tensorflow.initializer import _optimizer_variables
+
+        opt = self.optimizer
+        variables = []
+        if getattr(self, "model", None) is not None:
+            variables = list(self.model.weights) + _optimizer_variables(self.model)
+        elif opt is not None:
+            variables = list(opt.variables)
+        monitor = getattr(opt, "kungfu_monitor", None)
+        if monitor is not None:
+            variables += [monitor.batch_size, monitor.gns_state, monitor.variance_state]
+            variables += [monitor.values[m] for m in monitor.monitors]
+        return variables
+
+    def _sync(self) -> None:
+        """Rank 0's training state on every worker of the new cluster: model and optimizer
+        variables, then the Hook's state, the data position and the policies' state."""
+        import kungfu as kf
+        from kungfu.tensorflow.initializer import broadcast_variables
+
+        version = _elastic.context().current.version
+        broadcast_variables(self._synced_variables(), root=0, name=f"kungfu/elastic/{version}")
+        mine = b""
+        if kf.rank() == 0:
+            state = dataclasses.replace(self.state, logs={})
+            mine = pickle.dumps({
+                "state": state,
+                "rounds": self._rounds,
+                "epochs_total": self._epochs_total,
+                "batch_size": None if self.data is None else self.data.batch_size,
+                "policies": [p.state_dict() for p in self.policies],
+            })
+        got = pickle.loads(self._broadcast_blob(mine, f"kungfu/elastic/{version}/state"))
+        if kf.rank() == 0:
+            return
+        self.state = got["state"]
+        self._rounds = got["rounds"]
+        self._epochs_total = got["epochs_total"]
+        for p, st in zip(self.policies, got["policies"]):
+            p.load_state_dict(st)
+        if self.data is not None:
+            self.data.set_batch_size(got["batch_size"])
+            self.data.epoch, self.data.offset = self.state.epoch, self.state.samples_in_epoch
+
+    def _join(self) -> None:
+        """A worker joining a running elastic job: connect, then take the others' state."""
+        if self.data is None and getattr(self, "model", None) is not None:
+            raise RuntimeError("a worker joining an elastic job continues from the others' "
+                               "sample offset: pass data=kf.ElasticData(...) to kf.Hook")
+        _elastic.context().join()
+        self._sync()
+        self._resumed = True
+        self._epoch_shift = self.state.epoch
+        self._refresh_sizes()
+
     def _refresh_sizes(self) -> None:
         import kungfu as kf
 
@@ -138,30 +282,46 @@ class Hook(keras.callbacks.Callback):
 
     def before_train(self) -> None:
         self._epochs_begun = 0
+        if _peer.joining():
+            self._join()
+            return  # the others are in the middle of training: join them at their next step
         self._refresh_sizes()
         self._run("before_train")
         self._agree_and_apply()
 
     def before_epoch(self, epoch: Optional[int] = None) -> None:
-        if epoch is not None:
-            self.state.epoch = epoch
         self._epochs_begun += 1
+        if self._resumed:  # a joiner's first epoch continues the others' current one
+            self._resumed = False
+            return
+        if epoch is not None:
+            self.state.epoch = epoch + self._epoch_shift
         self.state.step_in_epoch = 0
+        self.state.samples_in_epoch = 0
         self._run("before_epoch")
 
-    def before_step(self) -> None:
+    def before_step(self, batch: Optional[int] = None) -> None:
         self._run("before_step")
         if self.data is not None:
-            self.data.release(self._epochs_begun - 1, self.state.step_in_epoch)
+            # Keras's batch index counts the batches of this iteration over the data, as the
+            # data's own counter does (a joiner's first iteration starts mid-epoch).
+            self.data.release(self._epochs_begun - 1,
+                              self.state.step_in_epoch if batch is None else batch)
         self._step_start = time.perf_counter()
 
     def after_step(self, logs: Optional[dict] = None) -> None:
         s = self.state
         elapsed = time.perf_counter() - self._step_start if self._step_start else None
-        samples = self.data.last_length if self.data is not None else (s.global_batch_size or 0)
+        if self.data is None:
+            samples = s.global_batch_size or 0
+        elif self.data.attached:
+            samples = self.data.commit()  # with the size the step ran with (no switch yet)
+        else:
+            samples = self.data.last_length
         s.step += 1
         s.step_in_epoch += 1
         s.samples_seen += samples
+        s.samples_in_epoch += samples
         if elapsed:
             s.metrics["step_time"] = elapsed
             if samples:
@@ -181,11 +341,21 @@ class Hook(keras.callbacks.Callback):
         self._run("after_epoch")
         self._agree_and_apply()
         self.state.epoch += 1
+        if self.data is not None and self.data.attached:
+            self.data.next_epoch()
+        if (self._epochs_total is not None and self.state.epoch >= self._epochs_total
+                and getattr(self, "model", None) is not None):
+            self.model.stop_training = True  # a joiner's Keras counts its epochs from 0
 
     def after_train(self) -> None:
         self._run("after_train")
         self._agree_and_apply()
         _actions.close_round()
+        ctx = _elastic.context()
+        if ctx.pending is not None and not self.detached:
+            import kungfu as kf
+
+            ctx.abandon(kf.rank())  # training is over before the new workers were ready
 
     # -- Keras ----------------------------------------------------------------------------------
 
@@ -195,6 +365,14 @@ class Hook(keras.callbacks.Callback):
         spe = getattr(self.model, "steps_per_execution", 1)
         if self.data is not None and int(keras.ops.convert_to_numpy(spe)) != 1:
             raise ValueError("kf.Hook with kungfu data needs steps_per_execution=1")
+        self._epochs_total = (self.params or {}).get("epochs")
+        if _peer.joining():
+            if self.data is not None:
+                self.data.attach()  # before tf.data starts reading ahead
+            self.before_train()  # connects and takes the others' state first
+            if self.data is not None:
+                self.data.attach()  # counts epochs from the position taken
+            return
         if self.data is not None:
             self.data.attach()  # tf.data reads ahead: make each batch wait for its step
         self.before_train()
@@ -203,7 +381,7 @@ class Hook(keras.callbacks.Callback):
         self.before_epoch(epoch)
 
     def on_train_batch_begin(self, batch, logs=None):
-        self.before_step()
+        self.before_step(batch)
 
     def on_train_batch_end(self, batch, logs=None):
         self.after_step(logs)
@@ -217,3 +395,12 @@ class Hook(keras.callbacks.Callback):
         finally:
             if self.data is not None:
                 self.data.detach()
+        if self.detached and self.exit_on_detach:
+            # A resize removed this worker: it leaves the job with exit code 0, now (an
+            # interpreter shutdown could wait on tf.data's threads).
+            import os
+            import sys
+
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)

@@ -33,8 +33,12 @@ def _load():
             f"TensorFlow {tf.__version__}. Rebuild kungfu: {REBUILD}"
         )
     # Ops find the process's peer through the runtime library, which this shares with the
-    # Python module: make sure that peer exists before any op runs.
-    kungfu.init()
+    # Python module: make sure that peer exists before any op runs. (A worker joining an elastic
+    # job connects later, when kf.Hook syncs it.)
+    from kungfu import _peer
+
+    if not _peer.joining():
+        kungfu.init()
     return tf.load_op_library(_LIB)
 
 

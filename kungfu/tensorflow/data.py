@@ -21,6 +21,7 @@ outdated size. Use steps_per_execution=1 (the default). In a custom loop, iterat
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import List
 
@@ -81,6 +82,10 @@ class ElasticData:
 
     # -- the Hook's side ------------------------------------------------------------------------
 
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
     def attach(self) -> None:
         """Called by the Hook when training begins: from now on batches wait for release()."""
         with self._cv:
@@ -101,10 +106,11 @@ class ElasticData:
             self._cv.notify_all()
 
     def _wait_for(self, step: int) -> None:
+        def released():
+            return not self._attached or self._released >= (self.epoch - self._base_epoch, step)
+
         with self._cv:
-            key = (self.epoch - self._base_epoch, step)
-            if not self._cv.wait_for(lambda: not self._attached or self._released >= key,
-                                     RELEASE_TIMEOUT):
+            if not self._cv.wait_for(released, RELEASE_TIMEOUT):
                 raise RuntimeError(
                     f"kungfu data: step {step} of epoch {self.epoch} was not released by kf.Hook "
                     f"within {RELEASE_TIMEOUT:.0f} s (is the Hook in model.fit's callbacks, and "
@@ -112,27 +118,48 @@ class ElasticData:
 
     # -- iteration ------------------------------------------------------------------------------
 
-    def epoch_batches(self):
-        """Yields this worker's (x, y, sample_weight) batches of one epoch, then moves on to the
-        next epoch."""
+    def commit(self) -> int:
+        """Moves past the step just trained (called by the Hook in model.fit, by the generator
+        itself otherwise): returns the step's samples over all workers."""
         import kungfu as kf
 
         order = self.order(self.epoch)
-        step = 0
-        while self.offset < len(order):
-            self._wait_for(step)
-            rank, size = kf.rank(), kf.size()
-            idx, weight, length = self.part(order, self.offset, rank, size)
-            self.offset += length
-            self.last_length = length
-            if self.record:
-                self.served.append(idx if weight > 0 else idx[:0])
-            w = np.full(len(idx), weight, dtype=np.float32)
-            yield (self.x[idx], w) if self.y is None else (self.x[idx], self.y[idx], w)
-            step += 1
+        idx, weight, length = self.part(order, self.offset, kf.rank(), kf.size())
+        self.offset += length
+        self.last_length = length
+        if self.record:
+            self.served.append(idx if weight > 0 else idx[:0])
+        return length
+
+    def next_epoch(self) -> None:
         with self._cv:
             self.epoch += 1
             self.offset = 0
+
+    def epoch_batches(self):
+        """Yields this worker's (x, y, sample_weight) batches of one epoch, then moves on to the
+        next epoch.
+
+        Under a Hook in model.fit (attached), a batch is only made once its step is released,
+        and the position is moved by the Hook (commit, next_epoch) as steps are trained: tf.data
+        may run a generator ahead, or start one that Keras then drops, and neither may move the
+        position."""
+        import kungfu as kf
+
+        step = 0
+        while True:
+            self._wait_for(step)
+            order = self.order(self.epoch)
+            if self.offset >= len(order):
+                break
+            idx, weight, length = self.part(order, self.offset, kf.rank(), kf.size())
+            if not self._attached:
+                self.commit()
+            w = np.full(len(idx), weight, dtype=np.float32)
+            yield (self.x[idx], w) if self.y is None else (self.x[idx], self.y[idx], w)
+            step += 1
+        if not self._attached:
+            self.next_epoch()
 
     def dataset(self):
         """A tf.data.Dataset of this worker's batches, one epoch per iteration."""
@@ -144,4 +171,42 @@ class ElasticData:
         weight = tf.TensorSpec((None,), tf.float32)
         signature = (spec(self.x), weight) if self.y is None else (
             spec(self.x), spec(self.y), weight)
-        return tf.data.Dataset.from_generator(self.epoch_batches, output_signature=signature)
+        ds = tf.data.Dataset.from_generator(self.epoch_batches, output_signature=signature)
+        ds._kungfu_elastic = True
+        _keep_keras_from_fixing_epoch_length()
+        return ds
+
+
+_PATCHED = False
+
+
+def _keep_keras_from_fixing_epoch_length() -> None:
+    """Keras (3.x) takes the number of steps of a dataset of unknown length from its first
+    epoch and ends every later epoch after that many steps. An elastic epoch's step count
+    changes with the batch size and the cluster size (and a joining worker's first epoch is only
+    the rest of one), so for kungfu's datasets Keras must let the data end each epoch: forget
+    the inferred count (and skip the "ran out of data" warning, which is expected here)."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    try:
+        from keras.src.trainers.epoch_iterator import EpochIterator
+    except ImportError:  # pragma: no cover - Keras moved it; epochs then keep their length
+        return
+    original = EpochIterator.catch_stop_iteration
+
+    @contextlib.contextmanager
+    def catch_stop_iteration(self):
+        ours = getattr(getattr(self.data_adapter, "_dataset", None), "_kungfu_elastic", False)
+        if not ours:
+            with original(self):
+                yield
+            return
+        try:
+            yield
+        except StopIteration:
+            self._current_iterator = None
+            self.data_adapter.on_epoch_end()
+
+    EpochIterator.catch_stop_iteration = catch_stop_iteration
+    _PATCHED = True

@@ -137,7 +137,7 @@ Status Peer::Start() {
 void Peer::AcceptLoop() {
   while (!stopping_) {
     struct pollfd fds[2] = {{listen_fds_[0], POLLIN, 0}, {listen_fds_[1], POLLIN, 0}};
-    int rc = poll(fds, 2, 200);
+    int rc = poll(fds, 2, 50);  // short: Stop() waits for this loop
     if (rc <= 0) continue;
     for (auto& f : fds) {
       if (!(f.revents & POLLIN)) continue;
@@ -161,11 +161,13 @@ void Peer::HandleIncoming(int fd) {
     if (PeerID::Parse(src, &id).ok()) src_rank = RankOf(config_.peers, id);
     if (dst != config_.self.ToString()) {
       s = InvalidArgument("this is " + config_.self.ToString() + ", not " + dst);
-    } else if (src_rank < 0 || src_rank == rank_) {
-      s = InvalidArgument(src + " is not a peer of this cluster");
     } else if (version != config_.version) {
+      // Another version: retryable. In a resize, a peer of version v+1 dials peers that are
+      // still in v until they switch (and a stray peer of an old version gives up on its own).
       s = Unavailable("cluster version " + std::to_string(version) + " does not match " +
                       std::to_string(config_.version));
+    } else if (src_rank < 0 || src_rank == rank_) {
+      s = InvalidArgument(src + " is not a peer of this cluster");
     }
   }
   if (s.ok()) {

@@ -1,0 +1,224 @@
+"""kungfu-run -w: an elastic job's launcher on one host.
+
+It watches the job's config store and keeps this host's workers matching the latest cluster
+version (kungfu/_elastic.py has the workers' side of a resize):
+
+1. at start, the initial configuration (version 0: the first -np slots of -H) is proposed; a
+   launcher that finds one stored already uses it;
+2. on every new version, the workers of this host that it lists and that are not running are
+   started, with that version's peers, KUNGFU_CONFIG_SERVER and, for versions after 0,
+   KUNGFU_ELASTIC_JOINING=1;
+3. running workers that a new version leaves out detach themselves and exit 0; one still running
+   LEAVE_GRACE seconds later (a joiner of an abandoned resize, stuck connecting) is stopped.
+
+A worker that exits 0, or that was left out and stopped, is expected. A joiner that fails
+before it reported ready is reported and the job goes on (its resize is abandoned). Any other
+failure stops the job, as without -w. The launcher exits once none of its workers runs and the
+latest version lists none of this host's workers that has not finished.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import signal
+import time
+from typing import Dict, List, Optional, Sequence, Set
+
+from kungfu import _env
+from kungfu._launcher import (
+    GRACE_SECONDS,
+    EXIT_TIMEOUT,
+    HostSpec,
+    Launcher,
+    Options,
+    Worker,
+    _describe_exit,
+    _exit_code,
+    _is_loopback,
+    _plural,
+)
+from kungfu.store import ClusterConfig, ConfigServer, StoreError, connect
+
+POLL_SECONDS = 0.1
+LEAVE_GRACE = 10.0  # seconds a worker left out of the latest version may take to exit
+STORE_WAIT = 60.0  # how long a launcher waits for the store to answer at start
+
+
+class ElasticLauncher(Launcher):
+    def __init__(self, opts: Options, peers: List[Worker], mine: List[Worker],
+                 hosts: Sequence[HostSpec], here: Set[str]):
+        super().__init__(opts, peers, mine)
+        self.hosts = hosts
+        self.here = here
+        self.server: Optional[ConfigServer] = None
+        self.url = opts.config_server
+        self.ids = itertools.count()
+        self.by_spec: Dict[str, int] = {}  # running worker of each local peer
+        self.version_of: Dict[int, int] = {}  # the cluster version a worker was started for
+        self.finished: Dict[str, int] = {}  # local peer -> latest version seen when it exited 0
+        self.latest: Optional[ClusterConfig] = None
+        self.leaving: Dict[int, float] = {}  # worker -> when it must be gone
+        self.stopped: Set[int] = set()  # workers this launcher stopped (expected exits)
+
+    def _hosts_text(self) -> str:
+        return ",".join(f"{h.host}:{h.slots}" for h in self.hosts)
+
+    def _open_store(self):
+        if self.opts.builtin_config_port is not None:
+            mine = sorted(self.here)
+            bind = "127.0.0.1" if all(_is_loopback(h) for h in mine) else mine[0]
+            self.server = ConfigServer(bind, self.opts.builtin_config_port).start()
+            self.url = self.server.url
+            self.info(f"config store at {self.url}")
+        store = connect(self.url)
+        initial = ClusterConfig(0, [w.spec for w in self.peers])
+        until = time.monotonic() + STORE_WAIT
+        while True:
+            try:
+                store.propose(initial)  # only the first proposal of version 0 is stored
+                return store
+            except StoreError as e:
+                if time.monotonic() > until:
+                    raise StoreError(f"the config store does not answer: {e}") from None
+                time.sleep(0.5)
+
+    def _local(self, cfg: ClusterConfig) -> List[Worker]:
+        out = []
+        for rank, spec in enumerate(cfg.peers):
+            host, _, port = spec.rpartition(":")
+            if host in self.here:
+                out.append(Worker(rank, host, int(port), 0))
+        return out
+
+    def _apply(self, cfg: ClusterConfig) -> Optional[int]:
+        wanted = {w.spec for w in self._local(cfg)}
+        for w in self._local(cfg):
+            if w.spec in self.by_spec or self.finished.get(w.spec, -1) >= cfg.version:
+                continue  # running, or finished in this version (a later one may want it again)
+            extra = {_env.CONFIG_SERVER.name: self.url,
+                     _env.ELASTIC_HOSTS.name: self._hosts_text(),
+                     _env.PORT_RANGE.name: "{}-{}".format(*self.opts.port_range)}
+            if cfg.version > 0:
+                extra[_env.ELASTIC_JOINING.name] = "1"
+            try:
+                run = self._spawn(w, list(cfg.peers), cfg.version, extra)
+            except OSError as e:
+                self.error(f"cannot start worker {w.rank} ({w.spec}): {e}")
+                return 127 if isinstance(e, FileNotFoundError) else 126
+            key = next(self.ids)
+            self.running[key] = run
+            self.by_spec[w.spec] = key
+            self.version_of[key] = cfg.version
+            self._watch(run, key)
+            self.info(f"version {cfg.version}: started worker {w.rank} ({w.spec})")
+        now = time.monotonic()
+        for spec, key in self.by_spec.items():
+            if spec not in wanted and key not in self.leaving:
+                self.leaving[key] = now + LEAVE_GRACE
+        return None
+
+    def _joiner_never_ready(self, store, key: int) -> bool:
+        version = self.version_of[key]
+        if version == 0:
+            return False
+        spec = self.running[key].worker.spec
+        try:
+            return spec not in store.ready_peers(version)
+        except StoreError:
+            return False
+
+    def _run(self, start: float) -> int:
+        try:
+            store = self._open_store()
+        except (StoreError, OSError) as e:
+            self.error(f"elastic job: {e}")
+            return 1
+        self.info(f"elastic job: {_plural(len(self.peers), 'worker')} to start with, at most "
+                  f"{sum(h.slots for h in self.hosts)}; {self.opts.command[0]} ...")
+        seen = -1
+        result: Optional[int] = None
+        stopping = False
+        kill_at: Optional[float] = None
+        deadline = None if self.opts.timeout is None else start + self.opts.timeout
+        try:
+            while True:
+                now = time.monotonic()
+                if not stopping:
+                    try:
+                        cfg, _ = store.config()
+                    except StoreError as e:
+                        self.error(f"elastic job: {e}")
+                        cfg = None
+                    if cfg is not None and cfg.version >= seen:
+                        # Every poll, not only on a new version: a peer whose old worker was
+                        # still leaving when its version came is started once that one is gone.
+                        seen, self.latest = cfg.version, cfg
+                        code = self._apply(cfg)
+                        if code is not None:
+                            result, stopping = code, True
+                            self._signal_all(signal.SIGTERM)
+                            kill_at = now + GRACE_SECONDS
+                    for key, when in list(self.leaving.items()):
+                        run = self.running[key]
+                        if run.returncode is None and now >= when and key not in self.stopped:
+                            self.info(f"worker {run.worker.rank} ({run.worker.spec}) is not in "
+                                      f"the cluster any more; stopping it")
+                            self.stopped.add(key)
+                            run.proc.terminate()
+                if not self._alive() and not stopping:
+                    latest = self.latest
+                    todo = [w for w in self._local(latest)
+                            if self.finished.get(w.spec, -1) < latest.version] if latest else []
+                    if not todo:
+                        break
+                if stopping and not self._alive():
+                    break
+                try:
+                    event = self.events.get(timeout=POLL_SECONDS)
+                except queue.Empty:
+                    event = None
+                now = time.monotonic()
+                if event is not None and event[0] == "exit":
+                    _, key, rc = event
+                    run = self.running[key]
+                    run.returncode = rc
+                    spec = run.worker.spec
+                    if self.by_spec.get(spec) == key:
+                        del self.by_spec[spec]
+                    if rc == 0:
+                        self.finished[spec] = seen
+                    elif key in self.stopped or stopping:
+                        pass
+                    elif self._joiner_never_ready(store, key):
+                        self.error(f"joining worker {run.worker.rank} ({spec}) "
+                                   f"{_describe_exit(rc)} before it was ready; its resize "
+                                   "will be abandoned")
+                        self.finished[spec] = seen
+                    elif result is None:
+                        result = _exit_code(rc)
+                        self.error(f"worker {run.worker.rank} ({spec}) {_describe_exit(rc)}; "
+                                   f"stopping the job")
+                        stopping = True
+                        self._signal_all(signal.SIGTERM)
+                        kill_at = now + GRACE_SECONDS
+                elif event is not None and event[0] == "signal" and not stopping:
+                    result = 128 + event[1]
+                    stopping = True
+                    self._signal_all(event[1])
+                    kill_at = now + GRACE_SECONDS
+                if deadline is not None and not stopping and now >= deadline:
+                    self.error(f"timeout: the job did not finish within {self.opts.timeout:g}s")
+                    result, stopping = EXIT_TIMEOUT, True
+                    self._signal_all(signal.SIGTERM)
+                    kill_at = now + GRACE_SECONDS
+                if kill_at is not None and now >= kill_at and self._alive():
+                    self._signal_all(signal.SIGKILL)
+                    kill_at = None
+        finally:
+            if self.server is not None:
+                self.server.stop()
+        self._drain()
+        if result is None:
+            result = 0
+            self.info(f"elastic job finished in {time.monotonic() - start:.1f}s")
+        return result

@@ -1,0 +1,114 @@
+"""Training script for the elastic tests (run under kungfu-run -w): model.fit on a synthetic
+regression task with a policy that resizes the cluster through a schedule of sizes.
+
+    kungfu-run -w -np 1 -H 127.0.0.1:4 -builtin-config-port P python elastic_train.py \\
+        --schedule 2,4,3,1,4 --out DIR
+
+The policy asks for the next size of the schedule (on rank 0 only) once the previous change is
+done and `--gap` steps have passed at that size; after the last one it trains --tail more steps
+and stops. Every worker appends one JSON line per step to DIR/<host_port>.jsonl: step, epoch,
+cluster size, rank, the indices of the samples it trained on, the loss and a digest of the
+weights after the step.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import hashlib
+import json
+import os
+import signal
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kungfu as kf  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(2)
+
+
+class Schedule(kf.BasePolicy):
+    def __init__(self, sizes, gap, tail, model, bad_requests=False):
+        self.sizes = list(sizes)
+        self.gap, self.tail = gap, tail
+        self.model = model
+        self.next = 0
+        self.size_seen = None
+        self.since = 0
+        self.bad_requests = bad_requests
+        self.errors = []
+
+    def after_step(self, state):
+        if state.cluster_size != self.size_seen:
+            self.size_seen, self.since = state.cluster_size, 0
+        self.since += 1
+        if self.bad_requests and state.step == 2:
+            for n in (0, -1, 99, "2"):
+                try:
+                    kf.resize(n)
+                except ValueError as e:
+                    self.errors.append(str(e))
+        if self.next < len(self.sizes):
+            if self.since >= self.gap and state.cluster_size == (
+                    self.sizes[self.next - 1] if self.next else state.cluster_size):
+                if kf.rank() == 0:
+                    kf.resize(self.sizes[self.next])
+                elif self.bad_requests and kf.rank() == 1:
+                    kf.resize(1)  # a conflicting request: the lowest deciding rank wins
+                self.next += 1
+        elif state.cluster_size == self.sizes[-1] and self.since >= self.tail:
+            self.model.stop_training = True
+
+
+def main():
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand, for a hang
+    p = argparse.ArgumentParser()
+    p.add_argument("--schedule", default="2")
+    p.add_argument("--gap", type=int, default=3)
+    p.add_argument("--tail", type=int, default=4)
+    p.add_argument("--samples", type=int, default=240)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--bad-requests", action="store_true")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.samples, 8)).astype(np.float32)
+    y = (x @ np.linspace(-1, 1, 8).astype(np.float32))[:, None]
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=kf.Optimizer(keras.optimizers.SGD(0.05)), loss="mse",
+                  jit_compile=False)
+    data = kf.ElasticData(x, y, batch_size=args.batch_size, seed=2, record=True)
+    sizes = [int(s) for s in args.schedule.split(",") if s]
+    policy = Schedule(sizes, args.gap, args.tail, model, args.bad_requests)
+    me = os.environ.get("KUNGFU_SELF_SPEC", "single").replace(":", "_")
+    out = open(os.path.join(args.out, f"{me}.jsonl"), "a")
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            st = hook.state
+            digest = hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights()))
+            served = data.served[-1].tolist() if data.served else []
+            out.write(json.dumps({"step": st.step, "epoch": st.epoch, "size": kf.size(),
+                                  "rank": kf.rank(), "served": served,
+                                  "loss": float(logs["loss"]), "digest": digest.hexdigest(),
+                                  "errors": policy.errors}) + "\n")
+            out.flush()
+            time.sleep(args.step_sleep)
+
+    hook = kf.Hook(policy, data=data)
+    model.fit(data.dataset(), epochs=1000, verbose=0, callbacks=[hook, Record()])
+    out.write(json.dumps({"done": True, "step": hook.state.step, "size": kf.size()}) + "\n")
+    out.close()
+
+
+if __name__ == "__main__":
+    main()
