@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import signal
 import socket
 import subprocess
@@ -59,6 +60,26 @@ def free_ports(n: int) -> List[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def free_port_range(count: int) -> str:
+    """`count` consecutive loopback ports that are free now, as 'A-B' for -port-range."""
+    rng = random.Random(os.getpid() * 7919 + time.monotonic_ns())
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - count)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return f"{base}-{base + count - 1}"
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range found")
 
 
 @dataclass

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 import re
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from conftest import free_port_range  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -30,26 +29,6 @@ pytestmark = pytest.mark.skipif(
 
 DIGEST = re.compile(r"\[(\d+)\] rank (\d+): final weights digest ([0-9a-f]{16})")
 ACCURACY = re.compile(r"\[0\] test accuracy: ([0-9.]+) ")
-
-
-def free_port_range(count: int) -> str:
-    """`count` consecutive loopback ports that are free now, as 'A-B' for -port-range."""
-    rng = random.Random(os.getpid() * 7919 + time.monotonic_ns())
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - count)
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return f"{base}-{base + count - 1}"
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range found")
 
 
 def run_example(script: str, np_: int, *args: str, timeout: float = 80) -> str:
