@@ -75,8 +75,13 @@ def main():
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--bad-requests", action="store_true")
+    p.add_argument("--fail-joiner", action="store_true",
+                   help="a joining worker exits with code 3 at once (a joiner that fails)")
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.fail_joiner and os.environ.get("KUNGFU_ELASTIC_JOINING") == "1":
+        raise SystemExit(3)
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.samples, 8)).astype(np.float32)
@@ -103,6 +108,8 @@ def main():
                                   "errors": policy.errors}) + "\n")
             out.flush()
             time.sleep(args.step_sleep)
+            if args.max_steps and st.step >= args.max_steps:
+                model.stop_training = True
 
     hook = kf.Hook(policy, data=data)
     model.fit(data.dataset(), epochs=1000, verbose=0, callbacks=[hook, Record()])

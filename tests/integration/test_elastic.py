@@ -111,3 +111,15 @@ def test_loss_decreases_and_bad_requests_are_refused(schedule_run):
     assert "cannot resize to 0" in errors[0] and "1 to 4" in errors[0]
     assert "cannot resize to -1" in errors[1] and "cannot resize to 99" in errors[2]
     assert "integer" in errors[3]
+
+
+@pytest.mark.timeout(200)
+def test_a_joiner_that_fails_is_given_up_and_training_goes_on(tmp_path):
+    r, records = run_elastic(tmp_path, 1, 2, "--schedule", "2", "--fail-joiner",
+                             "--max-steps", "150", timeout=150,
+                             env_extra={"KUNGFU_RESIZE_TIMEOUT": "3s"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "before it was ready" in r.stderr and "abandoned" in r.stderr
+    steps = _steps(records)
+    assert len(steps) == 150 and all(len(rows) == 1 and rows[0]["size"] == 1
+                                     for rows in steps.values())
