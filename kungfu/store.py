@@ -338,7 +338,13 @@ class EtcdStore(Store):
 
     def compare_and_swap(self, key, value, revision):
         if key == CONFIG_KEY:
-            _check_config_write(self.get(key)[0] if revision else None, value)
+            # Checked against the config stored at `revision`: if the key has moved on since, the
+            # write is stale (as the builtin server answers), not malformed. The transaction
+            # below still compares the revision, so a change after this read is stale too.
+            old, current = self.get(key)
+            if current != revision:
+                raise StaleWriteError(f"{key}: revision {current}, not {revision}")
+            _check_config_write(old, value)
         k = _b64(self.prefix + key)
         compare = ({"key": k, "target": "CREATE", "create_revision": "0"} if revision == 0 else
                    {"key": k, "target": "MOD", "mod_revision": str(revision)})

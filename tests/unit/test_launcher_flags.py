@@ -319,3 +319,24 @@ def test_importing_the_launcher_loads_neither_tensorflow_nor_the_runtime():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=30, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_elastic_flags():
+    o = L.parse_args(["-w", "-np", "2", "-builtin-config-port", "9100", "python", "t.py"])
+    assert o.elastic and o.builtin_config_port == 9100 and o.config_server is None
+    o = L.parse_args(["-w", "-config-server", "etcd://10.0.0.1:2379", "python", "t.py"])
+    assert o.elastic and o.config_server == "etcd://10.0.0.1:2379"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-w", "python"], "exactly one of"),
+    (["-w", "-builtin-config-port", "9100", "-config-server", "http://a:1", "python"],
+     "exactly one of"),
+    (["-builtin-config-port", "9100", "python"], "elastic jobs (-w)"),
+    (["-w", "-builtin-config-port", "port", "python"], "port number"),
+    (["-w", "-builtin-config-port", "70000", "python"], "port number"),
+    (["-w", "-config-server", "ftp://a:1", "python"], "http://HOST:P or etcd://HOST:P"),
+])
+def test_elastic_flags_rejected(argv, message):
+    with pytest.raises(L.UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        L.parse_args(argv)

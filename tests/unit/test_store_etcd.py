@@ -1,0 +1,265 @@
+"""EtcdStore against a real etcd server (its v3 JSON gateway on loopback).
+
+Starts the `etcd` binary from PATH (Debian's etcd-server package; scripts/install.sh tries to
+install it) with its data in a temporary folder and its client and peer URLs on free loopback
+ports, and checks EtcdStore the way test_store.py checks the builtin server. Each test works
+under its own key prefix, so one etcd serves the whole module.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+
+from kungfu import store as st
+
+ETCD = shutil.which("etcd")
+if ETCD is None:
+    pytest.skip("etcd is not on PATH (apt-get install etcd-server); skipping the EtcdStore tests "
+                "against a real etcd", allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(120)
+
+START_DEADLINE = 30.0  # seconds for etcd to answer after it starts
+
+
+def _free_ports(n):
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _post(url, body, timeout=2.0):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class Etcd:
+    def __init__(self, data_dir):
+        client_port, peer_port = _free_ports(2)
+        self.client_url = f"http://127.0.0.1:{client_port}"
+        self.host_port = f"127.0.0.1:{client_port}"
+        peer_url = f"http://127.0.0.1:{peer_port}"
+        self.log_path = os.path.join(data_dir, "etcd.log")
+        # Flags, not ETCD_* variables from the caller's environment, configure this etcd.
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("ETCD_") or k == "ETCD_UNSUPPORTED_ARCH"}
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [ETCD, "--name", "kungfu-test", "--data-dir", os.path.join(data_dir, "data"),
+             "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
+             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+             "--initial-cluster", f"kungfu-test={peer_url}",
+             "--initial-cluster-state", "new"],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def log(self):
+        with open(self.log_path, "rb") as f:
+            return f.read()[-3000:].decode(errors="replace")
+
+    def wait_ready(self, deadline=START_DEADLINE):
+        end = time.monotonic() + deadline
+        last = None
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                # A read through the same gateway EtcdStore uses: answers once etcd has a leader.
+                _post(self.client_url + "/v3/kv/range", {"key": base64.b64encode(b"x").decode()})
+                return
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                last = e
+            time.sleep(0.1)
+        raise RuntimeError(f"etcd did not answer at {self.client_url} within {deadline:.0f}s "
+                           f"({last}):\n{self.log()}")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    server = Etcd(str(tmp_path_factory.mktemp("etcd")))
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture()
+def client(etcd):
+    # A prefix of its own per test: the tests share one etcd but no keys.
+    return st.EtcdStore(etcd.client_url, prefix=f"kungfu-test-{uuid.uuid4().hex[:12]}/")
+
+
+def test_compare_and_swap_and_revisions(client):
+    assert client.get("a") == (None, 0)
+    r1 = client.compare_and_swap("a", "x", 0)
+    assert r1 > 0 and client.get("a") == ("x", r1)
+    with pytest.raises(st.StaleWriteError):
+        client.compare_and_swap("a", "y", 0)  # exists already
+    assert client.get("a") == ("x", r1)
+    r2 = client.compare_and_swap("a", "y", r1)
+    assert r2 > r1 and client.get("a") == ("y", r2)
+    with pytest.raises(st.StaleWriteError):
+        client.compare_and_swap("a", "z", r1)  # stale
+    assert client.get("a") == ("y", r2)  # value and revision unchanged
+    r3 = client.put("a", "w")  # an unconditional put moves the revision on
+    assert r3 > r2 and client.get("a") == ("w", r3)
+    with pytest.raises(st.StaleWriteError):
+        client.compare_and_swap("a", "v", r2)
+    assert client.get("a") == ("w", r3)
+
+
+def test_list_by_prefix(client):
+    client.put("p/1", "one")
+    client.put("p/2", "two")
+    client.put("p/sub/3", "three")
+    client.put("q", "no")
+    client.put("p0", "no")  # "p0" is the range end of "p/": not in it
+    client.put("p", "no")
+    assert client.list("p/") == {"p/1": "one", "p/2": "two", "p/sub/3": "three"}
+    assert client.list("p/s") == {"p/sub/3": "three"}
+    assert client.list("nothing/") == {}
+    assert client.list("") == {"p/1": "one", "p/2": "two", "p/sub/3": "three", "q": "no",
+                               "p0": "no", "p": "no"}
+
+
+def test_config_versions_follow_one_another(client):
+    assert client.config() == (None, 0)
+    c0 = st.ClusterConfig(0, ["127.0.0.1:10000", "127.0.0.1:10001"])
+    assert client.propose(c0)
+    assert client.config()[0] == c0
+    assert not client.propose(st.ClusterConfig(2, ["127.0.0.1:10000"]))  # skips a version
+    assert not client.propose(c0)  # v0 again
+    assert client.config()[0] == c0
+    c1 = st.ClusterConfig(1, ["127.0.0.1:10000"])
+    assert client.propose(c1) and client.config()[0] == c1
+    rev = client.config()[1]
+    # A well-formed v2 against a stale revision loses.
+    c2 = st.ClusterConfig(2, ["127.0.0.1:10000", "127.0.0.1:10002"])
+    with pytest.raises(st.StaleWriteError):
+        client.compare_and_swap(st.CONFIG_KEY, c2.to_json(), rev - 1)
+    assert client.config() == (c1, rev)
+    with pytest.raises(st.StoreError):
+        client.put(st.CONFIG_KEY, c2.to_json())  # only compare-and-swap writes the config
+    assert client.config() == (c1, rev)
+
+
+def test_malformed_config_writes_are_refused(client):
+    c0 = st.ClusterConfig(0, ["127.0.0.1:10000"])
+    assert client.propose(c0)
+    rev = client.config()[1]
+    for bad in ("not json", '{"version": 1}', '{"version": 1, "peers": ["nohost"]}',
+                '{"version": 1, "peers": ["a:1", "a:1"]}', '{"version": 1, "peers": []}',
+                '{"version": 5, "peers": ["a:1"]}', '{"version": 0, "peers": ["a:1"]}',
+                '{"version": -1, "peers": ["a:1"]}', '{"version": true, "peers": ["a:1"]}'):
+        with pytest.raises((ValueError, st.StoreError)) as e:
+            client.compare_and_swap(st.CONFIG_KEY, bad, rev)
+        assert not isinstance(e.value, st.StaleWriteError), bad
+        assert client.config() == (c0, rev), bad  # nothing half-applied
+    # Before any config: the first one must be a well-formed version 0.
+    fresh = st.EtcdStore(client.url, prefix=client.prefix + "fresh/")
+    for bad in ('{"version": 1, "peers": ["a:1"]}', "[]"):
+        with pytest.raises((ValueError, st.StoreError)):
+            fresh.compare_and_swap(st.CONFIG_KEY, bad, 0)
+        assert fresh.config() == (None, 0)
+
+
+def test_racing_proposals_have_one_winner(client):
+    assert client.propose(st.ClusterConfig(0, ["127.0.0.1:1"]))
+    outcomes = []
+    lock = threading.Lock()
+    go = threading.Event()
+
+    def propose(n):
+        peers = [f"127.0.0.1:{i + 1}" for i in range(n)]
+        go.wait(10)
+        try:
+            result = client.propose(st.ClusterConfig(1, peers))
+        except Exception as e:  # recorded: a racing proposal must lose, not raise
+            result = e
+        with lock:
+            outcomes.append((n, result))
+
+    threads = [threading.Thread(target=propose, args=(n,)) for n in range(2, 10)]
+    for t in threads:
+        t.start()
+    go.set()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    errors = [(n, r) for n, r in outcomes if not isinstance(r, bool)]
+    assert not errors, f"proposals raised instead of losing: {errors}"
+    winners = [n for n, ok in outcomes if ok]
+    assert len(outcomes) == 8 and len(winners) == 1, outcomes
+    cfg = client.config()[0]
+    assert cfg.version == 1 and len(cfg.peers) == winners[0]
+
+
+def test_ready_markers(client):
+    client.mark_ready(3, "127.0.0.1:10002")
+    client.mark_ready(3, "127.0.0.1:10003")
+    client.mark_ready(4, "127.0.0.1:10004")
+    client.mark_ready(33, "127.0.0.1:10005")  # "ready/33/" is not under "ready/3/"
+    assert client.ready_peers(3) == ["127.0.0.1:10002", "127.0.0.1:10003"]
+    assert client.ready_peers(4) == ["127.0.0.1:10004"]
+    assert client.ready_peers(5) == []
+
+
+def test_connect_etcd_url(etcd):
+    store = st.connect(f"etcd://{etcd.host_port}")
+    assert isinstance(store, st.EtcdStore)
+    assert store.url == etcd.client_url and store.prefix == "kungfu/"
+    assert store.config() == (None, 0)
+    c0 = st.ClusterConfig(0, ["127.0.0.1:10000", "127.0.0.1:10001"])
+    assert store.propose(c0)
+    cfg, rev = store.config()
+    assert cfg == c0 and rev > 0
+    # The config is really in etcd, under the default prefix, as the JSON the store wrote.
+    raw = _post(etcd.client_url + "/v3/kv/range",
+                {"key": base64.b64encode(b"kungfu/" + st.CONFIG_KEY.encode()).decode()})
+    assert len(raw["kvs"]) == 1
+    assert json.loads(base64.b64decode(raw["kvs"][0]["value"])) == {
+        "version": 0, "peers": ["127.0.0.1:10000", "127.0.0.1:10001"]}
+    assert int(raw["kvs"][0]["mod_revision"]) == rev
+    # A second client of the same etcd sees it and moves it on.
+    other = st.connect(f"etcd://{etcd.host_port}")
+    c1 = st.ClusterConfig(1, ["127.0.0.1:10000"])
+    assert other.propose(c1)
+    assert store.config()[0] == c1
+    store.mark_ready(1, "127.0.0.1:10000")
+    assert other.ready_peers(1) == ["127.0.0.1:10000"]
+
+
+def test_unreachable_etcd():
+    port, = _free_ports(1)
+    with pytest.raises(st.StoreError, match="cannot reach"):
+        st.connect(f"etcd://127.0.0.1:{port}").get("x")
