@@ -191,7 +191,7 @@ def main(argv=None) -> None:
 
         def on_train_batch_end(self, batch, logs=None):
             log(ev="step", step=hook.state.step, size_after=kf.size(), t_hook=time.time(),
-                **cur)
+                detached=hook.detached, **cur)
             if policy.done and not hook.detached:
                 if args.save and kf.rank() == 0:
                     t0 = time.time()

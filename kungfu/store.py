@@ -380,5 +380,31 @@ def connect(url: str) -> Store:
     raise ValueError(f"config server URL must start with http:// or etcd://, got {url!r}")
 
 
+def server_main(argv=None) -> int:
+    """kungfu-config-server: the builtin config store as a standalone process."""
+    import argparse
+    import signal
+
+    p = argparse.ArgumentParser(
+        prog="kungfu-config-server",
+        description="Serve an elastic kungfu job's config store over HTTP (what kungfu-run "
+                    "-builtin-config-port hosts), for launchers given -config-server "
+                    "http://HOST:PORT. Runs until interrupted.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=int, default=9100, help="port to listen on (9100)")
+    args = p.parse_args(argv)
+    try:
+        server = ConfigServer(args.host, args.port).start()
+    except OSError as e:
+        p.exit(1, f"kungfu-config-server: cannot listen on {args.host}:{args.port}: {e}\n")
+    print(f"kungfu-config-server: serving {server.url}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop()
+    return 0
+
+
 __all__ = ["ClusterConfig", "Store", "StoreError", "StaleWriteError", "ConfigServer", "MemoryStore",
            "HTTPStore", "EtcdStore", "connect", "CONFIG_KEY"]

@@ -86,3 +86,24 @@ def test_bad_urls_and_unreachable_store():
         st.connect("http://127.0.0.1:9").get("x")
     with pytest.raises(ValueError):
         st.ClusterConfig(0, [])
+
+
+def test_standalone_server_process():
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        number = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from kungfu.store import "
+                             "server_main; sys.exit(server_main(sys.argv[1:]))", "--port",
+                             str(number)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "serving http://127.0.0.1:" in proc.stdout.readline()
+        client = st.connect(f"http://127.0.0.1:{number}")
+        assert client.propose(st.ClusterConfig(0, ["127.0.0.1:1"]))
+        assert client.config()[0].peers == ("127.0.0.1:1",)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
