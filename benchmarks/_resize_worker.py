@@ -7,9 +7,10 @@ processes):
 
   {"ev": "proc", ...}    once, at the start of fit: t_proc (the process's start, from
                          /proc/self/stat), t_main (this file starts running), t_imported
-                         (TensorFlow, keras and kungfu imported), t_built (model compiled,
-                         optimizer built, checkpoint restored if any), t_fit (model.fit's
-                         on_train_begin, before kf.Hook: a joiner has not connected yet), joining
+                         (TensorFlow, keras and kungfu imported), t_model (data made, model
+                         compiled, optimizer built), t_built (checkpoint restored, if any),
+                         t_fit (model.fit's on_train_begin, before kf.Hook: a joiner has not
+                         connected yet), joining
   {"ev": "joined", ...}  a joiner, after kf.Hook connected it and synced rank 0's state
   {"ev": "step", ...}    every step: step, rank, size (during the step), size_after (after
                          kf.Hook's after_step, which may have resized), t_begin
@@ -117,6 +118,7 @@ def main(argv=None) -> None:
     model.compile(optimizer=kf.Optimizer(base), loss="mse", jit_compile=False)
     model.optimizer.build(model.trainable_variables)  # slots exist before a restore
     ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    t_model = time.time()
     if args.restore:
         ckpt.read(args.restore).assert_existing_objects_matched()
     t_built = time.time()
@@ -169,7 +171,8 @@ def main(argv=None) -> None:
         """Runs before kf.Hook."""
 
         def on_train_begin(self, logs=None):
-            log(ev="proc", t_proc=T_PROC, t_main=T_MAIN, t_imported=t_imported, t_built=t_built,
+            log(ev="proc", t_proc=T_PROC, t_main=T_MAIN, t_imported=t_imported, t_model=t_model,
+                t_built=t_built,
                 t_fit=time.time(), joining=joining, spec=spec, pid=os.getpid(),
                 version=int(os.environ.get("KUNGFU_INIT_CLUSTER_VERSION", "0") or 0))
 

@@ -69,7 +69,6 @@ class Hook(keras.callbacks.Callback):
         self.data = data
         self._optimizer = optimizer
         self._name = name
-        self._rounds = 0
         self.state = TrainingState()
         self._step_start: Optional[float] = None
         self.exit_on_detach = exit_on_detach
@@ -97,8 +96,9 @@ class Hook(keras.callbacks.Callback):
     def _agree_and_apply(self) -> None:
         self._check_pending_resize()
         decisions = _actions.close_round()
-        self._rounds += 1
-        winners = _actions.agree(decisions, f"{self._name}/{self._rounds}")
+        # One name for every round: the k-th round of a worker meets the k-th of the others
+        # (the runtime numbers successive uses of a name; a new cluster version starts over).
+        winners = _actions.agree(decisions, f"{self._name}/agree")
         _actions.open_round()
         for kind in _actions.KINDS:
             if kind in winners:
@@ -234,7 +234,6 @@ class Hook(keras.callbacks.Callback):
             state = dataclasses.replace(self.state, logs={})
             mine = pickle.dumps({
                 "state": state,
-                "rounds": self._rounds,
                 "epochs_total": self._epochs_total,
                 "batch_size": None if self.data is None else self.data.batch_size,
                 "policies": [p.state_dict() for p in self.policies],
@@ -243,7 +242,6 @@ class Hook(keras.callbacks.Callback):
         if kf.rank() == 0:
             return
         self.state = got["state"]
-        self._rounds = got["rounds"]
         self._epochs_total = got["epochs_total"]
         for p, st in zip(self.policies, got["policies"]):
             p.load_state_dict(st)

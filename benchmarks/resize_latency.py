@@ -1,0 +1,532 @@
+"""How long a resize of an elastic job interrupts training, against checkpoint + restart.
+
+One command runs everything (it starts kungfu-run itself, three jobs one after the other):
+
+    python benchmarks/resize_latency.py
+
+Every worker (benchmarks/_resize_worker.py) trains the same model with model.fit: Dense layers
+1024 -> 4096 -> 4096 -> 1024 -> 1 (25,176,065 parameters at --width 4096; the default optimizer
+SGD with momentum adds one slot per weight), batch --batch-size (8) per worker on synthetic
+regression data (kf.ElasticData), gradients averaged by kf.Optimizer. All workers run on this
+host, so their time.time() stamps are comparable; each appends one JSON record per event (its
+start-up phases, every step, rank 0's kf.resize calls, the checkpoint it saved) to a file in a
+temporary directory, and this driver reads them.
+
+1. elastic job: `kungfu-run -w -np SMALL -H 127.0.0.1:BIG -builtin-config-port P`. A policy in
+   kf.Hook on rank 0 calls kf.resize(BIG) after --warm steps, kf.resize(SMALL) --gap steps after
+   that switch, --cycles round trips; --tail steps later rank 0 writes a checkpoint (model
+   weights and optimizer state, tf.train.Checkpoint) and the job stops.
+2. restart to BIG: a new, non-elastic `kungfu-run -np BIG` job whose workers all read that
+   checkpoint and train --restart-steps steps; rank 0 then writes a checkpoint and it stops.
+3. restart to SMALL: `kungfu-run -np SMALL` from the second checkpoint, --restart-steps steps.
+
+Measurements (rank 0's records unless said otherwise; "step end" is on_train_batch_end, taken
+before kf.Hook's own after_step, where a resize is applied):
+
+(a) pause: from the end of the last step before a switch to the end of the first step after it,
+    on rank 0. It includes kf.Hook's work at that boundary (agreeing on the switch, swapping the
+    native peer, with joiners broadcasting rank 0's weights and optimizer state) and one step at
+    the new size, so it is shown next to the normal step time at the old and the new size
+    (median of rank 0's step-to-step intervals at that size, leaving out the steps during which
+    joiners were starting and the first step after a switch). extra = pause - normal step at
+    the new size. Targets: pause < 1 s growing, < 0.2 s shrinking.
+(b) resize to first step: from rank 0's kf.resize call to the end of the joiners' first training
+    step (the last joiner's), with its parts: ask -> the joiners' processes start (the launcher
+    sees the new cluster version), process start -> model.fit begins (imports, model), -> joined
+    (ready, waiting for the others to switch at a step boundary, state sync), -> end of first
+    step. When shrinking there are no joiners: to rank 0's first step end at the new size. The
+    existing workers keep training meanwhile (pending_steps of them, pending_step_s each).
+    Target: (b) <= a fresh worker's start-up + the pause of the same switch, where the fresh
+    start-up is the median over the elastic job's initial workers of process start to the end
+    of their first step.
+(c) checkpoint + restart: from the moment rank 0 starts writing the checkpoint to the end of the
+    restarted job's first step (its last worker's), with its parts: save, stop (save done -> the
+    old launcher exited), relaunch (-> the first new worker process started), start-up (-> first
+    step end: imports, model, checkpoint read, tracing, the first step).
+
+Output: one JSON object per measurement on stdout (also --json PATH), then a table. Keys:
+  {"measure": "fresh_startup", "np", "startup_s" (median), "per_worker_s", "import_s",
+   "model_s", "fit_to_first_step_s"}                                      (elastic job's start)
+  {"measure": "pause", "change": "2->4", "cycle", "pause_s", "step_old_s", "step_new_s",
+   "extra_s", "hook_s" (kf.Hook's after_step at the switch on rank 0), "switch_step",
+   "target_s", "within_target"}
+  {"measure": "resize_to_first_step", "change", "cycle", "time_s", "ask_step", "switch_step",
+   "pending_steps", "pending_step_s", "launch_s", "joiner_startup_s", "join_wait_s",
+   "first_step_s", "fresh_startup_s", "pause_s", "target_s", "within_target"}
+  {"measure": "restart", "change", "time_s", "save_s", "stop_s", "relaunch_s", "startup_s",
+   "restore_s", "checkpoint_bytes", "restarted_step_s"}
+  {"measure": "run", "wall_s", "loadavg_before", "loadavg_after", "cpus", "params", ...}
+Times are seconds. On a machine with few cores the workers share them, so everything here
+depends on the load: the joiners' start-up competes with the training workers for the cores
+(pending_step_s shows it), and 4 workers on 2 cores step more slowly than 2. Run it more than
+once before drawing conclusions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "_resize_worker.py")
+
+TARGET_PAUSE_OUT = 1.0
+TARGET_PAUSE_IN = 0.2
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Pause and latency of an elastic resize (kungfu-run -w, kf.resize in "
+                    "model.fit) against checkpoint + restart, on one host. Runs three "
+                    "kungfu-run jobs itself; prints one JSON line per measurement and a table. "
+                    "The module docstring defines every measurement.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--small", type=int, default=2, help="workers before growing / after shrinking")
+    p.add_argument("--big", type=int, default=4, help="workers after growing (also the slots)")
+    p.add_argument("--cycles", type=int, default=2,
+                   help="SMALL -> BIG -> SMALL round trips in the elastic job")
+    p.add_argument("--warm", type=int, default=5,
+                   help="steps at SMALL before the first resize (tracing, normal step time)")
+    p.add_argument("--gap", type=int, default=5, help="steps after a switch before the next resize")
+    p.add_argument("--tail", type=int, default=5,
+                   help="steps at SMALL after the last switch before the checkpoint")
+    p.add_argument("--restart-steps", type=int, default=4,
+                   help="steps each restarted job trains")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per step per worker")
+    p.add_argument("--width", type=int, default=4096,
+                   help="units of the two wide Dense layers (4096: 25.2M parameters)")
+    p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="momentum",
+                   help="the wrapped Keras optimizer (state synced to joiners / checkpointed)")
+    p.add_argument("--threads", type=int, default=1, help="TensorFlow intra-op threads per worker")
+    p.add_argument("--restart-broadcast", action="store_true",
+                   help="restarted jobs also broadcast rank 0's state at the start "
+                        "(BroadcastGlobalVariablesCallback); by default every worker only "
+                        "reads the checkpoint")
+    p.add_argument("--no-restart", action="store_true", help="skip (c), the restart jobs")
+    p.add_argument("--resize-timeout", type=float, default=120.0,
+                   help="KUNGFU_RESIZE_TIMEOUT: seconds a resize waits for its joiners")
+    p.add_argument("--timeout", type=float, default=360.0,
+                   help="seconds one kungfu-run job may take before it is stopped")
+    p.add_argument("--json", metavar="PATH", help="also write the JSON lines to PATH")
+    p.add_argument("--keep", metavar="DIR",
+                   help="keep the records, checkpoints and launcher logs in DIR")
+    args = p.parse_args(argv)
+    if not 1 <= args.small < args.big:
+        p.error("need 1 <= --small < --big")
+    for k in ("cycles", "warm", "gap", "tail", "restart_steps", "batch_size", "width", "threads"):
+        if getattr(args, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be at least 1")
+    return args
+
+
+# -- launching ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_range(count: int) -> str:
+    """'A-B': `count` consecutive loopback ports free a moment ago."""
+    rng = random.Random(os.getpid() * 7919 + time.monotonic_ns())
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - count)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return f"{base}-{base + count - 1}"
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range found")
+
+
+def worker_env(args) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
+    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    env["KUNGFU_RESIZE_TIMEOUT"] = f"{args.resize_timeout:g}"
+    return env
+
+
+def worker_args(args, mode: str, tag: str, out: str) -> List[str]:
+    return [sys.executable, WORKER, "--mode", mode, "--tag", tag, "--out", out,
+            "--small", str(args.small), "--big", str(args.big), "--cycles", str(args.cycles),
+            "--warm", str(args.warm), "--gap", str(args.gap), "--tail", str(args.tail),
+            "--steps", str(args.restart_steps), "--batch-size", str(args.batch_size),
+            "--width", str(args.width), "--optimizer", args.optimizer,
+            "--threads", str(args.threads)]
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+def run_job(args, name: str, launcher: List[str], worker: List[str], log_path: str) -> dict:
+    """Runs one kungfu-run job to its end; returns when it was launched and when it exited."""
+    cmd = [sys.executable, "-m", "kungfu.cmd", *launcher, "-timeout",
+           f"{int(args.timeout)}s", *worker]
+    with open(log_path, "w") as log:
+        t_launch = time.time()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                env=worker_env(args))
+        try:
+            rc = proc.wait(timeout=args.timeout + 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+            rc = None
+        t_exit = time.time()
+    if rc != 0:
+        with open(log_path) as f:
+            tail = f.read()[-4000:]
+        raise JobFailed(f"{name}: kungfu-run exited with {rc}\n  {' '.join(cmd)}\n{tail}")
+    return {"t_launch": t_launch, "t_exit": t_exit, "wall_s": t_exit - t_launch}
+
+
+# -- reading the records ------------------------------------------------------------------------
+
+
+class Proc:
+    """One worker process's records."""
+
+    def __init__(self, rows: List[dict]):
+        self.info = next((r for r in rows if r["ev"] == "proc"), {})
+        self.steps = sorted((r for r in rows if r["ev"] == "step"), key=lambda r: r["step"])
+        self.asks = [r for r in rows if r["ev"] == "ask"]
+        self.saves = [r for r in rows if r["ev"] == "save"]
+        self.joined = next((r["t"] for r in rows if r["ev"] == "joined"), None)
+
+    @property
+    def joining(self) -> bool:
+        return bool(self.info.get("joining"))
+
+    def first_step(self) -> Optional[dict]:
+        return self.steps[0] if self.steps else None
+
+
+def read_procs(out: str, tag: str) -> List[Proc]:
+    procs = []
+    for name in sorted(os.listdir(out)):
+        if name.startswith(tag + "-") and name.endswith(".jsonl"):
+            with open(os.path.join(out, name)) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            if rows:
+                procs.append(Proc(rows))
+    return procs
+
+
+def rank0(procs: List[Proc]) -> Proc:
+    for p in procs:
+        if not p.joining and p.steps and p.steps[0].get("rank") == 0:
+            return p
+    raise JobFailed("no records of rank 0")
+
+
+def _median(xs) -> Optional[float]:
+    xs = list(xs)
+    return statistics.median(xs) if xs else None
+
+
+def _r(x: Optional[float], nd: int = 3) -> Optional[float]:
+    return None if x is None else round(x, nd)
+
+
+def startup_parts(procs: List[Proc]) -> dict:
+    """Process start -> first step end of the given (fresh) workers, and its phases."""
+    ps = [p for p in procs if p.steps and p.info]
+    per = [p.steps[0]["t_end"] - p.info["t_proc"] for p in ps]
+    return {
+        "startup_s": _r(_median(per)),
+        "per_worker_s": [_r(x) for x in per],
+        "import_s": _r(_median(p.info["t_imported"] - p.info["t_proc"] for p in ps)),
+        "model_s": _r(_median(p.info["t_model"] - p.info["t_imported"] for p in ps)),
+        "restore_s": _r(_median(p.info["t_built"] - p.info["t_model"] for p in ps)),
+        "fit_to_first_step_s": _r(_median(p.steps[0]["t_end"] - p.info["t_fit"] for p in ps)),
+    }
+
+
+def steady_steps(r0: Proc, exclude: set) -> Dict[int, List[float]]:
+    """{size: rank 0's step-to-step intervals}, leaving out the steps in `exclude`."""
+    by_step = {s["step"]: s for s in r0.steps}
+    out: Dict[int, List[float]] = {}
+    for s in r0.steps:
+        prev = by_step.get(s["step"] - 1)
+        if prev is None or s["step"] in exclude:
+            continue
+        if prev["size"] == prev["size_after"] == s["size"]:
+            out.setdefault(s["size"], []).append(s["t_end"] - prev["t_end"])
+    return out
+
+
+def analyse_elastic(args, procs: List[Proc]):
+    """(rows, {size: normal step time}, rank 0's records)"""
+    r0 = rank0(procs)
+    steps = {s["step"]: s for s in r0.steps}
+    switches = [s for s in r0.steps if s["size_after"] != s["size"] and not s.get("detached")]
+    asks = sorted(r0.asks, key=lambda a: a["t"])
+    fresh = [p for p in procs if not p.joining]
+    fresh_row = {"measure": "fresh_startup", "np": args.small, **startup_parts(fresh)}
+    # Steps that are not "normal": those run while joiners were starting, and the first step
+    # after each switch (the pause).
+    exclude, pending_of = set(), {}
+    for sw in switches:
+        ask = max((a for a in asks if a["step"] <= sw["step"] and a["to"] == sw["size_after"]),
+                  key=lambda a: a["step"], default=None)
+        pending = list(range(ask["step"] + 1, sw["step"] + 1)) if ask else []
+        pending_of[sw["step"]] = (ask, pending)
+        exclude.update(pending)
+        exclude.add(sw["step"] + 1)
+    normal = steady_steps(r0, exclude)
+    normal_s = {n: _median(v) for n, v in normal.items()}
+    rows = [fresh_row]
+    count: Dict[str, int] = {}
+    for sw in switches:
+        old, new = sw["size"], sw["size_after"]
+        change = f"{old}->{new}"
+        count[change] = count.get(change, 0) + 1
+        nxt = steps.get(sw["step"] + 1)
+        if nxt is None:
+            continue
+        pause = nxt["t_end"] - sw["t_end"]
+        target = TARGET_PAUSE_OUT if new > old else TARGET_PAUSE_IN
+        step_new = normal_s.get(new)
+        rows.append({
+            "measure": "pause", "change": change, "cycle": count[change],
+            "pause_s": _r(pause), "step_old_s": _r(normal_s.get(old)), "step_new_s": _r(step_new),
+            "extra_s": _r(None if step_new is None else pause - step_new),
+            "hook_s": _r(sw["t_hook"] - sw["t_end"]), "switch_step": sw["step"],
+            "target_s": target, "within_target": pause < target})
+        ask, pending = pending_of[sw["step"]]
+        if ask is None:
+            continue
+        pending_dt = [steps[i]["t_end"] - steps[i - 1]["t_end"] for i in pending
+                      if i in steps and i - 1 in steps]
+        row = {"measure": "resize_to_first_step", "change": change, "cycle": count[change],
+               "ask_step": ask["step"], "switch_step": sw["step"],
+               "pending_steps": len(pending), "pending_step_s": _r(_median(pending_dt))}
+        joiners = [p for p in procs if p.joining and p.steps
+                   and p.steps[0]["step"] == sw["step"] + 1]
+        if new > old:
+            if not joiners:
+                raise JobFailed(f"{change} at step {sw['step']}: no records of its joiners")
+            first_end = max(p.steps[0]["t_end"] for p in joiners)
+            row.update({
+                "time_s": _r(first_end - ask["t"]),
+                "joiners": len(joiners),
+                "launch_s": _r(max(p.info["t_proc"] for p in joiners) - ask["t"]),
+                "joiner_startup_s": _r(max(p.info["t_fit"] - p.info["t_proc"] for p in joiners)),
+                "join_wait_s": _r(max(p.joined - p.info["t_fit"] for p in joiners)),
+                "first_step_s": _r(max(p.steps[0]["t_end"] - p.joined for p in joiners)),
+            })
+        else:
+            row.update({"time_s": _r(nxt["t_end"] - ask["t"]), "joiners": 0})
+        fs = fresh_row["startup_s"]
+        row["fresh_startup_s"] = fs
+        row["pause_s"] = _r(pause)
+        row["target_s"] = _r(fs + pause) if fs is not None else None
+        row["within_target"] = (row["time_s"] <= row["target_s"]
+                                if row["target_s"] is not None else None)
+        rows.append(row)
+    return rows, normal_s, r0
+
+
+def analyse_restart(change: str, saved: dict, old_job: dict, new_job: dict,
+                    procs: List[Proc]) -> dict:
+    ps = [p for p in procs if p.steps and p.info]
+    if not ps:
+        raise JobFailed(f"restart {change}: no records")
+    first_end = max(p.steps[0]["t_end"] for p in ps)
+    first_proc = min(p.info["t_proc"] for p in ps)
+    r0 = rank0(procs)
+    dts = [b["t_end"] - a["t_end"] for a, b in zip(r0.steps[1:], r0.steps[2:])]
+    parts = startup_parts(ps)
+    return {
+        "measure": "restart", "change": change,
+        "time_s": _r(first_end - saved["t0"]),
+        "save_s": _r(saved["t1"] - saved["t0"]),
+        "stop_s": _r(old_job["t_exit"] - saved["t1"]),
+        "relaunch_s": _r(first_proc - old_job["t_exit"]),
+        "startup_s": _r(first_end - first_proc),
+        "import_s": parts["import_s"], "model_s": parts["model_s"],
+        "restore_s": parts["restore_s"], "fit_to_first_step_s": parts["fit_to_first_step_s"],
+        "checkpoint_bytes": saved.get("bytes"),
+        "restarted_step_s": _r(_median(dts)),
+        "np": len(ps),
+    }
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def _f(x, nd=2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    return f"{x:.{nd}f}"
+
+
+def print_table(rows: List[dict], normal_s: Dict[int, float], run: dict) -> None:
+    print()
+    print(f"resize latency, {run['params']:,} parameters, batch {run['batch_size']}/worker, "
+          f"{run['cpus']} cpus, load average {run['loadavg_before'][0]:.2f} before, "
+          f"{run['loadavg_after'][0]:.2f} after, {run['wall_s']:.0f} s in all")
+    fresh = next(r for r in rows if r["measure"] == "fresh_startup")
+    print("normal step (rank 0, median): " + ", ".join(
+        f"np={n}: {_f(v)} s" for n, v in sorted(normal_s.items()) if v is not None)
+        + f"; fresh worker start-up (np={fresh['np']}, process start -> first step end): "
+          f"{_f(fresh['startup_s'])} s (import {_f(fresh['import_s'])}, model "
+          f"{_f(fresh['model_s'])}, fit -> first step {_f(fresh['fit_to_first_step_s'])})")
+    print()
+    head = ["change", "#", "(a) pause", "step old/new", "extra", "target (a)", "ok",
+            "(b) ask->1st step", "pending steps", "target (b)", "ok"]
+    table = []
+    pauses = {(r["change"], r["cycle"]): r for r in rows if r["measure"] == "pause"}
+    lat = {(r["change"], r["cycle"]): r for r in rows if r["measure"] == "resize_to_first_step"}
+    for key in sorted(pauses, key=lambda k: pauses[k]["switch_step"]):
+        a, b = pauses[key], lat.get(key, {})
+        table.append([key[0], str(key[1]), _f(a["pause_s"]),
+                      f"{_f(a['step_old_s'])}/{_f(a['step_new_s'])}", _f(a["extra_s"]),
+                      f"< {_f(a['target_s'], 1)}", _f(a["within_target"]),
+                      _f(b.get("time_s")),
+                      f"{b.get('pending_steps', '-')} x {_f(b.get('pending_step_s'))}",
+                      f"<= {_f(b.get('target_s'))}", _f(b.get("within_target"))])
+    _print_rows(head, table)
+    for r in rows:
+        if r["measure"] == "resize_to_first_step" and r.get("joiners"):
+            print(f"  (b) {r['change']} #{r['cycle']}: ask -> joiners' processes start "
+                  f"{_f(r['launch_s'])} s, -> model.fit {_f(r['joiner_startup_s'])} s, -> joined "
+                  f"{_f(r['join_wait_s'])} s, -> first step end {_f(r['first_step_s'])} s")
+    restarts = [r for r in rows if r["measure"] == "restart"]
+    if restarts:
+        print()
+        head = ["change", "(c) save->1st step", "save", "stop", "relaunch", "start-up",
+                "(of it: import/model/restore/fit->step)", "checkpoint", "step after"]
+        table = []
+        for r in restarts:
+            table.append([r["change"], _f(r["time_s"]), _f(r["save_s"]), _f(r["stop_s"]),
+                          _f(r["relaunch_s"]), _f(r["startup_s"]),
+                          "/".join(_f(r[k]) for k in ("import_s", "model_s", "restore_s",
+                                                       "fit_to_first_step_s")),
+                          f"{(r['checkpoint_bytes'] or 0) / 2**20:.0f} MiB",
+                          _f(r["restarted_step_s"])])
+        _print_rows(head, table)
+    print()
+    print("seconds; (a) from rank 0's last step end before the switch to its first step end "
+          "after it (one step included: compare with the normal step); (b) from rank 0's "
+          "kf.resize call to the joiners' first step end; (c) from the start of the checkpoint "
+          "save to the restarted job's first step end.")
+
+
+def _print_rows(head: List[str], table: List[List[str]]) -> None:
+    widths = [max(len(head[i]), *(len(row[i]) for row in table)) if table else len(head[i])
+              for i in range(len(head))]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def params_of(width: int) -> int:
+    return 1024 * width + width + width * width + width + width * 1024 + 1024 + 1024 + 1
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = args.keep or tempfile.mkdtemp(prefix="resize_latency.")
+    os.makedirs(out, exist_ok=True)
+    json_file = open(args.json, "w") if args.json else None
+    rows: List[dict] = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        line = json.dumps(row)
+        print(line, flush=True)
+        if json_file:
+            json_file.write(line + "\n")
+            json_file.flush()
+
+    load_before = os.getloadavg()
+    t0 = time.time()
+    try:
+        ckpt_a = os.path.join(out, "ckpt-a", "ckpt")
+        ckpt_b = os.path.join(out, "ckpt-b", "ckpt")
+        elastic = run_job(
+            args, "elastic job",
+            ["-w", "-np", str(args.small), "-H", f"127.0.0.1:{args.big}",
+             "-builtin-config-port", str(free_port()), "-port-range",
+             free_port_range(args.big)],
+            worker_args(args, "elastic", "elastic", out) + ["--save", ckpt_a],
+            os.path.join(out, "elastic.log"))
+        procs = read_procs(out, "elastic")
+        erows, normal_s, r0 = analyse_elastic(args, procs)
+        for row in erows:
+            emit(row)
+        expected = 2 * args.cycles
+        got = sum(1 for r in erows if r["measure"] == "pause")
+        if got != expected:
+            raise JobFailed(f"elastic job: {got} switches, expected {expected} (abandoned "
+                            f"resize? see {os.path.join(out, 'elastic.log')} with --keep)")
+        if not args.no_restart:
+            saved_a = r0.saves[-1]
+            extra = ["--broadcast"] if args.restart_broadcast else []
+            big = run_job(
+                args, f"restart np={args.big}",
+                ["-np", str(args.big), "-H", f"127.0.0.1:{args.big}", "-port-range",
+                 free_port_range(args.big)],
+                worker_args(args, "restart", "big", out) + ["--restore", saved_a["path"],
+                                                            "--save", ckpt_b] + extra,
+                os.path.join(out, "restart-big.log"))
+            big_procs = read_procs(out, "big")
+            emit(analyse_restart(f"{args.small}->{args.big}", saved_a, elastic, big, big_procs))
+            saved_b = rank0(big_procs).saves[-1]
+            small = run_job(
+                args, f"restart np={args.small}",
+                ["-np", str(args.small), "-H", f"127.0.0.1:{args.big}", "-port-range",
+                 free_port_range(args.big)],
+                worker_args(args, "restart", "small", out) + ["--restore", saved_b["path"]]
+                + extra, os.path.join(out, "restart-small.log"))
+            emit(analyse_restart(f"{args.big}->{args.small}", saved_b, big, small,
+                                 read_procs(out, "small")))
+        run = {"measure": "run", "wall_s": _r(time.time() - t0, 1),
+               "loadavg_before": [round(x, 2) for x in load_before],
+               "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+               "cpus": os.cpu_count(), "params": params_of(args.width),
+               "optimizer": args.optimizer, "batch_size": args.batch_size,
+               "small": args.small, "big": args.big, "cycles": args.cycles,
+               "threads": args.threads, "restart_broadcast": args.restart_broadcast}
+        emit(run)
+        print_table(rows, normal_s, run)
+        return 0
+    except JobFailed as e:
+        print(f"resize_latency: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if json_file:
+            json_file.close()
+        if not args.keep:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
