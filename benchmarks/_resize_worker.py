@@ -41,15 +41,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
 def process_start_time() -> float:
-    """This process's start (wall clock), from /proc: 1/CLK_TCK resolution (10 ms)."""
+    """This process's start (wall clock), from /proc: its start in clock ticks after boot
+    against the uptime now (both 10 ms resolution; /proc/stat's btime has whole seconds)."""
     try:
         with open("/proc/self/stat") as f:
             fields = f.read().rpartition(")")[2].split()
         ticks = int(fields[19])  # field 22 of stat(5); fields[0] is field 3
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as f:
+            now, uptime = time.time(), float(f.read().split()[0])
+        return now - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
         return T_MAIN
 
 

@@ -31,10 +31,11 @@ before kf.Hook's own after_step, where a resize is applied):
     joiners were starting and the first step after a switch). extra = pause - normal step at
     the new size. Targets: pause < 1 s growing, < 0.2 s shrinking.
 (b) resize to first step: from rank 0's kf.resize call to the end of the joiners' first training
-    step (the last joiner's), with its parts: ask -> the joiners' processes start (the launcher
-    sees the new cluster version), process start -> model.fit begins (imports, model), -> joined
-    (ready, waiting for the others to switch at a step boundary, state sync), -> end of first
-    step. When shrinking there are no joiners: to rank 0's first step end at the new size. The
+    step (the last joiner's), with its parts: ask -> the first joiner's process starts (the
+    launcher sees the new cluster version), -> the last joiner enters model.fit (imports, model;
+    kf.Hook then reports it ready), -> rank 0's step end after which the workers switch (the
+    next step boundary once all are ready), -> the joiners' first step end (state sync, the
+    joiners' first step with its tracing). When shrinking there are no joiners: to rank 0's first step end at the new size. The
     existing workers keep training meanwhile (pending_steps of them, pending_step_s each).
     Target: (b) <= a fresh worker's start-up + the pause of the same switch, where the fresh
     start-up is the median over the elastic job's initial workers of process start to the end
@@ -51,8 +52,12 @@ Output: one JSON object per measurement on stdout (also --json PATH), then a tab
    "extra_s", "hook_s" (kf.Hook's after_step at the switch on rank 0), "switch_step",
    "target_s", "within_target"}
   {"measure": "resize_to_first_step", "change", "cycle", "time_s", "ask_step", "switch_step",
-   "pending_steps", "pending_step_s", "launch_s", "joiner_startup_s", "join_wait_s",
-   "first_step_s", "fresh_startup_s", "pause_s", "target_s", "within_target"}
+   "pending_steps", "pending_step_s", "joiners", "launch_s" (ask -> first joiner process),
+   "joiner_startup_s" (each joiner: process start -> model.fit), "all_ready_s" (ask -> the last
+   joiner in model.fit, where it reports ready), "ready_to_switch_s" (-> end of rank 0's step
+   at which the others switch), "switch_to_first_step_s" (-> the joiners' first step end),
+   "joiner_sync_s" (switch -> the last joiner holds rank 0's state), "fresh_startup_s",
+   "pause_s", "target_s", "within_target"}
   {"measure": "restart", "change", "time_s", "save_s", "stop_s", "relaunch_s", "startup_s",
    "restore_s", "checkpoint_bytes", "restarted_step_s"}
   {"measure": "run", "wall_s", "loadavg_before", "loadavg_after", "cpus", "params", ...}
@@ -328,13 +333,16 @@ def analyse_elastic(args, procs: List[Proc]):
             if not joiners:
                 raise JobFailed(f"{change} at step {sw['step']}: no records of its joiners")
             first_end = max(p.steps[0]["t_end"] for p in joiners)
+            ready = max(p.info["t_fit"] for p in joiners)
             row.update({
                 "time_s": _r(first_end - ask["t"]),
                 "joiners": len(joiners),
-                "launch_s": _r(max(p.info["t_proc"] for p in joiners) - ask["t"]),
-                "joiner_startup_s": _r(max(p.info["t_fit"] - p.info["t_proc"] for p in joiners)),
-                "join_wait_s": _r(max(p.joined - p.info["t_fit"] for p in joiners)),
-                "first_step_s": _r(max(p.steps[0]["t_end"] - p.joined for p in joiners)),
+                "launch_s": _r(min(p.info["t_proc"] for p in joiners) - ask["t"]),
+                "joiner_startup_s": [_r(p.info["t_fit"] - p.info["t_proc"]) for p in joiners],
+                "all_ready_s": _r(ready - ask["t"]),
+                "ready_to_switch_s": _r(sw["t_end"] - ready),
+                "switch_to_first_step_s": _r(first_end - sw["t_end"]),
+                "joiner_sync_s": _r(max(p.joined for p in joiners) - sw["t_end"]),
             })
         else:
             row.update({"time_s": _r(nxt["t_end"] - ask["t"]), "joiners": 0})
@@ -412,9 +420,13 @@ def print_table(rows: List[dict], normal_s: Dict[int, float], run: dict) -> None
     _print_rows(head, table)
     for r in rows:
         if r["measure"] == "resize_to_first_step" and r.get("joiners"):
-            print(f"  (b) {r['change']} #{r['cycle']}: ask -> joiners' processes start "
-                  f"{_f(r['launch_s'])} s, -> model.fit {_f(r['joiner_startup_s'])} s, -> joined "
-                  f"{_f(r['join_wait_s'])} s, -> first step end {_f(r['first_step_s'])} s")
+            print(f"  (b) {r['change']} #{r['cycle']}: ask -> first joiner process "
+                  f"{_f(r['launch_s'])}, -> all joiners in model.fit (ready) "
+                  f"{_f(r['all_ready_s'])}, -> switch (rank 0's step end) "
+                  f"+{_f(r['ready_to_switch_s'])}, -> joiners' first step end "
+                  f"+{_f(r['switch_to_first_step_s'])} (joiners synced "
+                  f"+{_f(r['joiner_sync_s'])} after the switch); joiner start-up "
+                  f"(process -> model.fit) {', '.join(_f(x) for x in r['joiner_startup_s'])}")
     restarts = [r for r in rows if r["measure"] == "restart"]
     if restarts:
         print()

@@ -119,6 +119,9 @@ class GradientMonitor:
         self.gns_state = _variable([0.0, 0.0, 0.0, math.nan], "kungfu_gns_state")
         self.variance_state = _variable([0.0, 0.0], "kungfu_grad_variance_state")
         self.values = {m: _variable(math.nan, f"kungfu_{LOG_KEYS[m]}") for m in self.monitors}
+        # The statistics of the last monitored step (see gradient_stats); stats[4] is the
+        # cluster size that step ran with.
+        self.stats = _variable([math.nan] * 5, "kungfu_gradient_stats")
         for m in self.monitors:
             _LATEST[m] = self
 
@@ -134,6 +137,7 @@ class GradientMonitor:
 
         def run():
             stats = gradient_stats(local, averaged, self.batch_size, name)
+            self.stats.assign(stats)
             estimators = {
                 GNS: (_lib.kungfu_noise_scale, self.gns_state),
                 VARIANCE: (_lib.kungfu_gradient_variance, self.variance_state),

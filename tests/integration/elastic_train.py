@@ -12,15 +12,20 @@ weights after the step.
 """
 from __future__ import annotations
 
-import argparse
-import faulthandler
-import hashlib
-import json
 import os
-import signal
-import time
+import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+if "--fail-joiner" in sys.argv and os.environ.get("KUNGFU_ELASTIC_JOINING") == "1":
+    sys.exit(3)  # a joiner that fails at once, before importing anything heavy
+
+import argparse  # noqa: E402
+import faulthandler  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # noqa: E402
 
 import numpy as np  # noqa: E402
 import keras  # noqa: E402
@@ -80,8 +85,6 @@ def main():
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    if args.fail_joiner and os.environ.get("KUNGFU_ELASTIC_JOINING") == "1":
-        raise SystemExit(3)
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.samples, 8)).astype(np.float32)
@@ -89,8 +92,9 @@ def main():
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
                               keras.layers.Dense(1)])
-    model.compile(optimizer=kf.Optimizer(keras.optimizers.SGD(0.05)), loss="mse",
-                  jit_compile=False)
+    opt = kf.Optimizer(keras.optimizers.SGD(0.05), monitor=["gns", "variance"],
+                       batch_size=args.batch_size)
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
     data = kf.ElasticData(x, y, batch_size=args.batch_size, seed=2, record=True)
     sizes = [int(s) for s in args.schedule.split(",") if s]
     policy = Schedule(sizes, args.gap, args.tail, model, args.bad_requests)
@@ -105,7 +109,9 @@ def main():
             out.write(json.dumps({"step": st.step, "epoch": st.epoch, "size": kf.size(),
                                   "rank": kf.rank(), "served": served,
                                   "loss": float(logs["loss"]), "digest": digest.hexdigest(),
-                                  "errors": policy.errors}) + "\n")
+                                  "errors": policy.errors,
+                                  "monitor_n": float(opt.kungfu_monitor.stats.numpy()[4]),
+                                  "gns": kf.grad_noise_scale()}) + "\n")
             out.flush()
             time.sleep(args.step_sleep)
             if args.max_steps and st.step >= args.max_steps:
