@@ -18,11 +18,13 @@ processes):
                          before kf.Hook), t_hook (after kf.Hook's after_step)
   {"ev": "ask", ...}     rank 0, when the policy calls kf.resize(n): t, step, from, to
   {"ev": "save", ...}    rank 0, the checkpoint written at the end: t0, t1, path, bytes
+  {"ev": "abandoned"}    rank 0, a request to grow was abandoned or lost (the job then stops)
   {"ev": "end", ...}     after model.fit returned
 
 --mode elastic (under kungfu-run -w): start at --small workers; after --warm steps rank 0 asks
-for --big; --gap steps after the switch it asks for --small again; --cycles such round trips,
-then --tail steps at --small and stop (writing the checkpoint to --save if given).
+for --big; --gap steps after the switch it asks for --small again; --gap steps and at least
+--min-gap-seconds after that switch it asks for --big again; --cycles such round trips, then
+--tail steps at --small and stop (writing the checkpoint to --save if given).
 --mode restart (under plain kungfu-run -np N): restore --restore (model weights and optimizer
 state, tf.train.Checkpoint; every worker reads the file), train --steps steps, write --save if
 given, stop.
@@ -69,6 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--warm", type=int, default=5)
     p.add_argument("--gap", type=int, default=5)
     p.add_argument("--tail", type=int, default=5)
+    p.add_argument("--min-gap-seconds", type=float, default=3.0)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--samples", type=int, default=4096)
@@ -89,7 +92,7 @@ def main(argv=None) -> None:
     import tensorflow as tf
 
     import kungfu as kf
-    from kungfu import _peer
+    from kungfu import _elastic, _peer
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(max(2, args.threads))
@@ -128,29 +131,50 @@ def main(argv=None) -> None:
     joining = _peer.joining()
 
     class Cycle(kf.BasePolicy):
-        """Elastic mode: small -> big -> small, --cycles times, then --tail steps."""
+        """Elastic mode: small -> big -> small, --cycles times, then --tail steps. Every
+        worker runs the same decisions (the state is kf.Hook's, agreed; joiners take rank 0's
+        policy state); only rank 0 calls kf.resize."""
 
         def __init__(self):
-            self.asked = 0  # resize requests so far (all workers count them)
+            self.asked = 0  # resize requests so far
+            self.asked_at = 0  # the step of the latest one
             self.size_seen = None
             self.since = 0  # steps at the current size
             self.done = False
+            self.abandoned = False
+            self.t_size = time.time()  # rank 0: when the current size began
 
         def after_step(self, state):
             if state.cluster_size != self.size_seen:
                 self.size_seen, self.since = state.cluster_size, 0
+                self.t_size = time.time()
             self.since += 1
+            if self.asked % 2 == 1 and state.cluster_size == args.small and \
+                    state.step > self.asked_at and _elastic.context().pending is None:
+                # The request to grow was abandoned (its joiners were not ready in time) or
+                # lost: stop, the driver reports it.
+                self.abandoned = self.done = True
+                return
             if self.asked < 2 * args.cycles:
                 grow = self.asked % 2 == 0
                 at = args.small if grow else args.big
                 need = args.warm if self.asked == 0 else args.gap
                 if state.cluster_size == at and self.since >= need:
+                    if grow and self.asked > 0:
+                        # Give the workers the last shrink left out time to exit: rank 0
+                        # decides from its clock, everyone follows.
+                        ok = time.time() - self.t_size >= args.min_gap_seconds
+                        ok = bool(kf.broadcast(np.array([ok], np.int32), name=(
+                            f"resize_latency/gap/{state.step}"))[0])
+                        if not ok:
+                            return
                     to = args.big if grow else args.small
                     if kf.rank() == 0:
                         log(ev="ask", t=time.time(), step=state.step, to=to,
                             **{"from": state.cluster_size})
                         kf.resize(to)
                     self.asked += 1
+                    self.asked_at = state.step
             elif state.cluster_size == args.small and self.since >= args.tail:
                 self.done = True
 
@@ -196,6 +220,9 @@ def main(argv=None) -> None:
         def on_train_batch_end(self, batch, logs=None):
             log(ev="step", step=hook.state.step, size_after=kf.size(), t_hook=time.time(),
                 detached=hook.detached, **cur)
+            if getattr(policy, "abandoned", False) and kf.rank() == 0:
+                log(ev="abandoned", t=time.time(), step=hook.state.step)
+                policy.abandoned = False
             if policy.done and not hook.detached:
                 if args.save and kf.rank() == 0:
                     t0 = time.time()

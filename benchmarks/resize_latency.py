@@ -15,7 +15,8 @@ temporary directory, and this driver reads them.
 1. elastic job: `kungfu-run -w -np SMALL -H 127.0.0.1:BIG -builtin-config-port P`. A policy in
    kf.Hook on rank 0 calls kf.resize(BIG) after --warm steps, kf.resize(SMALL) --gap steps after
    that switch, --cycles round trips; --tail steps later rank 0 writes a checkpoint (model
-   weights and optimizer state, tf.train.Checkpoint) and the job stops.
+   weights and optimizer state, tf.train.Checkpoint) and the job stops. A grow after a shrink
+   also waits --min-gap-seconds, so that the workers the shrink left out have exited.
 2. restart to BIG: a new, non-elastic `kungfu-run -np BIG` job whose workers all read that
    checkpoint and train --restart-steps steps; rank 0 then writes a checkpoint and it stops.
 3. restart to SMALL: `kungfu-run -np SMALL` from the second checkpoint, --restart-steps steps.
@@ -105,6 +106,9 @@ def parse_args(argv=None):
     p.add_argument("--gap", type=int, default=5, help="steps after a switch before the next resize")
     p.add_argument("--tail", type=int, default=5,
                    help="steps at SMALL after the last switch before the checkpoint")
+    p.add_argument("--min-gap-seconds", type=float, default=3.0,
+                   help="at least this long after a shrink before growing again (the "
+                        "workers the shrink left out exit first)")
     p.add_argument("--restart-steps", type=int, default=4,
                    help="steps each restarted job trains")
     p.add_argument("--batch-size", type=int, default=8, help="samples per step per worker")
@@ -175,6 +179,7 @@ def worker_args(args, mode: str, tag: str, out: str) -> List[str]:
     return [sys.executable, WORKER, "--mode", mode, "--tag", tag, "--out", out,
             "--small", str(args.small), "--big", str(args.big), "--cycles", str(args.cycles),
             "--warm", str(args.warm), "--gap", str(args.gap), "--tail", str(args.tail),
+            "--min-gap-seconds", str(args.min_gap_seconds),
             "--steps", str(args.restart_steps), "--batch-size", str(args.batch_size),
             "--width", str(args.width), "--optimizer", args.optimizer,
             "--threads", str(args.threads)]
@@ -217,6 +222,7 @@ class Proc:
         self.steps = sorted((r for r in rows if r["ev"] == "step"), key=lambda r: r["step"])
         self.asks = [r for r in rows if r["ev"] == "ask"]
         self.saves = [r for r in rows if r["ev"] == "save"]
+        self.abandoned = [r for r in rows if r["ev"] == "abandoned"]
         self.joined = next((r["t"] for r in rows if r["ev"] == "joined"), None)
 
     @property
@@ -497,8 +503,12 @@ def main(argv=None) -> int:
         expected = 2 * args.cycles
         got = sum(1 for r in erows if r["measure"] == "pause")
         if got != expected:
-            raise JobFailed(f"elastic job: {got} switches, expected {expected} (abandoned "
-                            f"resize? see {os.path.join(out, 'elastic.log')} with --keep)")
+            why = (f"a resize to {args.big} was abandoned at step {r0.abandoned[0]['step']} "
+                   "(its joiners were not ready within --resize-timeout)" if r0.abandoned
+                   else "")
+            raise JobFailed(f"elastic job: {got} switches, expected {expected}; {why} "
+                            f"(launcher log: {os.path.join(out, 'elastic.log')}, kept with "
+                            "--keep)")
         if not args.no_restart:
             saved_a = r0.saves[-1]
             extra = ["--broadcast"] if args.restart_broadcast else []

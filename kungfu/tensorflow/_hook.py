@@ -41,7 +41,7 @@ import numpy as np
 
 from kungfu import _elastic, _peer
 from kungfu.policy import HOOKS, BasePolicy, TrainingState, _actions
-from kungfu.store import ClusterConfig
+from kungfu.store import ClusterConfig, StoreError
 from kungfu.tensorflow import _monitor
 
 
@@ -141,8 +141,13 @@ class Hook(keras.callbacks.Callback):
         if ctx.pending is None or kf.rank() != 0:
             return
         if self.data is not None and self.state.samples_in_epoch >= len(self.data):
-            return  # not at the end of an epoch: a joiner then starts a fresh one with the rest
-        if ctx.ready():
+            return  # never after an epoch's last step: a joiner's first epoch would be empty
+        try:
+            ready = ctx.ready()
+        except StoreError as e:
+            warnings.warn(f"kungfu: cannot read the config store: {e}")
+            ready = False
+        if ready:
             _actions._record("elastic", {"switch": ctx.pending.version})
         elif ctx.overdue():
             _actions._record("elastic", {"abandon": ctx.pending.version})
@@ -163,7 +168,11 @@ class Hook(keras.callbacks.Callback):
                                "sample offset)")
         proposal = ""
         if kf.rank() == 0:
-            new = ctx.propose(n)
+            try:
+                new = ctx.propose(n)
+            except StoreError as e:  # the others wait in the broadcast: tell them, go on
+                warnings.warn(f"kungfu: resize to {n} failed: {e}")
+                new = None
             proposal = new.to_json() if new is not None else ""
         proposal = self._broadcast_blob(proposal.encode(), "kungfu/elastic/propose").decode()
         if not proposal:
