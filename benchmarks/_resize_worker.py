@@ -12,14 +12,15 @@ processes):
                          t_fit (model.fit's on_train_begin, before kf.Hook: a joiner has not
                          connected yet), joining
   {"ev": "joined", ...}  a joiner, after kf.Hook connected it and synced rank 0's state
-  {"ev": "step", ...}    every step: step, rank, size (during the step), size_after (after
+  {"ev": "step", ...}    every step: step, epoch, rank, size (during the step), size_after (after
                          kf.Hook's after_step, which may have resized), t_begin
                          (on_train_batch_begin, before kf.Hook), t_end (on_train_batch_end,
                          before kf.Hook), t_hook (after kf.Hook's after_step)
   {"ev": "ask", ...}     rank 0, when the policy calls kf.resize(n): t, step, from, to
   {"ev": "save", ...}    rank 0, the checkpoint written at the end: t0, t1, path, bytes
   {"ev": "abandoned"}    rank 0, a request to grow was abandoned or lost (the job then stops)
-  {"ev": "end", ...}     after model.fit returned
+  {"ev": "end", ...}     after model.fit returned; then the process leaves with os._exit(0)
+                         (--plain-exit: a normal interpreter exit)
 
 --mode elastic (under kungfu-run -w): start at --small workers; after --warm steps rank 0 asks
 for --big; --gap steps after the switch it asks for --small again; --gap steps and at least
@@ -38,6 +39,7 @@ T_MAIN = time.time()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import sys  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -74,12 +76,14 @@ def parse_args(argv=None):
     p.add_argument("--min-gap-seconds", type=float, default=3.0)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--samples", type=int, default=4096)
+    p.add_argument("--samples", type=int, default=8192)
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="momentum")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--restore", default=None)
     p.add_argument("--save", default=None)
+    p.add_argument("--plain-exit", action="store_true",
+                   help="return from main normally (default: os._exit(0) after fit)")
     p.add_argument("--broadcast", action="store_true",
                    help="restart mode: also broadcast rank 0's state at the start")
     return p.parse_args(argv)
@@ -218,8 +222,8 @@ def main(argv=None) -> None:
                     step=hook.state.step)
 
         def on_train_batch_end(self, batch, logs=None):
-            log(ev="step", step=hook.state.step, size_after=kf.size(), t_hook=time.time(),
-                detached=hook.detached, **cur)
+            log(ev="step", step=hook.state.step, epoch=hook.state.epoch, size_after=kf.size(),
+                t_hook=time.time(), detached=hook.detached, **cur)
             if getattr(policy, "abandoned", False) and kf.rank() == 0:
                 log(ev="abandoned", t=time.time(), step=hook.state.step)
                 policy.abandoned = False
@@ -240,6 +244,13 @@ def main(argv=None) -> None:
     model.fit(data.dataset(), epochs=1000, verbose=0, callbacks=callbacks)
     log(ev="end", t=time.time(), step=hook.state.step, size=kf.size())
     out.close()
+    if not args.plain_exit:
+        # Leave without the interpreter's teardown: destroying model.fit's tf.data iterator
+        # waits for tf.data's autotuning thread, which sleeps up to 60 s between rounds once
+        # training has run for a while (kf.Hook exits detached workers the same way).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,9 @@ before kf.Hook's own after_step, where a resize is applied):
     launcher sees the new cluster version), -> the last joiner enters model.fit (imports, model;
     kf.Hook then reports it ready), -> rank 0's step end after which the workers switch (the
     next step boundary once all are ready), -> the joiners' first step end (state sync, the
-    joiners' first step with its tracing). When shrinking there are no joiners: to rank 0's first step end at the new size. The
-    existing workers keep training meanwhile (pending_steps of them, pending_step_s each).
+    joiners' first step with its tracing). When shrinking there are no joiners: to rank 0's
+    first step end at the new size. The existing workers keep training meanwhile
+    (pending_steps of them, pending_step_s each).
     Target: (b) <= a fresh worker's start-up + the pause of the same switch, where the fresh
     start-up is the median over the elastic job's initial workers of process start to the end
     of their first step.
@@ -50,8 +51,11 @@ Output: one JSON object per measurement on stdout (also --json PATH), then a tab
   {"measure": "fresh_startup", "np", "startup_s" (median), "per_worker_s", "import_s",
    "model_s", "fit_to_first_step_s"}                                      (elastic job's start)
   {"measure": "pause", "change": "2->4", "cycle", "pause_s", "step_old_s", "step_new_s",
-   "extra_s", "hook_s" (kf.Hook's after_step at the switch on rank 0), "switch_step",
-   "target_s", "within_target"}
+   "extra_s", "hook_s" (kf.Hook's after_step at the switch on rank 0: agreeing, swapping the
+   native peer, syncing joiners), "hook_normal_s" (the same on a normal step: the agreement
+   round), "first_step_after_s" (the rest of the pause: rank 0's first step at the new size,
+   which waits for the joiners' first step, tracing included), "switch_step", "target_s",
+   "within_target"}
   {"measure": "resize_to_first_step", "change", "cycle", "time_s", "ask_step", "switch_step",
    "pending_steps", "pending_step_s", "joiners", "launch_s" (ask -> first joiner process),
    "joiner_startup_s" (each joiner: process start -> model.fit), "all_ready_s" (ask -> the last
@@ -61,7 +65,10 @@ Output: one JSON object per measurement on stdout (also --json PATH), then a tab
    "pause_s", "target_s", "within_target"}
   {"measure": "restart", "change", "time_s", "save_s", "stop_s", "relaunch_s", "startup_s",
    "restore_s", "checkpoint_bytes", "restarted_step_s"}
-  {"measure": "run", "wall_s", "loadavg_before", "loadavg_after", "cpus", "params", ...}
+  {"measure": "run", "wall_s", "loadavg_before", "loadavg_after", "cpus", "params",
+   "elastic_steps", "epoch_boundaries" (epochs the elastic job crossed; 0 by default: at an
+   epoch boundary model.fit's tf.data iterator is rebuilt, which can stall a worker for
+   seconds, see the README), ...}
 Times are seconds. On a machine with few cores the workers share them, so everything here
 depends on the load: the joiners' start-up competes with the training workers for the cores
 (pending_step_s shows it), and 4 workers on 2 cores step more slowly than 2. Run it more than
@@ -90,16 +97,21 @@ TARGET_PAUSE_OUT = 1.0
 TARGET_PAUSE_IN = 0.2
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
+    pass
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Pause and latency of an elastic resize (kungfu-run -w, kf.resize in "
                     "model.fit) against checkpoint + restart, on one host. Runs three "
-                    "kungfu-run jobs itself; prints one JSON line per measurement and a table. "
-                    "The module docstring defines every measurement.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "kungfu-run jobs itself; prints one JSON line per measurement and a table "
+                    "(the measurements are defined below the flags).",
+        epilog=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("--small", type=int, default=2, help="workers before growing / after shrinking")
     p.add_argument("--big", type=int, default=4, help="workers after growing (also the slots)")
-    p.add_argument("--cycles", type=int, default=2,
+    p.add_argument("--cycles", type=int, default=3,
                    help="SMALL -> BIG -> SMALL round trips in the elastic job")
     p.add_argument("--warm", type=int, default=5,
                    help="steps at SMALL before the first resize (tracing, normal step time)")
@@ -112,6 +124,9 @@ def parse_args(argv=None):
     p.add_argument("--restart-steps", type=int, default=4,
                    help="steps each restarted job trains")
     p.add_argument("--batch-size", type=int, default=8, help="samples per step per worker")
+    p.add_argument("--samples", type=int, default=8192,
+                   help="samples in the synthetic data set (an epoch); keep epochs longer than "
+                        "the run: see epoch_boundaries")
     p.add_argument("--width", type=int, default=4096,
                    help="units of the two wide Dense layers (4096: 25.2M parameters)")
     p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="momentum",
@@ -121,6 +136,10 @@ def parse_args(argv=None):
                    help="restarted jobs also broadcast rank 0's state at the start "
                         "(BroadcastGlobalVariablesCallback); by default every worker only "
                         "reads the checkpoint")
+    p.add_argument("--plain-exit", action="store_true",
+                   help="workers end with a normal interpreter exit instead of os._exit(0) "
+                        "after model.fit: adds TensorFlow's teardown (up to a minute, see the "
+                        "README) to the stop part of (c)")
     p.add_argument("--no-restart", action="store_true", help="skip (c), the restart jobs")
     p.add_argument("--resize-timeout", type=float, default=120.0,
                    help="KUNGFU_RESIZE_TIMEOUT: seconds a resize waits for its joiners")
@@ -132,7 +151,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not 1 <= args.small < args.big:
         p.error("need 1 <= --small < --big")
-    for k in ("cycles", "warm", "gap", "tail", "restart_steps", "batch_size", "width", "threads"):
+    for k in ("cycles", "warm", "gap", "tail", "restart_steps", "batch_size", "samples", "width",
+              "threads"):
         if getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be at least 1")
     return args
@@ -181,8 +201,9 @@ def worker_args(args, mode: str, tag: str, out: str) -> List[str]:
             "--warm", str(args.warm), "--gap", str(args.gap), "--tail", str(args.tail),
             "--min-gap-seconds", str(args.min_gap_seconds),
             "--steps", str(args.restart_steps), "--batch-size", str(args.batch_size),
+            "--samples", str(args.samples),
             "--width", str(args.width), "--optimizer", args.optimizer,
-            "--threads", str(args.threads)]
+            "--threads", str(args.threads)] + (["--plain-exit"] if args.plain_exit else [])
 
 
 class JobFailed(RuntimeError):
@@ -307,6 +328,8 @@ def analyse_elastic(args, procs: List[Proc]):
         exclude.add(sw["step"] + 1)
     normal = steady_steps(r0, exclude)
     normal_s = {n: _median(v) for n, v in normal.items()}
+    busy = {sw["step"] for sw in switches} | {a["step"] for a in asks} | exclude
+    hook_normal = _median(s["t_hook"] - s["t_end"] for s in r0.steps if s["step"] not in busy)
     rows = [fresh_row]
     count: Dict[str, int] = {}
     for sw in switches:
@@ -323,7 +346,8 @@ def analyse_elastic(args, procs: List[Proc]):
             "measure": "pause", "change": change, "cycle": count[change],
             "pause_s": _r(pause), "step_old_s": _r(normal_s.get(old)), "step_new_s": _r(step_new),
             "extra_s": _r(None if step_new is None else pause - step_new),
-            "hook_s": _r(sw["t_hook"] - sw["t_end"]), "switch_step": sw["step"],
+            "hook_s": _r(sw["t_hook"] - sw["t_end"]), "hook_normal_s": _r(hook_normal),
+            "first_step_after_s": _r(nxt["t_end"] - sw["t_hook"]), "switch_step": sw["step"],
             "target_s": target, "within_target": pause < target})
         ask, pending = pending_of[sw["step"]]
         if ask is None:
@@ -410,14 +434,15 @@ def print_table(rows: List[dict], normal_s: Dict[int, float], run: dict) -> None
           f"{_f(fresh['startup_s'])} s (import {_f(fresh['import_s'])}, model "
           f"{_f(fresh['model_s'])}, fit -> first step {_f(fresh['fit_to_first_step_s'])})")
     print()
-    head = ["change", "#", "(a) pause", "step old/new", "extra", "target (a)", "ok",
-            "(b) ask->1st step", "pending steps", "target (b)", "ok"]
+    head = ["change", "#", "(a) pause", "= switch", "+ step", "normal step old/new", "extra",
+            "target (a)", "ok", "(b) ask->1st step", "pending steps", "target (b)", "ok"]
     table = []
     pauses = {(r["change"], r["cycle"]): r for r in rows if r["measure"] == "pause"}
     lat = {(r["change"], r["cycle"]): r for r in rows if r["measure"] == "resize_to_first_step"}
     for key in sorted(pauses, key=lambda k: pauses[k]["switch_step"]):
         a, b = pauses[key], lat.get(key, {})
-        table.append([key[0], str(key[1]), _f(a["pause_s"]),
+        table.append([key[0], str(key[1]), _f(a["pause_s"]), _f(a["hook_s"]),
+                      _f(a["first_step_after_s"]),
                       f"{_f(a['step_old_s'])}/{_f(a['step_new_s'])}", _f(a["extra_s"]),
                       f"< {_f(a['target_s'], 1)}", _f(a["within_target"]),
                       _f(b.get("time_s")),
@@ -448,10 +473,14 @@ def print_table(rows: List[dict], normal_s: Dict[int, float], run: dict) -> None
                           _f(r["restarted_step_s"])])
         _print_rows(head, table)
     print()
+    hooks = [r["hook_normal_s"] for r in rows if r["measure"] == "pause"]
     print("seconds; (a) from rank 0's last step end before the switch to its first step end "
-          "after it (one step included: compare with the normal step); (b) from rank 0's "
-          "kf.resize call to the joiners' first step end; (c) from the start of the checkpoint "
-          "save to the restarted job's first step end.")
+          "after it = kf.Hook's work at the switch (agree, swap peers, sync joiners; "
+          f"{_f(hooks[0] if hooks else None, 3)} on a normal step) + the first step at the new "
+          "size (it waits for the joiners' first step, tracing included); extra = pause - "
+          "normal step at the new size; (b) from rank 0's kf.resize call to the joiners' first "
+          "step end (shrinking: rank 0's); (c) from the start of the checkpoint save to the "
+          "restarted job's first step end.")
 
 
 def _print_rows(head: List[str], table: List[List[str]]) -> None:
@@ -536,7 +565,9 @@ def main(argv=None) -> int:
                "cpus": os.cpu_count(), "params": params_of(args.width),
                "optimizer": args.optimizer, "batch_size": args.batch_size,
                "small": args.small, "big": args.big, "cycles": args.cycles,
-               "threads": args.threads, "restart_broadcast": args.restart_broadcast}
+               "threads": args.threads, "restart_broadcast": args.restart_broadcast,
+               "elastic_steps": r0.steps[-1]["step"],
+               "epoch_boundaries": r0.steps[-1].get("epoch", 0) - r0.steps[0].get("epoch", 0)}
         emit(run)
         print_table(rows, normal_s, run)
         return 0

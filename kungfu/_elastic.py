@@ -21,7 +21,7 @@ import warnings
 from typing import List, Optional
 
 from kungfu import _env, _peer
-from kungfu.store import ClusterConfig, Store, connect
+from kungfu.store import DONE_KEY, ClusterConfig, Store, StoreError, connect
 
 
 class ResizeError(ValueError):
@@ -103,6 +103,13 @@ class Elastic:
         _peer.replace(self.self_spec, list(new.peers), new.version)
         self.current, self.pending = new, None
         return not _peer.detached()
+
+    def finish(self) -> None:
+        """Rank 0, when training ends: tells the launchers that the job is over."""
+        try:
+            self.store.put(DONE_KEY, str(self.current.version))
+        except StoreError as e:
+            warnings.warn(f"kungfu: cannot tell the config store that training ended: {e}")
 
     def join(self) -> None:
         """A joiner: reports ready for its version, then connects (the others switch to that

@@ -13,8 +13,9 @@ version (kungfu/_elastic.py has the workers' side of a resize):
 
 A worker that exits 0, or that was left out and stopped, is expected. A joiner that fails
 before it reported ready is reported and the job goes on (its resize is abandoned). Any other
-failure stops the job, as without -w. The launcher exits once none of its workers runs and the
-latest version lists none of this host's workers that has not finished.
+failure stops the job, as without -w. The launcher exits once none of its workers runs, the
+latest version lists none of this host's workers that has not finished, and the job is over
+(see _job_over); a launcher whose host has no worker yet keeps watching.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from kungfu._launcher import (
     _is_loopback,
     _plural,
 )
-from kungfu.store import ClusterConfig, ConfigServer, StoreError, connect
+from kungfu.store import DONE_KEY, ClusterConfig, ConfigServer, StoreError, connect
 
 POLL_SECONDS = 0.1
 LEAVE_GRACE = 10.0  # seconds a worker left out of the latest version may take to exit
@@ -117,6 +118,24 @@ class ElasticLauncher(Launcher):
                 self.leaving[key] = now + LEAVE_GRACE
         return None
 
+    def _job_over(self, store) -> bool:
+        """With none of this host's workers running: whether to exit. Not while the latest
+        version lists a worker of this host that has not finished; then yes if training has
+        ended (rank 0 wrote DONE_KEY), if every worker of the job is on this host, or if the
+        store is gone (the launcher that hosted it has exited). Otherwise keep watching: the
+        job may grow onto this host later."""
+        latest = self.latest
+        if latest is None:
+            return False
+        if any(self.finished.get(w.spec, -1) < latest.version for w in self._local(latest)):
+            return False
+        if all(p.rpartition(":")[0] in self.here for p in latest.peers):
+            return True
+        try:
+            return store.get(DONE_KEY)[0] is not None
+        except StoreError:
+            return True
+
     def _joiner_never_ready(self, store, key: int) -> bool:
         version = self.version_of[key]
         if version == 0:
@@ -165,12 +184,8 @@ class ElasticLauncher(Launcher):
                                       f"the cluster any more; stopping it")
                             self.stopped.add(key)
                             run.proc.terminate()
-                if not self._alive() and not stopping:
-                    latest = self.latest
-                    todo = [w for w in self._local(latest)
-                            if self.finished.get(w.spec, -1) < latest.version] if latest else []
-                    if not todo:
-                        break
+                if not self._alive() and not stopping and self._job_over(store):
+                    break
                 if stopping and not self._alive():
                     break
                 try:
@@ -185,7 +200,9 @@ class ElasticLauncher(Launcher):
                     spec = run.worker.spec
                     if self.by_spec.get(spec) == key:
                         del self.by_spec[spec]
-                    if rc == 0:
+                    if rc == 0 and key in self.leaving:
+                        pass  # left out by a version: a later one may want this peer again
+                    elif rc == 0:
                         self.finished[spec] = seen
                     elif key in self.stopped or stopping:
                         pass

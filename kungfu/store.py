@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 CONFIG_KEY = "cluster/config"
 READY_PREFIX = "cluster/ready/"
+DONE_KEY = "cluster/done"  # written when training has finished (the launchers may exit)
 REQUEST_TIMEOUT = 5.0  # seconds
 
 

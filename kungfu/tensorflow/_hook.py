@@ -359,10 +359,13 @@ class Hook(keras.callbacks.Callback):
         self._agree_and_apply()
         _actions.close_round()
         ctx = _elastic.context()
-        if ctx.pending is not None and not self.detached:
+        if ctx.enabled and not self.detached:
             import kungfu as kf
 
-            ctx.abandon(kf.rank())  # training is over before the new workers were ready
+            if ctx.pending is not None:
+                ctx.abandon(kf.rank())  # training is over before the new workers were ready
+            if kf.rank() == 0:
+                ctx.finish()
 
     # -- Keras ----------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ outdated size. Use steps_per_execution=1 (the default). In a custom loop, iterat
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 from typing import List
@@ -57,6 +58,7 @@ class ElasticData:
         self._attached = False
         self._released = (-1, -1)
         self._base_epoch = 0
+        self._closed = False  # the process is exiting: generators stop
 
     def __len__(self) -> int:
         return len(self.x)
@@ -88,6 +90,9 @@ class ElasticData:
 
     def attach(self) -> None:
         """Called by the Hook when training begins: from now on batches wait for release()."""
+        # A generator waiting for its release would hold up the interpreter's exit (TensorFlow
+        # waits for it when it destroys the iterator) if training ended with an exception.
+        atexit.register(self.close)
         with self._cv:
             self._attached = True
             self._released = (-1, -1)
@@ -95,6 +100,13 @@ class ElasticData:
 
     def detach(self) -> None:
         with self._cv:
+            self._attached = False
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Ends every generator of this data (they return at their next batch)."""
+        with self._cv:
+            self._closed = True
             self._attached = False
             self._cv.notify_all()
 
@@ -149,6 +161,8 @@ class ElasticData:
         step = 0
         while True:
             self._wait_for(step)
+            if self._closed:
+                return
             order = self.order(self.epoch)
             if self.offset >= len(order):
                 break
@@ -172,6 +186,12 @@ class ElasticData:
         signature = (spec(self.x), weight) if self.y is None else (
             spec(self.x), spec(self.y), weight)
         ds = tf.data.Dataset.from_generator(self.epoch_batches, output_signature=signature)
+        # No autotuning: Keras makes a new iterator every epoch, and tearing one down waits for
+        # the autotuning thread, which sleeps longer and longer (seen: seconds at epoch ends,
+        # up to a minute at exit). One batch is made per released step anyway.
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        ds = ds.with_options(options)
         ds._kungfu_elastic = True
         _keep_keras_from_fixing_epoch_length()
         return ds
