@@ -110,7 +110,7 @@ def adaptive_strategy(slow_ms: float):
     policy.before_train(state)
     slowed = None
     seen = []
-    for step in range(80):
+    for step in range(100):
         name = current_strategy()["name"]
         seen.append(name)
         if step == 40:

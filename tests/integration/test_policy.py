@@ -90,7 +90,7 @@ def test_actions_outside_a_hook(spawn):
 
 @pytest.mark.timeout(200)
 def test_adaptive_strategy_picks_the_fastest_and_leaves_a_slowed_one(spawn):
-    results = spawn(3, w.adaptive_strategy, 30.0, env=ENV, timeout=150)
+    results = spawn(3, w.adaptive_strategy, 200.0, env=ENV, timeout=150)
     r0 = results[0]
     for r in results[1:]:
         assert r["seen"] == r0["seen"] and r["decisions"] == r0["decisions"]
@@ -102,11 +102,11 @@ def test_adaptive_strategy_picks_the_fastest_and_leaves_a_slowed_one(spawn):
     fastest = max(first, key=first.get)
     assert decisions[3][1:] == (fastest, "fastest")
     assert r0["slowed"] == fastest
-    # Slowed from step 40: a check sees the drop, the policy explores again and settles on
+    # Slowed from step 40 (rank 0 enters 200 ms late): a check sees the drop, the policy explores again and settles on
     # another strategy.
     again = [d for d in decisions[4:] if "dropped" in d[2]]
     assert again, decisions
-    assert r0["best"] != fastest and r0["seen"][-1] == r0["best"]
+    assert r0["best"] != fastest and decisions[-1][1:] == (r0["best"], "fastest")
 
 
 @pytest.mark.timeout(200)
