@@ -104,7 +104,8 @@ def adaptive_strategy(slow_ms: float):
     from kungfu.policy import AdaptiveStrategyPolicy, TrainingState, current_strategy
 
     cands = ["BINARY_TREE_STAR", "RING", "STAR"]
-    policy = AdaptiveStrategyPolicy(cands, trial_steps=6, warmup_steps=1, check_steps=8)
+    policy = AdaptiveStrategyPolicy(cands, trial_steps=6, warmup_steps=1, check_steps=8,
+                                    drop_ratio=0.3)
     state = TrainingState(rank=kf.rank(), cluster_size=kf.size())
     x = np.ones(1 << 18, dtype=np.float32)  # 1 MiB
     policy.before_train(state)

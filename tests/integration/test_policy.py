@@ -106,7 +106,10 @@ def test_adaptive_strategy_picks_the_fastest_and_leaves_a_slowed_one(spawn):
     # another strategy.
     again = [d for d in decisions[4:] if "dropped" in d[2]]
     assert again, decisions
-    assert r0["best"] != fastest and decisions[-1][1:] == (r0["best"], "fastest")
+    # Every exploration that ended after the slowdown chose another strategy (load on the
+    # machine may trigger more than one; at least one must have ended).
+    chosen = [d[1] for d in decisions[4:] if d[2] == "fastest" and d[0] > again[0][0]]
+    assert chosen and fastest not in chosen, decisions
 
 
 @pytest.mark.timeout(200)
