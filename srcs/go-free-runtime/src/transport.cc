@@ -402,6 +402,21 @@ void Transport::AbortOp(const std::string& name, uint64_t seq, const Status& rea
 }
 
 void Transport::ReaderLoop(int src, int fd) {
+  ReadFrames(src, fd);
+  // The peer left, died or stopped answering; whichever, it reads nothing more from us. A send
+  // to it may be blocked on a full socket (a peer that stopped reading), holding the stream
+  // and everyone queued behind it: cut the stream so that such sends fail now.
+  CutOutgoing(src);
+}
+
+void Transport::CutOutgoing(int dst) {
+  // Without the stream's mutex: a blocked sender holds it. Sockets are closed only after the
+  // readers are joined (Close), so this fd is still ours.
+  int fd = out_[dst]->fd.load();
+  if (fd >= 0) shutdown(fd, SHUT_RDWR);
+}
+
+void Transport::ReadFrames(int src, int fd) {
   const std::string who = "peer " + Describe(src);
   while (true) {
     net::Frame f;
@@ -584,12 +599,7 @@ void Transport::Close() {
   for (int dst = 0; dst < size(); ++dst) {
     if (dst == rank_) continue;
     SendFrame(dst, net::kBye, MsgKey{}, MsgExpect{}, nullptr, 0);
-    std::lock_guard<std::mutex> lk(out_[dst]->mu);
-    if (out_[dst]->fd >= 0) {
-      shutdown(out_[dst]->fd, SHUT_RDWR);
-      close(out_[dst]->fd);
-      out_[dst]->fd = -1;
-    }
+    CutOutgoing(dst);
   }
   std::vector<std::thread> readers;
   {
@@ -600,6 +610,12 @@ void Transport::Close() {
     readers.swap(readers_);
   }
   for (auto& t : readers) t.join();
+  for (int dst = 0; dst < size(); ++dst) {
+    if (dst == rank_) continue;
+    std::lock_guard<std::mutex> lk(out_[dst]->mu);
+    int fd = out_[dst]->fd.exchange(-1);
+    if (fd >= 0) close(fd);
+  }
   std::lock_guard<std::mutex> lk(mu_);
   for (int& fd : in_fds_) {
     if (fd >= 0) close(fd);

@@ -137,11 +137,13 @@ class Transport {
  private:
   struct Slot;
   struct Outgoing {
-    std::mutex mu;
-    int fd = -1;
+    std::mutex mu;          // one frame at a time
+    std::atomic<int> fd{-1};  // read without mu only by CutOutgoing
     TimePoint last_send;
   };
   void ReaderLoop(int src, int fd);
+  void ReadFrames(int src, int fd);
+  void CutOutgoing(int dst);
   void HeartbeatLoop();
   Status Fail(const Status& s);
   Status SendFrame(int dst, uint8_t type, const MsgKey& key, const MsgExpect& meta,
