@@ -11,6 +11,8 @@ processes):
                          compiled, optimizer built), t_built (checkpoint restored, if any),
                          t_fit (model.fit's on_train_begin, before kf.Hook: a joiner has not
                          connected yet), joining
+  {"ev": "rehearsed"}    a joiner, when kf.Hook ran its training step alone (t0, t1); it
+                         reports ready right after
   {"ev": "joined", ...}  a joiner, after kf.Hook connected it and synced rank 0's state
   {"ev": "step", ...}    every step: step, epoch, rank, size (during the step), size_after (after
                          kf.Hook's after_step, which may have resized), t_begin
@@ -192,8 +194,15 @@ def main(argv=None) -> None:
             if state.step >= args.steps:
                 self.done = True
 
+    class TimedHook(kf.Hook):
+        def _rehearse(self):  # a joiner: runs its step alone, then reports ready
+            t0 = time.time()
+            super()._rehearse()
+            if self.rehearsed:
+                log(ev="rehearsed", t0=t0, t1=time.time())
+
     policy = Cycle() if args.mode == "elastic" else Steps()
-    hook = kf.Hook(policy, data=data)
+    hook = TimedHook(policy, data=data)
     cur = {}
 
     class Pre(keras.callbacks.Callback):

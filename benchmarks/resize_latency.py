@@ -24,20 +24,21 @@ temporary directory, and this driver reads them.
 Measurements (rank 0's records unless said otherwise; "step end" is on_train_batch_end, taken
 before kf.Hook's own after_step, where a resize is applied):
 
-(a) pause: from the end of the last step before a switch to the end of the first step after it,
-    on rank 0. It includes kf.Hook's work at that boundary (agreeing on the switch, swapping the
-    native peer, with joiners broadcasting rank 0's weights and optimizer state) and one step at
-    the new size, so it is shown next to the normal step time at the old and the new size
-    (median of rank 0's step-to-step intervals at that size, leaving out the steps during which
-    joiners were starting and the first step after a switch). extra = pause - normal step at
-    the new size. Targets: pause < 1 s growing, < 0.2 s shrinking.
+(a) pause: how long a switch holds the existing workers up. On rank 0, the boundary interval
+    runs from the end of the last step before a switch to the end of the first step after it:
+    kf.Hook's work at that boundary (agreeing on the switch, swapping the native peer, with
+    joiners handing them rank 0's weights and optimizer state) plus one step at the new size
+    (which waits for the joiners' first step). pause = boundary - the normal step time at the
+    new size (median of rank 0's step-to-step intervals at that size, leaving out the steps
+    during which joiners were starting and the first step after a switch). Targets: pause < 1 s
+    growing, < 0.2 s shrinking.
 (b) resize to first step: from rank 0's kf.resize call to the end of the joiners' first training
     step (the last joiner's), with its parts: ask -> the first joiner's process starts (the
-    launcher sees the new cluster version), -> the last joiner enters model.fit (imports, model;
-    kf.Hook then reports it ready), -> rank 0's step end after which the workers switch (the
-    next step boundary once all are ready), -> the joiners' first step end (state sync, the
-    joiners' first step with its tracing). When shrinking there are no joiners: to rank 0's
-    first step end at the new size. The existing workers keep training meanwhile
+    launcher sees the new cluster version), -> the last joiner is ready (imports, model,
+    model.fit, then kf.Hook rehearses the training step alone and reports it ready), -> rank
+    0's step end after which the workers switch (the next step boundary once all are ready),
+    -> the joiners' first step end (state sync, the joiners' first step). When shrinking there
+    are no joiners: to rank 0's first step end at the new size. The existing workers keep training meanwhile
     (pending_steps of them, pending_step_s each).
     Target: (b) <= a fresh worker's start-up + the pause of the same switch, where the fresh
     start-up is the median over the elastic job's initial workers of process start to the end
@@ -50,16 +51,17 @@ before kf.Hook's own after_step, where a resize is applied):
 Output: one JSON object per measurement on stdout (also --json PATH), then a table. Keys:
   {"measure": "fresh_startup", "np", "startup_s" (median), "per_worker_s", "import_s",
    "model_s", "fit_to_first_step_s"}                                      (elastic job's start)
-  {"measure": "pause", "change": "2->4", "cycle", "pause_s", "step_old_s", "step_new_s",
-   "extra_s", "hook_s" (kf.Hook's after_step at the switch on rank 0: agreeing, swapping the
+  {"measure": "pause", "change": "2->4", "cycle", "pause_s", "boundary_s", "step_old_s",
+   "step_new_s", "hook_s" (kf.Hook's after_step at the switch on rank 0: agreeing, swapping the
    native peer, syncing joiners), "hook_normal_s" (the same on a normal step: the agreement
-   round), "first_step_after_s" (the rest of the pause: rank 0's first step at the new size,
-   which waits for the joiners' first step, tracing included), "switch_step", "target_s",
+   round), "first_step_after_s" (the rest of the boundary: rank 0's first step at the new
+   size, which waits for the joiners' first step), "switch_step", "target_s",
    "within_target"}
   {"measure": "resize_to_first_step", "change", "cycle", "time_s", "ask_step", "switch_step",
    "pending_steps", "pending_step_s", "joiners", "launch_s" (ask -> first joiner process),
-   "joiner_startup_s" (each joiner: process start -> model.fit), "all_ready_s" (ask -> the last
-   joiner in model.fit, where it reports ready), "ready_to_switch_s" (-> end of rank 0's step
+   "joiner_startup_s" (each joiner: process start -> model.fit), "rehearse_s" (each joiner:
+   model.fit -> ready, kf.Hook running the training step alone), "all_ready_s" (ask -> the
+   last joiner ready), "ready_to_switch_s" (-> end of rank 0's step
    at which the others switch), "switch_to_first_step_s" (-> the joiners' first step end),
    "joiner_sync_s" (switch -> the last joiner holds rank 0's state), "fresh_startup_s",
    "pause_s", "target_s", "within_target"}
@@ -245,6 +247,10 @@ class Proc:
         self.saves = [r for r in rows if r["ev"] == "save"]
         self.abandoned = [r for r in rows if r["ev"] == "abandoned"]
         self.joined = next((r["t"] for r in rows if r["ev"] == "joined"), None)
+        # A joiner reports ready once kf.Hook has rehearsed its step (or, without a rehearsal,
+        # when it enters model.fit).
+        self.ready = next((r["t1"] for r in rows if r["ev"] == "rehearsed"),
+                          self.info.get("t_fit"))
 
     @property
     def joining(self) -> bool:
@@ -339,16 +345,17 @@ def analyse_elastic(args, procs: List[Proc]):
         nxt = steps.get(sw["step"] + 1)
         if nxt is None:
             continue
-        pause = nxt["t_end"] - sw["t_end"]
+        boundary = nxt["t_end"] - sw["t_end"]
         target = TARGET_PAUSE_OUT if new > old else TARGET_PAUSE_IN
         step_new = normal_s.get(new)
+        pause = None if step_new is None else boundary - step_new
         rows.append({
             "measure": "pause", "change": change, "cycle": count[change],
-            "pause_s": _r(pause), "step_old_s": _r(normal_s.get(old)), "step_new_s": _r(step_new),
-            "extra_s": _r(None if step_new is None else pause - step_new),
+            "pause_s": _r(pause), "boundary_s": _r(boundary), "step_old_s": _r(normal_s.get(old)),
+            "step_new_s": _r(step_new),
             "hook_s": _r(sw["t_hook"] - sw["t_end"]), "hook_normal_s": _r(hook_normal),
             "first_step_after_s": _r(nxt["t_end"] - sw["t_hook"]), "switch_step": sw["step"],
-            "target_s": target, "within_target": pause < target})
+            "target_s": target, "within_target": None if pause is None else pause < target})
         ask, pending = pending_of[sw["step"]]
         if ask is None:
             continue
@@ -363,12 +370,13 @@ def analyse_elastic(args, procs: List[Proc]):
             if not joiners:
                 raise JobFailed(f"{change} at step {sw['step']}: no records of its joiners")
             first_end = max(p.steps[0]["t_end"] for p in joiners)
-            ready = max(p.info["t_fit"] for p in joiners)
+            ready = max(p.ready for p in joiners)
             row.update({
                 "time_s": _r(first_end - ask["t"]),
                 "joiners": len(joiners),
                 "launch_s": _r(min(p.info["t_proc"] for p in joiners) - ask["t"]),
                 "joiner_startup_s": [_r(p.info["t_fit"] - p.info["t_proc"]) for p in joiners],
+                "rehearse_s": [_r(p.ready - p.info["t_fit"]) for p in joiners],
                 "all_ready_s": _r(ready - ask["t"]),
                 "ready_to_switch_s": _r(sw["t_end"] - ready),
                 "switch_to_first_step_s": _r(first_end - sw["t_end"]),
@@ -379,7 +387,7 @@ def analyse_elastic(args, procs: List[Proc]):
         fs = fresh_row["startup_s"]
         row["fresh_startup_s"] = fs
         row["pause_s"] = _r(pause)
-        row["target_s"] = _r(fs + pause) if fs is not None else None
+        row["target_s"] = _r(fs + pause) if fs is not None and pause is not None else None
         row["within_target"] = (row["time_s"] <= row["target_s"]
                                 if row["target_s"] is not None else None)
         rows.append(row)
@@ -434,16 +442,16 @@ def print_table(rows: List[dict], normal_s: Dict[int, float], run: dict) -> None
           f"{_f(fresh['startup_s'])} s (import {_f(fresh['import_s'])}, model "
           f"{_f(fresh['model_s'])}, fit -> first step {_f(fresh['fit_to_first_step_s'])})")
     print()
-    head = ["change", "#", "(a) pause", "= switch", "+ step", "normal step old/new", "extra",
+    head = ["change", "#", "boundary", "= switch", "+ step", "normal step old/new", "(a) pause",
             "target (a)", "ok", "(b) ask->1st step", "pending steps", "target (b)", "ok"]
     table = []
     pauses = {(r["change"], r["cycle"]): r for r in rows if r["measure"] == "pause"}
     lat = {(r["change"], r["cycle"]): r for r in rows if r["measure"] == "resize_to_first_step"}
     for key in sorted(pauses, key=lambda k: pauses[k]["switch_step"]):
         a, b = pauses[key], lat.get(key, {})
-        table.append([key[0], str(key[1]), _f(a["pause_s"]), _f(a["hook_s"]),
+        table.append([key[0], str(key[1]), _f(a["boundary_s"]), _f(a["hook_s"]),
                       _f(a["first_step_after_s"]),
-                      f"{_f(a['step_old_s'])}/{_f(a['step_new_s'])}", _f(a["extra_s"]),
+                      f"{_f(a['step_old_s'])}/{_f(a['step_new_s'])}", _f(a["pause_s"]),
                       f"< {_f(a['target_s'], 1)}", _f(a["within_target"]),
                       _f(b.get("time_s")),
                       f"{b.get('pending_steps', '-')} x {_f(b.get('pending_step_s'))}",
@@ -452,12 +460,13 @@ def print_table(rows: List[dict], normal_s: Dict[int, float], run: dict) -> None
     for r in rows:
         if r["measure"] == "resize_to_first_step" and r.get("joiners"):
             print(f"  (b) {r['change']} #{r['cycle']}: ask -> first joiner process "
-                  f"{_f(r['launch_s'])}, -> all joiners in model.fit (ready) "
+                  f"{_f(r['launch_s'])}, -> all joiners ready (in model.fit, step rehearsed) "
                   f"{_f(r['all_ready_s'])}, -> switch (rank 0's step end) "
                   f"+{_f(r['ready_to_switch_s'])}, -> joiners' first step end "
                   f"+{_f(r['switch_to_first_step_s'])} (joiners synced "
                   f"+{_f(r['joiner_sync_s'])} after the switch); joiner start-up "
-                  f"(process -> model.fit) {', '.join(_f(x) for x in r['joiner_startup_s'])}")
+                  f"(process -> model.fit) {', '.join(_f(x) for x in r['joiner_startup_s'])}"
+                  f", rehearsal {', '.join(_f(x) for x in r['rehearse_s'])}")
     restarts = [r for r in rows if r["measure"] == "restart"]
     if restarts:
         print()
@@ -474,11 +483,11 @@ def print_table(rows: List[dict], normal_s: Dict[int, float], run: dict) -> None
         _print_rows(head, table)
     print()
     hooks = [r["hook_normal_s"] for r in rows if r["measure"] == "pause"]
-    print("seconds; (a) from rank 0's last step end before the switch to its first step end "
-          "after it = kf.Hook's work at the switch (agree, swap peers, sync joiners; "
+    print("seconds; boundary: from rank 0's last step end before the switch to its first step "
+          "end after it = kf.Hook's work at the switch (agree, swap peers, sync joiners; "
           f"{_f(hooks[0] if hooks else None, 3)} on a normal step) + the first step at the new "
-          "size (it waits for the joiners' first step, tracing included); extra = pause - "
-          "normal step at the new size; (b) from rank 0's kf.resize call to the joiners' first "
+          "size (it waits for the joiners' first step); (a) pause = boundary - normal step at "
+          "the new size: how long the switch held training up; (b) from rank 0's kf.resize call to the joiners' first "
           "step end (shrinking: rank 0's); (c) from the start of the checkpoint save to the "
           "restarted job's first step end.")
 

@@ -257,3 +257,10 @@ def consensus_async(x, name: Optional[str] = None, timeout: Optional[float] = No
 def consensus(x, name: Optional[str] = None, timeout: Optional[float] = None) -> bool:
     """True on every worker iff every worker passed the same bytes (array, scalar, str or bytes)."""
     return consensus_async(x, name, timeout).wait()
+
+
+
+def drop(name: str) -> None:
+    """Forgets this worker's stored blob `name` (kungfu.tensorflow.ops.save_variable); a later
+    request for it fails with NotFound."""
+    _peer.get().drop(name)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import List, Optional
@@ -117,6 +118,23 @@ def replace(self_spec: str, peers: List[str], version: int) -> None:
         else:  # detached: a cluster of one, so that code after training still runs
             _peer = _create(None, [], version)
             _detached = True
+
+
+@contextlib.contextmanager
+def solo():
+    """While the block runs, this process is a cluster of one; before and after it has no peer.
+    A joiner uses it to rehearse its training step before it connects (kf.Hook)."""
+    global _peer
+    with _lock:
+        if _peer is not None:
+            raise RuntimeError("kungfu: solo() needs a process that has not connected yet")
+        _peer = _create(None, [], 0)
+    try:
+        yield
+    finally:
+        with _lock:
+            peer, _peer = _peer, None
+        peer.stop()
 
 
 def detached() -> bool:

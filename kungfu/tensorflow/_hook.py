@@ -38,11 +38,18 @@ from typing import Optional
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from kungfu import _elastic, _peer
 from kungfu.policy import HOOKS, BasePolicy, TrainingState, _actions
 from kungfu.store import ClusterConfig, StoreError
 from kungfu.tensorflow import _monitor
+
+
+def _describe(variables: list) -> list:
+    """[(name, shape, dtype name)] of variables, to compare them across workers."""
+    return [(getattr(v, "path", None) or v.name, tuple(int(d) for d in v.shape),
+             tf.as_dtype(v.dtype).name) for v in variables]
 
 
 def monitor_logs(optimizer) -> dict:
@@ -73,6 +80,7 @@ class Hook(keras.callbacks.Callback):
         self._step_start: Optional[float] = None
         self.exit_on_detach = exit_on_detach
         self.detached = False
+        self.rehearsed = False  # a joiner in model.fit: ran its step before reporting ready
         self._epochs_total: Optional[int] = None
         self._epoch_shift = 0  # a joiner's epoch minus its Keras epoch
         self._resumed = False  # a joiner whose first Keras epoch continues the others' epoch
@@ -204,7 +212,7 @@ class Hook(keras.callbacks.Callback):
                 self.model.stop_training = True
             return
         if joiners:
-            self._sync()
+            self._sync(joining=False)
         self._refresh_sizes()
 
     def _broadcast_blob(self, blob: bytes, name: str) -> bytes:
@@ -230,24 +238,42 @@ class Hook(keras.callbacks.Callback):
             variables += [monitor.values[m] for m in monitor.monitors]
         return variables
 
-    def _sync(self) -> None:
-        """Rank 0's training state on every worker of the new cluster: model and optimizer
-        variables, then the Hook's state, the data position and the policies' state."""
+    def _sync(self, joining: bool) -> None:
+        """After a switch with joiners: rank 0's training state on the joiners. The variables
+        (model, optimizer, monitor) go straight from rank 0 to each joiner: rank 0 publishes
+        them, each joiner requests them (peer-to-peer; the joiners in parallel). The workers that
+        stay hold their own already (synchronous training keeps them equal to rank 0's; with
+        model averaging each keeps its own) and take no part in that. Every worker then takes
+        rank 0's Hook state, data position and policy state (small, broadcast)."""
         import kungfu as kf
-        from kungfu.tensorflow.initializer import broadcast_variables
+        from kungfu import _collective
+        from kungfu.tensorflow import ops
 
-        version = _elastic.context().current.version
-        broadcast_variables(self._synced_variables(), root=0, name=f"kungfu/elastic/{version}")
+        prefix = f"kungfu/elastic/{_elastic.context().current.version}"
+        variables = self._synced_variables()
+        names = [f"{prefix}/var/{i}" for i in range(len(variables))]
         mine = b""
-        if kf.rank() == 0:
-            state = dataclasses.replace(self.state, logs={})
-            mine = pickle.dumps({
-                "state": state,
-                "epochs_total": self._epochs_total,
-                "batch_size": None if self.data is None else self.data.batch_size,
-                "policies": [p.state_dict() for p in self.policies],
-            })
-        got = pickle.loads(self._broadcast_blob(mine, f"kungfu/elastic/{version}/state"))
+        try:
+            if kf.rank() == 0:
+                for name, v in zip(names, variables):  # lent, not copied
+                    ops.save_variable(tf.convert_to_tensor(v), name=name)
+                state = dataclasses.replace(self.state, logs={})
+                mine = pickle.dumps({
+                    "state": state,
+                    "epochs_total": self._epochs_total,
+                    "batch_size": None if self.data is None else self.data.batch_size,
+                    "policies": [p.state_dict() for p in self.policies],
+                    "variables": _describe(variables),
+                })
+            # After rank 0 published: a joiner that has this may request the variables.
+            got = pickle.loads(self._broadcast_blob(mine, f"{prefix}/state"))
+            if joining:
+                self._take_variables(variables, names, got["variables"])
+            _collective.barrier(f"{prefix}/synced")  # every joiner holds its copy
+        finally:
+            if kf.rank() == 0:
+                for name in names:
+                    _collective.drop(name)
         if kf.rank() == 0:
             return
         self.state = got["state"]
@@ -258,16 +284,51 @@ class Hook(keras.callbacks.Callback):
             self.data.set_batch_size(got["batch_size"])
             self.data.epoch, self.data.offset = self.state.epoch, self.state.samples_in_epoch
 
+    @staticmethod
+    def _take_variables(variables: list, names: list, theirs: list) -> None:
+        """A joiner: copies rank 0's published variables into its own, which must match them
+        (the same model and optimizer, built the same way). Each arrives in a new tensor,
+        which the variable then takes over without a copy."""
+        from kungfu.tensorflow import ops
+
+        ours = _describe(variables)
+        if len(ours) != len(theirs):
+            raise RuntimeError(f"kungfu: this joiner has {len(ours)} variables to sync, rank 0 "
+                               f"has {len(theirs)}: build the same model and optimizer on "
+                               f"every worker")
+        for (name, shape, dtype), (rname, rshape, rdtype) in zip(ours, theirs):
+            if (shape, dtype) != (rshape, rdtype):
+                raise RuntimeError(f"kungfu: variable {name} is {dtype}{list(shape)} on this "
+                                   f"joiner, but rank 0's ({rname}) is {rdtype}{list(rshape)}")
+        for name, v in zip(names, variables):
+            v.assign(ops.request_variable(0, v.shape, v.dtype, name=name))
+
     def _join(self) -> None:
         """A worker joining a running elastic job: connect, then take the others' state."""
         if self.data is None and getattr(self, "model", None) is not None:
             raise RuntimeError("a worker joining an elastic job continues from the others' "
                                "sample offset: pass data=kf.ElasticData(...) to kf.Hook")
         _elastic.context().join()
-        self._sync()
+        self._sync(joining=True)
         self._resumed = True
         self._epoch_shift = self.state.epoch
         self._refresh_sizes()
+
+    def _rehearse(self) -> None:
+        """A joiner in model.fit, before it reports ready: runs one training step alone (a
+        cluster of one, on a batch of weight 0), so that tracing the step function and its
+        first run happen while the others keep training, not in the pause after the switch.
+        What the step changed is then replaced by rank 0's state (_sync)."""
+        fn = getattr(getattr(self, "model", None), "train_function", None)
+        if fn is None or self.data is None:
+            return
+        try:
+            with _peer.solo():
+                fn(iter(self.data.rehearsal_dataset()))
+            self.rehearsed = True
+        except Exception as e:  # noqa: BLE001 - the real first step then traces; say why
+            warnings.warn(f"kungfu: this joiner could not rehearse its training step ({e}); "
+                          "it is traced after the switch instead")
 
     def _refresh_sizes(self) -> None:
         import kungfu as kf
@@ -377,6 +438,7 @@ class Hook(keras.callbacks.Callback):
             raise ValueError("kf.Hook with kungfu data needs steps_per_execution=1")
         self._epochs_total = (self.params or {}).get("epochs")
         if _peer.joining():
+            self._rehearse()
             if self.data is not None:
                 self.data.attach()  # before tf.data starts reading ahead
             self.before_train()  # connects and takes the others' state first

@@ -177,6 +177,24 @@ class ElasticData:
 
     def dataset(self):
         """A tf.data.Dataset of this worker's batches, one epoch per iteration."""
+        ds = self._dataset_of(self.epoch_batches)
+        ds._kungfu_elastic = True
+        _keep_keras_from_fixing_epoch_length()
+        return ds
+
+    def rehearsal_dataset(self):
+        """One batch shaped like this data's (its first samples, all of weight 0), as a dataset
+        of the same element spec as dataset(): a training step run on it traces the step function
+        that model.fit then uses, and leaves the position alone."""
+
+        def one_batch():
+            n = min(self.batch_size, len(self.x))
+            w = np.zeros(n, dtype=np.float32)
+            yield (self.x[:n], w) if self.y is None else (self.x[:n], self.y[:n], w)
+
+        return self._dataset_of(one_batch)
+
+    def _dataset_of(self, generator):
         import tensorflow as tf
 
         def spec(a):
@@ -185,16 +203,13 @@ class ElasticData:
         weight = tf.TensorSpec((None,), tf.float32)
         signature = (spec(self.x), weight) if self.y is None else (
             spec(self.x), spec(self.y), weight)
-        ds = tf.data.Dataset.from_generator(self.epoch_batches, output_signature=signature)
+        ds = tf.data.Dataset.from_generator(generator, output_signature=signature)
         # No autotuning: Keras makes a new iterator every epoch, and tearing one down waits for
         # the autotuning thread, which sleeps longer and longer (seen: seconds at epoch ends,
         # up to a minute at exit). One batch is made per released step anyway.
         options = tf.data.Options()
         options.autotune.enabled = False
-        ds = ds.with_options(options)
-        ds._kungfu_elastic = True
-        _keep_keras_from_fixing_epoch_length()
-        return ds
+        return ds.with_options(options)
 
 
 _PATCHED = False

@@ -530,6 +530,39 @@ TEST(Consensus) {
   }
 }
 
+TEST(LentBlobsAreServedUntilDroppedAndThenReleased) {
+  LocalCluster c({"127.0.0.1", "127.0.0.2"});
+  REQUIRE(c.Start());
+  // Rank 0 lends a large blob without copying it; `owner` tells when the store lets it go.
+  auto memory = std::make_shared<std::vector<float>>(1 << 20);
+  for (size_t i = 0; i < memory->size(); ++i) (*memory)[i] = static_cast<float>(i % 1000);
+  std::weak_ptr<std::vector<float>> alive = memory;
+  const size_t bytes = memory->size() * sizeof(float);
+  CHECK_OK(c[0].Lend("lent", memory->data(), bytes, memory));
+  memory.reset();
+  REQUIRE(!alive.expired());  // the store holds it
+  std::vector<float> got(1 << 20, -1.0f);
+  CHECK_OK(WAIT(c[1].Request(0, "lent", got.data(), bytes, kungfu::OpOptions())));
+  CHECK_MSG(got[0] == 0.0f && got[999] == 999.0f && got[1000] == 0.0f && got.back() == 575.0f,
+            "rank 1 got wrong bytes");
+  std::vector<float> self(1 << 20, -1.0f);  // rank 0 asking itself
+  CHECK_OK(WAIT(c[0].Request(0, "lent", self.data(), bytes, kungfu::OpOptions())));
+  CHECK(self == got);
+  // Dropped: the memory is released once nobody sends it, and requests find nothing.
+  c[0].Drop("lent");
+  CHECK(alive.expired());
+  kungfu::Status st = WAIT(c[1].Request(0, "lent", got.data(), bytes, kungfu::OpOptions()));
+  CHECK_MSG(st.code() == Code::kNotFound, st.ToString());
+  // Save still copies: the caller's buffer may change right after.
+  std::vector<float> mine(4, 7.0f);
+  CHECK_OK(c[0].Save("saved", mine.data(), mine.size() * sizeof(float)));
+  mine.assign(4, 0.0f);
+  std::vector<float> copy(4, -1.0f);
+  CHECK_OK(WAIT(c[1].Request(0, "saved", copy.data(), copy.size() * sizeof(float),
+                             kungfu::OpOptions())));
+  CHECK(copy == std::vector<float>(4, 7.0f));
+}
+
 TEST(BarrierWaitsForTheLastPeer) {
   LocalCluster c({"127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"});
   REQUIRE(c.Start());

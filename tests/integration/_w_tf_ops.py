@@ -317,6 +317,20 @@ def values():
     p2p["after_errors"] = _pack(ops.request_variable(peer, [2, 3], tf.float32, name="w"))
     ops.barrier(name="p2p/eager/done")
 
+    # A saved tensor is lent to the store, not copied: updating in place the variable it was
+    # read from (as optimizers do) afterwards must not change what the store serves.
+    lent = tf.Variable(tf.fill([1000], 5.0 + r))
+    ops.save_variable(tf.convert_to_tensor(lent), name="lent")
+    lent.assign_sub(tf.ones([1000]))
+    lent.assign_add(tf.fill([1000], 10.0))
+    tf.raw_ops.ResourceApplyGradientDescent(var=lent.handle, alpha=1.0, delta=tf.ones([1000]))
+    lent.assign(tf.fill([1000], -3.0))
+    ops.barrier(name="p2p/lent")
+    p2p["lent/self"] = _pack(ops.request_variable(r, [1000], tf.float32, name="lent"))
+    p2p["lent/peer"] = _pack(ops.request_variable(peer, [1000], tf.float32, name="lent"))
+    p2p["lent/variable"] = _pack(lent)
+    ops.barrier(name="p2p/lent/read")
+
     w = tf.Variable(tf.zeros([2, 3]), name="pw")
 
     @graph

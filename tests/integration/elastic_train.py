@@ -70,6 +70,14 @@ class Schedule(kf.BasePolicy):
             self.model.stop_training = True
 
 
+def traces(train_function):
+    """How often Keras's compiled step function was traced (its tf.functions' counts)."""
+    counts = [c.cell_contents.experimental_get_tracing_count()
+              for c in (train_function.__closure__ or ())
+              if hasattr(c.cell_contents, "experimental_get_tracing_count")]
+    return sum(counts) if counts else None
+
+
 def main():
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand, for a hang
     p = argparse.ArgumentParser()
@@ -111,7 +119,8 @@ def main():
                                   "loss": float(logs["loss"]), "digest": digest.hexdigest(),
                                   "errors": policy.errors,
                                   "monitor_n": float(opt.kungfu_monitor.stats.numpy()[4]),
-                                  "gns": kf.grad_noise_scale()}) + "\n")
+                                  "gns": kf.grad_noise_scale(), "rehearsed": hook.rehearsed,
+                                  "traces": traces(model.train_function)}) + "\n")
             out.flush()
             time.sleep(args.step_sleep)
             if args.max_steps and st.step >= args.max_steps:

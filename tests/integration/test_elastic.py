@@ -95,6 +95,21 @@ def test_monitoring_follows_the_cluster_size(schedule_run):
 
 
 @pytest.mark.timeout(300)
+def test_joiners_trace_their_step_before_the_switch(schedule_run):
+    """A joiner runs its training step alone before it reports ready (kf.Hook's rehearsal), and
+    model.fit then uses that trace: every process traces its step function exactly once."""
+    r, records = schedule_run
+    assert "could not rehearse" not in r.stderr
+    first = next(rows for rows in records.values() if rows[0]["step"] == 1)
+    for rows in records.values():
+        steps = [row for row in rows if "done" not in row]
+        assert all(row["traces"] == 1 for row in steps), [row["traces"] for row in steps]
+        if rows is not first:
+            assert all(row["rehearsed"] for row in steps)
+    assert not any(row.get("rehearsed") for row in first)
+
+
+@pytest.mark.timeout(300)
 def test_every_sample_once_per_epoch(schedule_run):
     _, records = schedule_run
     by_epoch = defaultdict(list)

@@ -256,6 +256,10 @@ def test_save_and_request_variable(values, n):
         # Errors leave the store usable.
         assert not same(p2p["after_errors"], "float32", (2, 3),
                         np.full((2, 3), 10 * peer + 2)), where
+        # Lent, not copied, yet unchanged by later updates of the variable.
+        assert not same(p2p["lent/self"], "float32", (1000,), np.full(1000, 5.0 + r)), where
+        assert not same(p2p["lent/peer"], "float32", (1000,), np.full(1000, 5.0 + peer)), where
+        assert not same(p2p["lent/variable"], "float32", (1000,), np.full(1000, -3.0)), where
         # In a tf.function, over several steps, with default names from the variable.
         for k, got in enumerate(p2p["graph"]):
             assert not same(got, "float32", (2, 3), np.full((2, 3), 100 * k + peer)), (where, k)

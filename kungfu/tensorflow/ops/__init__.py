@@ -126,7 +126,8 @@ def counter(init: int = 0, incr: int = 1):
 
 
 def save_variable(t, name: Optional[str] = None):
-    """Publishes t in this worker's store under `name` (atomically replacing the old value)."""
+    """Publishes t in this worker's store under `name` (atomically replacing the old value). The
+    store holds the tensor itself, not a copy (TensorFlow leaves a shared buffer unchanged)."""
     return _lib.kungfu_save_variable(t, blob_name=_name(name, t, "blob", "save_variable"))
 
 

@@ -215,6 +215,7 @@ PYBIND11_MODULE(_kungfu, m) {
         h->handle = p.Consensus(d, n, h->agreed.get(), Options(name, -1, timeout_ms));
         return h;
       })
+      .def("drop", [](Peer& p, const std::string& name) { p.Drop(name); })
       .def("set_strategy",
            [](Peer& p, int kind, const std::vector<int>& tree, const std::string& name,
               int64_t timeout_ms) {

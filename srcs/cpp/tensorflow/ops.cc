@@ -208,8 +208,10 @@ class SaveVariableOp : public tf::OpKernel {
   void Compute(tf::OpKernelContext* ctx) override {
     Peer* peer = GetPeer(ctx);
     if (!peer) return;
-    const tf::Tensor& in = ctx->input(0);
-    OP_REQUIRES_OK(ctx, ToTF(peer->Save(name_, In(in), in.tensor_data().size())));
+    // Lent, not copied: the blob holds a reference to the tensor's buffer, which TensorFlow
+    // leaves unchanged while it is shared (a variable updated meanwhile copies on write).
+    auto in = std::make_shared<const tf::Tensor>(ctx->input(0));
+    OP_REQUIRES_OK(ctx, ToTF(peer->Lend(name_, In(*in), in->tensor_data().size(), in)));
   }
 
  private:

@@ -84,11 +84,28 @@ Peer* DefaultPeer() { return default_peer.load(); }
 void SetDefaultPeer(Peer* peer) { default_peer.store(peer); }
 
 Status Peer::Save(const std::string& name, const void* data, size_t bytes) {
-  auto blob = std::make_shared<const std::vector<char>>(static_cast<const char*>(data),
+  auto copy = std::make_shared<const std::vector<char>>(static_cast<const char*>(data),
                                                         static_cast<const char*>(data) + bytes);
+  return Lend(name, copy->data(), copy->size(), copy);
+}
+
+Status Peer::Lend(const std::string& name, const void* data, size_t bytes,
+                  std::shared_ptr<const void> owner) {
+  struct Lent {
+    std::shared_ptr<const void> owner;
+    Transport::BlobBytes bytes;
+  };
+  auto lent = std::make_shared<const Lent>(
+      Lent{std::move(owner), {static_cast<const char*>(data), bytes}});
+  Transport::Blob blob(lent, &lent->bytes);  // shares lent's ownership
   std::lock_guard<std::mutex> lk(store_mu_);
   store_[name] = std::move(blob);
   return Status::OK();
+}
+
+void Peer::Drop(const std::string& name) {
+  std::lock_guard<std::mutex> lk(store_mu_);
+  store_.erase(name);
 }
 
 Handle Peer::Request(int target, const std::string& name, void* dst, size_t bytes,
@@ -101,11 +118,11 @@ Handle Peer::Request(int target, const std::string& name, void* dst, size_t byte
       std::lock_guard<std::mutex> lk(store_mu_);
       auto it = store_.find(name);
       if (it == store_.end()) return NotFound("this peer has no blob named '" + name + "'");
-      if (it->second->size() != bytes) {
-        return InvalidArgument("blob '" + name + "' has " + std::to_string(it->second->size()) +
+      if (it->second->size != bytes) {
+        return InvalidArgument("blob '" + name + "' has " + std::to_string(it->second->size) +
                                " bytes, the request wants " + std::to_string(bytes));
       }
-      if (bytes > 0) std::memcpy(dst, it->second->data(), bytes);
+      if (bytes > 0) std::memcpy(dst, it->second->data, bytes);
       return Status::OK();
     }
     Transport& t = s.transport();

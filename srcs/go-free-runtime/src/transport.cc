@@ -156,6 +156,9 @@ Status Transport::ConnectAll(TimePoint deadline) {
     if (dst == rank_) continue;
     bool local = peers_[dst].host == self.host;
     Status last;
+    // Peers of a new cluster version start within moments of each other: retry soon at first,
+    // then back off.
+    int64_t backoff_ms = 2;
     while (true) {
       {
         std::lock_guard<std::mutex> lk(mu_);
@@ -199,7 +202,8 @@ Status Transport::ConnectAll(TimePoint deadline) {
         return DeadlineExceeded("could not connect to peer " + Describe(dst) + " in time: " +
                                 last.message());
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
+      backoff_ms = std::min<int64_t>(backoff_ms * 2, 50);
     }
   }
   std::lock_guard<std::mutex> lk(mu_);
@@ -480,8 +484,8 @@ void Transport::ReadFrames(int src, int fd) {
       Blob b = lookup_ ? lookup_(blob) : nullptr;
       // Best effort: if the requester is gone, its own transport reports that.
       if (b) {
-        SendFrame(src, net::kData, key, MsgExpect{DType::kUInt8, b->size(), b->size()}, b->data(),
-                  b->size());
+        SendFrame(src, net::kData, key, MsgExpect{DType::kUInt8, b->size, b->size}, b->data,
+                  b->size);
       } else {
         SendFrame(src, net::kMissing, key, MsgExpect{}, nullptr, 0);
       }

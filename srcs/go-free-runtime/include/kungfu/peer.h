@@ -100,6 +100,11 @@ class Peer {
   // blob `name` into dst, which must be exactly as large (else InvalidArgument; NotFound if the
   // target has no such blob).
   Status Save(const std::string& name, const void* data, size_t bytes);
+  // Like Save without the copy: serves [data, data + bytes) as it is, for as long as the blob is
+  // stored or being sent; `owner` keeps that memory alive and unchanged until then (a tensor).
+  Status Lend(const std::string& name, const void* data, size_t bytes,
+              std::shared_ptr<const void> owner);
+  void Drop(const std::string& name);  // forgets blob `name`; a later request gets NotFound
   Handle Request(int target, const std::string& name, void* dst, size_t bytes,
                  const OpOptions& options);
   // *agreed becomes true on every peer iff every peer passed the same bytes.

@@ -109,7 +109,13 @@ class Transport {
 
   // Peer-to-peer store: the reader thread answers a request for blob `name` with what `lookup`
   // returns (nullptr: no such blob). Set once, before the transport connects.
-  using Blob = std::shared_ptr<const std::vector<char>>;
+  // A blob's bytes stay valid and unchanged while any copy of its pointer lives (its control
+  // block owns or pins the memory: a copy, or a lent tensor).
+  struct BlobBytes {
+    const char* data;
+    size_t size;
+  };
+  using Blob = std::shared_ptr<const BlobBytes>;
   using BlobLookup = std::function<Blob(const std::string& name)>;
   void SetBlobLookup(BlobLookup lookup) { lookup_ = std::move(lookup); }
   // Asks peer `dst` for blob `blob`; the answer arrives as a data message with `key`, to be Posted
