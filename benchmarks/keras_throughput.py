@@ -56,9 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,6 +67,10 @@ from typing import Dict, List, Optional
 _T0 = time.time()
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+if REPO not in sys.path:  # run from a checkout: this repository's kungfu
+    sys.path.insert(0, REPO)
+
+from kungfu._ports import free_port_block  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,26 +357,6 @@ def _write_result(out_dir: str, name: str, payload: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Driver side (never imports TensorFlow)
-
-
-def free_port_block(count: int) -> int:
-    """The first of `count` consecutive loopback ports that are free now."""
-    rng = random.Random(os.getpid() * 7919 + time.monotonic_ns())
-    for _ in range(500):
-        base = rng.randrange(20000, 60000 - count)
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports found")
 
 
 def _loadavg() -> Optional[float]:

@@ -81,9 +81,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -93,6 +91,10 @@ from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+if REPO not in sys.path:  # run from a checkout: this repository's kungfu
+    sys.path.insert(0, REPO)
+
+from kungfu._ports import free_port_range, free_ports  # noqa: E402
 WORKER = os.path.join(HERE, "_resize_worker.py")
 
 TARGET_PAUSE_OUT = 1.0
@@ -161,32 +163,6 @@ def parse_args(argv=None):
 
 
 # -- launching ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_range(count: int) -> str:
-    """'A-B': `count` consecutive loopback ports free a moment ago."""
-    rng = random.Random(os.getpid() * 7919 + time.monotonic_ns())
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - count)
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return f"{base}-{base + count - 1}"
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range found")
 
 
 def worker_env(args) -> Dict[str, str]:
@@ -530,7 +506,7 @@ def main(argv=None) -> int:
         elastic = run_job(
             args, "elastic job",
             ["-w", "-np", str(args.small), "-H", f"127.0.0.1:{args.big}",
-             "-builtin-config-port", str(free_port()), "-port-range",
+             "-builtin-config-port", str(free_ports(1)[0]), "-port-range",
              free_port_range(args.big)],
             worker_args(args, "elastic", "elastic", out) + ["--save", ckpt_a],
             os.path.join(out, "elastic.log"))

@@ -6,13 +6,15 @@ Protocol (cluster version v -> v+1), steps as in DESIGN.md:
    store (compare-and-swap on v) and broadcasts what it wrote. The new peer list keeps the old
    peers in their order (growing appends, shrinking drops the highest ranks), so rank 0 stays.
 2. Launchers see v+1 and start the joiners; the existing workers keep training in v.
-3. A joiner imports, builds its model, enters model.fit; its Hook marks it ready in the store and
-   connects (waiting until the others switch).
+3. A joiner imports, builds its model, enters model.fit; its Hook rehearses the training step
+   alone (tracing it now, not after the switch), marks it ready in the store and connects
+   (waiting until the others switch).
 4. At each step boundary rank 0 checks the store; once every joiner is ready it decides
    "switch" (agreed like any action) and all existing workers swap in a v+1 native peer together.
    Workers not in v+1 are detached. A resize whose joiners are not all ready within
    KUNGFU_RESIZE_TIMEOUT is abandoned: rank 0 writes v+2 = the old peers and training goes on.
-5. With joiners, rank 0 broadcasts the training state (kf.Hook does that part).
+5. With joiners, the joiners take rank 0's training state (kf.Hook does that part: variables
+   peer-to-peer from rank 0, its Hook state broadcast).
 """
 from __future__ import annotations
 

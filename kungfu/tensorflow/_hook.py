@@ -243,8 +243,9 @@ class Hook(keras.callbacks.Callback):
         (model, optimizer, monitor) go straight from rank 0 to each joiner: rank 0 publishes
         them, each joiner requests them (peer-to-peer; the joiners in parallel). The workers that
         stay hold their own already (synchronous training keeps them equal to rank 0's; with
-        model averaging each keeps its own) and take no part in that. Every worker then takes
-        rank 0's Hook state, data position and policy state (small, broadcast)."""
+        model averaging each keeps its own) and take no part in that. Every worker also takes
+        rank 0's Hook state, data position and policy state (small, broadcast first: it tells
+        the joiners that the variables are published, and what they are)."""
         import kungfu as kf
         from kungfu import _collective
         from kungfu.tensorflow import ops

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import pytest
+
+from kungfu._ports import free_port_range, free_ports  # noqa: F401 - for the tests
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -46,40 +46,6 @@ _CONSEQUENCES = ("PeerFailedError", "CancelledError")
 
 class WorkerError(AssertionError):
     """A worker raised, crashed, or did not finish in time."""
-
-
-def free_ports(n: int) -> List[int]:
-    """n distinct loopback ports that were free a moment ago (all bound at once, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_port_range(count: int) -> str:
-    """`count` consecutive loopback ports that are free now, as 'A-B' for -port-range."""
-    rng = random.Random(os.getpid() * 7919 + time.monotonic_ns())
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - count)
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return f"{base}-{base + count - 1}"
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range found")
 
 
 @dataclass

@@ -6,10 +6,8 @@ tests check the rank prefixes, the values, exit codes, signals, timeouts and log
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,30 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from kungfu._ports import free_port_range
+
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 pytestmark = pytest.mark.timeout(90)
-
-
-def free_port_range(count: int, hosts=("127.0.0.1",)) -> str:
-    """A block of `count` ports that can be bound on every host now, as 'A-B'."""
-    rng = random.Random(os.getpid() * 7919 + time.monotonic_ns())
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - count)
-        socks = []
-        try:
-            for host in hosts:
-                for port in range(base, base + count):
-                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                    socks.append(s)
-                    s.bind((host, port))
-            return f"{base}-{base + count - 1}"
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range found")
 
 
 def env_with_repo(**extra) -> dict:

@@ -11,7 +11,6 @@ import base64
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -22,6 +21,7 @@ import uuid
 import pytest
 
 from kungfu import store as st
+from kungfu._ports import free_ports
 
 ETCD = shutil.which("etcd")
 if ETCD is None:
@@ -33,19 +33,6 @@ pytestmark = pytest.mark.timeout(120)
 START_DEADLINE = 30.0  # seconds for etcd to answer after it starts
 
 
-def _free_ports(n):
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _post(url, body, timeout=2.0):
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
@@ -55,7 +42,7 @@ def _post(url, body, timeout=2.0):
 
 class Etcd:
     def __init__(self, data_dir):
-        client_port, peer_port = _free_ports(2)
+        client_port, peer_port = free_ports(2)
         self.client_url = f"http://127.0.0.1:{client_port}"
         self.host_port = f"127.0.0.1:{client_port}"
         peer_url = f"http://127.0.0.1:{peer_port}"
@@ -260,6 +247,6 @@ def test_connect_etcd_url(etcd):
 
 
 def test_unreachable_etcd():
-    port, = _free_ports(1)
+    port, = free_ports(1)
     with pytest.raises(st.StoreError, match="cannot reach"):
         st.connect(f"etcd://127.0.0.1:{port}").get("x")
