@@ -31,6 +31,7 @@ Every worker runs the same hooks at the same steps, so policies may call collect
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import time
 import warnings
@@ -208,6 +209,12 @@ class Hook(keras.callbacks.Callback):
         joiners = ctx.joiners(new)
         if not ctx.switch(new):
             self.detached = True
+            # All that is left to this worker is to leave: give the cores to the workers that
+            # stay (on a shared host its teardown would slow their next step down).
+            try:
+                os.nice(19)
+            except OSError:
+                pass
             if getattr(self, "model", None) is not None:
                 self.model.stop_training = True
             return
@@ -471,7 +478,6 @@ class Hook(keras.callbacks.Callback):
         if self.detached and self.exit_on_detach:
             # A resize removed this worker: it leaves the job with exit code 0, now (an
             # interpreter shutdown could wait on tf.data's threads).
-            import os
             import sys
 
             sys.stdout.flush()
