@@ -52,7 +52,8 @@ Output: one JSON object per measurement on stdout (also --json PATH), then a tab
   {"measure": "fresh_startup", "np", "startup_s" (median), "per_worker_s", "import_s",
    "model_s", "fit_to_first_step_s"}                                      (elastic job's start)
   {"measure": "pause", "change": "2->4", "cycle", "pause_s", "boundary_s", "step_old_s",
-   "step_new_s", "hook_s" (kf.Hook's after_step at the switch on rank 0: agreeing, swapping the
+   "step_new_s", "step_new_iqr_s" (25th and 75th percentile of the normal steps at the new
+   size: the pause cannot be resolved more finely than their spread), "hook_s" (kf.Hook's after_step at the switch on rank 0: agreeing, swapping the
    native peer, syncing joiners), "hook_normal_s" (the same on a normal step: the agreement
    round), "first_step_after_s" (the rest of the boundary: rank 0's first step at the new
    size, which waits for the joiners' first step), "switch_step", "target_s",
@@ -259,6 +260,14 @@ def _median(xs) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
+def _iqr(xs) -> Optional[List[float]]:
+    """[25th, 75th percentile] of xs: how much a normal step varies."""
+    if not xs or len(xs) < 2:
+        return None
+    q = statistics.quantiles(xs, n=4)
+    return [_r(q[0]), _r(q[2])]
+
+
 def _r(x: Optional[float], nd: int = 3) -> Optional[float]:
     return None if x is None else round(x, nd)
 
@@ -328,7 +337,7 @@ def analyse_elastic(args, procs: List[Proc]):
         rows.append({
             "measure": "pause", "change": change, "cycle": count[change],
             "pause_s": _r(pause), "boundary_s": _r(boundary), "step_old_s": _r(normal_s.get(old)),
-            "step_new_s": _r(step_new),
+            "step_new_s": _r(step_new), "step_new_iqr_s": _iqr(normal.get(new)),
             "hook_s": _r(sw["t_hook"] - sw["t_end"]), "hook_normal_s": _r(hook_normal),
             "first_step_after_s": _r(nxt["t_end"] - sw["t_hook"]), "switch_step": sw["step"],
             "target_s": target, "within_target": None if pause is None else pause < target})
@@ -418,7 +427,8 @@ def print_table(rows: List[dict], normal_s: Dict[int, float], run: dict) -> None
           f"{_f(fresh['startup_s'])} s (import {_f(fresh['import_s'])}, model "
           f"{_f(fresh['model_s'])}, fit -> first step {_f(fresh['fit_to_first_step_s'])})")
     print()
-    head = ["change", "#", "boundary", "= switch", "+ step", "normal step old/new", "(a) pause",
+    head = ["change", "#", "boundary", "= switch", "+ step", "normal step old/new",
+            "new p25-p75", "(a) pause",
             "target (a)", "ok", "(b) ask->1st step", "pending steps", "target (b)", "ok"]
     table = []
     pauses = {(r["change"], r["cycle"]): r for r in rows if r["measure"] == "pause"}
@@ -427,7 +437,9 @@ def print_table(rows: List[dict], normal_s: Dict[int, float], run: dict) -> None
         a, b = pauses[key], lat.get(key, {})
         table.append([key[0], str(key[1]), _f(a["boundary_s"]), _f(a["hook_s"]),
                       _f(a["first_step_after_s"]),
-                      f"{_f(a['step_old_s'])}/{_f(a['step_new_s'])}", _f(a["pause_s"]),
+                      f"{_f(a['step_old_s'])}/{_f(a['step_new_s'])}",
+                      "-".join(_f(x) for x in a["step_new_iqr_s"] or [None]),
+                      _f(a["pause_s"]),
                       f"< {_f(a['target_s'], 1)}", _f(a["within_target"]),
                       _f(b.get("time_s")),
                       f"{b.get('pending_steps', '-')} x {_f(b.get('pending_step_s'))}",
