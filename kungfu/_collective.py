@@ -259,7 +259,6 @@ def consensus(x, name: Optional[str] = None, timeout: Optional[float] = None) ->
     return consensus_async(x, name, timeout).wait()
 
 
-
 def drop(name: str) -> None:
     """Forgets this worker's stored blob `name` (kungfu.tensorflow.ops.save_variable); a later
     request for it fails with NotFound."""

@@ -47,10 +47,39 @@ from kungfu.store import ClusterConfig, StoreError
 from kungfu.tensorflow import _monitor
 
 
+def _lower_priority() -> None:
+    """All that is left to a worker a shrink left out is to leave: its threads give the cores
+    to the workers that stay (on a shared host its teardown would slow their next step down).
+    Linux keeps a priority per thread, so each thread is set. Best effort."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+        except OSError:
+            pass
+
+
 def _describe(variables: list) -> list:
     """[(name, shape, dtype name)] of variables, to compare them across workers."""
     return [(getattr(v, "path", None) or v.name, tuple(int(d) for d in v.shape),
              tf.as_dtype(v.dtype).name) for v in variables]
+
+
+def _mismatch(ours: list, theirs: list) -> str:
+    """Why a joiner's variables cannot take rank 0's (described by _describe); "" if they can
+    (the same model and optimizer, built the same way)."""
+    mine = _describe(ours)
+    if len(mine) != len(theirs):
+        return (f"kungfu: this joiner has {len(mine)} variables to sync, rank 0 has "
+                f"{len(theirs)}: build the same model and optimizer on every worker")
+    for (name, shape, dtype), (rname, rshape, rdtype) in zip(mine, theirs):
+        if (shape, dtype) != (rshape, rdtype):
+            return (f"kungfu: variable {name} is {dtype}{list(shape)} on this joiner, but "
+                    f"rank 0's ({rname}) is {rdtype}{list(rshape)}")
+    return ""
 
 
 def monitor_logs(optimizer) -> dict:
@@ -209,12 +238,7 @@ class Hook(keras.callbacks.Callback):
         joiners = ctx.joiners(new)
         if not ctx.switch(new):
             self.detached = True
-            # All that is left to this worker is to leave: give the cores to the workers that
-            # stay (on a shared host its teardown would slow their next step down).
-            try:
-                os.nice(19)
-            except OSError:
-                pass
+            _lower_priority()
             if getattr(self, "model", None) is not None:
                 self.model.stop_training = True
             return
@@ -241,18 +265,21 @@ class Hook(keras.callbacks.Callback):
             variables = list(opt.variables)
         monitor = getattr(opt, "kungfu_monitor", None)
         if monitor is not None:
-            variables += [monitor.batch_size, monitor.gns_state, monitor.variance_state]
+            variables += [monitor.batch_size, monitor.stats, monitor.gns_state,
+                          monitor.variance_state]
             variables += [monitor.values[m] for m in monitor.monitors]
         return variables
 
     def _sync(self, joining: bool) -> None:
         """After a switch with joiners: rank 0's training state on the joiners. The variables
-        (model, optimizer, monitor) go straight from rank 0 to each joiner: rank 0 publishes
-        them, each joiner requests them (peer-to-peer; the joiners in parallel). The workers that
-        stay hold their own already (synchronous training keeps them equal to rank 0's; with
-        model averaging each keeps its own) and take no part in that. Every worker also takes
-        rank 0's Hook state, data position and policy state (small, broadcast first: it tells
-        the joiners that the variables are published, and what they are)."""
+        (model, optimizer, monitor) go straight from rank 0 to each joiner: rank 0 lends them to
+        its store, each joiner requests them (peer-to-peer; the joiners in parallel). The
+        workers that stay keep their own and take no part in that (synchronous training keeps
+        the trainable ones and the optimizer's equal to rank 0's; non-trainable state such as
+        BatchNorm statistics stays each worker's own, as between resizes). Every worker also
+        takes rank 0's Hook state, data position and policy state (small, broadcast first: it
+        tells the joiners that the variables are published, and what they are, so that a
+        joiner whose variables differ fails, and everyone with it, before any transfer)."""
         import kungfu as kf
         from kungfu import _collective
         from kungfu.tensorflow import ops
@@ -275,8 +302,15 @@ class Hook(keras.callbacks.Callback):
                 })
             # After rank 0 published: a joiner that has this may request the variables.
             got = pickle.loads(self._broadcast_blob(mine, f"{prefix}/state"))
+            problem = _mismatch(variables, got["variables"]) if joining else ""
+            # Everyone learns whether a joiner cannot take them, and fails: none waits.
+            if kf.allreduce(int(bool(problem)), "max", name=f"{prefix}/check"):
+                raise RuntimeError(problem or "kungfu: a joiner's variables do not match rank "
+                                   "0's (its log names the first that differs): the resize "
+                                   "cannot complete")
             if joining:
-                self._take_variables(variables, names, got["variables"])
+                for name, v in zip(names, variables):
+                    v.assign(ops.request_variable(0, v.shape, v.dtype, name=name))
             _collective.barrier(f"{prefix}/synced")  # every joiner holds its copy
         finally:
             if kf.rank() == 0:
@@ -291,25 +325,6 @@ class Hook(keras.callbacks.Callback):
         if self.data is not None:
             self.data.set_batch_size(got["batch_size"])
             self.data.epoch, self.data.offset = self.state.epoch, self.state.samples_in_epoch
-
-    @staticmethod
-    def _take_variables(variables: list, names: list, theirs: list) -> None:
-        """A joiner: copies rank 0's published variables into its own, which must match them
-        (the same model and optimizer, built the same way). Each arrives in a new tensor,
-        which the variable then takes over without a copy."""
-        from kungfu.tensorflow import ops
-
-        ours = _describe(variables)
-        if len(ours) != len(theirs):
-            raise RuntimeError(f"kungfu: this joiner has {len(ours)} variables to sync, rank 0 "
-                               f"has {len(theirs)}: build the same model and optimizer on "
-                               f"every worker")
-        for (name, shape, dtype), (rname, rshape, rdtype) in zip(ours, theirs):
-            if (shape, dtype) != (rshape, rdtype):
-                raise RuntimeError(f"kungfu: variable {name} is {dtype}{list(shape)} on this "
-                                   f"joiner, but rank 0's ({rname}) is {rdtype}{list(rshape)}")
-        for name, v in zip(names, variables):
-            v.assign(ops.request_variable(0, v.shape, v.dtype, name=name))
 
     def _join(self) -> None:
         """A worker joining a running elastic job: connect, then take the others' state."""

@@ -548,9 +548,14 @@ TEST(LentBlobsAreServedUntilDroppedAndThenReleased) {
   std::vector<float> self(1 << 20, -1.0f);  // rank 0 asking itself
   CHECK_OK(WAIT(c[0].Request(0, "lent", self.data(), bytes, kungfu::OpOptions())));
   CHECK(self == got);
-  // Dropped: the memory is released once nobody sends it, and requests find nothing.
+  // Dropped: the memory is released once nobody sends it (rank 0's reader may hold the blob a
+  // moment longer than the requester takes to finish), and requests find nothing.
   c[0].Drop("lent");
-  CHECK(alive.expired());
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!alive.expired() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  CHECK_MSG(alive.expired(), "the lent memory is still held 5 s after Drop");
   kungfu::Status st = WAIT(c[1].Request(0, "lent", got.data(), bytes, kungfu::OpOptions()));
   CHECK_MSG(st.code() == Code::kNotFound, st.ToString());
   // Save still copies: the caller's buffer may change right after.
@@ -561,6 +566,14 @@ TEST(LentBlobsAreServedUntilDroppedAndThenReleased) {
   CHECK_OK(WAIT(c[1].Request(0, "saved", copy.data(), copy.size() * sizeof(float),
                              kungfu::OpOptions())));
   CHECK(copy == std::vector<float>(4, 7.0f));
+  // Lent memory needs an owner; a stopped peer lets go of everything it held.
+  CHECK(c[0].Lend("orphan", mine.data(), 16, nullptr).code() == Code::kInvalidArgument);
+  auto held = std::make_shared<int>(1);
+  std::weak_ptr<int> held_alive = held;
+  CHECK_OK(c[0].Lend("held", held.get(), sizeof(int), held));
+  held.reset();
+  c[0].Stop();
+  CHECK_MSG(held_alive.expired(), "a stopped peer still holds a lent blob");
 }
 
 TEST(BarrierWaitsForTheLastPeer) {

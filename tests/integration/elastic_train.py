@@ -91,6 +91,9 @@ def main():
     p.add_argument("--fail-joiner", action="store_true",
                    help="a joining worker exits with code 3 at once (a joiner that fails)")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps")
+    p.add_argument("--joiner-width", type=int, default=16,
+                   help="hidden units of a joining worker's model (others: 16); another width "
+                        "is a joiner whose variables differ from rank 0's")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -98,7 +101,8 @@ def main():
     x = rng.standard_normal((args.samples, 8)).astype(np.float32)
     y = (x @ np.linspace(-1, 1, 8).astype(np.float32))[:, None]
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+    width = args.joiner_width if os.environ.get("KUNGFU_ELASTIC_JOINING") == "1" else 16
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(width, activation="tanh"),
                               keras.layers.Dense(1)])
     opt = kf.Optimizer(keras.optimizers.SGD(0.05), monitor=["gns", "variance"],
                        batch_size=args.batch_size)

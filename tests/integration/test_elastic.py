@@ -139,6 +139,19 @@ def test_loss_decreases_and_bad_requests_are_refused(schedule_run):
 
 
 @pytest.mark.timeout(200)
+def test_a_joiner_whose_model_differs_fails_everyone_at_once(tmp_path):
+    """The joiner learns rank 0's variables before any transfer; one that cannot take them
+    (another hidden width) fails with a message naming the variable, and so does every other
+    worker at once, instead of waiting in the sync until a deadline."""
+    r, records = run_elastic(tmp_path, 1, 2, "--schedule", "2", "--joiner-width", "17",
+                             timeout=150, env_extra={"KUNGFU_OP_TIMEOUT": "60s"})
+    assert r.returncode != 0
+    assert "float32[8, 17] on this joiner, but rank 0's" in r.stderr, r.stderr[-5000:]
+    assert "a joiner's variables do not match rank 0's" in r.stderr, r.stderr[-5000:]
+    assert "DeadlineExceeded" not in r.stderr and "before the deadline" not in r.stderr
+
+
+@pytest.mark.timeout(200)
 def test_a_joiner_that_fails_is_given_up_and_training_goes_on(tmp_path):
     r, records = run_elastic(tmp_path, 1, 2, "--schedule", "2", "--fail-joiner",
                              "--max-steps", "80", timeout=150,

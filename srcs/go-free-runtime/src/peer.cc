@@ -91,6 +91,7 @@ Status Peer::Save(const std::string& name, const void* data, size_t bytes) {
 
 Status Peer::Lend(const std::string& name, const void* data, size_t bytes,
                   std::shared_ptr<const void> owner) {
+  if (!owner && bytes > 0) return InvalidArgument("a lent blob needs an owner of its memory");
   struct Lent {
     std::shared_ptr<const void> owner;
     Transport::BlobBytes bytes;
@@ -212,6 +213,8 @@ void Peer::Stop() {
   }
   for (auto& w : workers_) w.join();
   workers_.clear();
+  std::lock_guard<std::mutex> lk(store_mu_);
+  store_.clear();  // a stopped peer serves nothing: let go of what it held (lent tensors)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -258,7 +258,7 @@ Status Transport::failure() const {
 }
 
 Status Transport::SendFrame(int dst, uint8_t type, const MsgKey& key, const MsgExpect& meta,
-                            const void* payload, uint64_t payload_len) {
+                            const void* payload, uint64_t payload_len, bool wait_for_stream) {
   Outgoing& o = *out_[dst];
   net::Frame f{};
   f.magic = net::kMagic;
@@ -274,10 +274,17 @@ Status Transport::SendFrame(int dst, uint8_t type, const MsgKey& key, const MsgE
   struct iovec iov[3] = {{&f, sizeof(f)},
                          {const_cast<char*>(key.name.data()), key.name.size()},
                          {const_cast<void*>(payload), static_cast<size_t>(payload_len)}};
-  std::lock_guard<std::mutex> lk(o.mu);
+  std::unique_lock<std::mutex> lk(o.mu, std::defer_lock);
+  if (wait_for_stream) {
+    lk.lock();
+  } else if (!lk.try_lock()) {
+    return Unavailable("the stream to peer " + Describe(dst) + " is busy");
+  }
   if (o.fd < 0) return Unavailable("no connection to peer " + Describe(dst));
   Status s = net::WriteFull(o.fd, iov, payload_len > 0 ? 3 : 2);
   o.last_send = Clock::now();
+  // A frame written in part leaves the stream unreadable to the peer: end it.
+  if (!s.ok()) shutdown(o.fd, SHUT_RDWR);
   return s;
 }
 
@@ -431,7 +438,7 @@ void Transport::ReadFrames(int src, int fd) {
       if (closed_ || peer_left_[src]) return;
     }
     if (!s.ok()) {
-      Fail(Unavailable(who + (eof ? " closed its connection unexpectedly (process died?)"
+      Fail(Unavailable(who + (eof ? " closed its connection unexpectedly (it died, or gave up on this peer)"
                                   : ": " + s.message())));
       return;
     }
@@ -602,7 +609,9 @@ void Transport::Close() {
   if (heartbeat_.joinable()) heartbeat_.join();
   for (int dst = 0; dst < size(); ++dst) {
     if (dst == rank_) continue;
-    SendFrame(dst, net::kBye, MsgKey{}, MsgExpect{}, nullptr, 0);
+    // A goodbye, unless a send is stuck on this stream (a peer that stopped reading): then
+    // the cut alone tells the peer, and stopping does not wait out the peer timeout.
+    SendFrame(dst, net::kBye, MsgKey{}, MsgExpect{}, nullptr, 0, /*wait_for_stream=*/false);
     CutOutgoing(dst);
   }
   std::vector<std::thread> readers;

@@ -153,7 +153,7 @@ class Transport {
   void HeartbeatLoop();
   Status Fail(const Status& s);
   Status SendFrame(int dst, uint8_t type, const MsgKey& key, const MsgExpect& meta,
-                   const void* payload, uint64_t payload_len);
+                   const void* payload, uint64_t payload_len, bool wait_for_stream = true);
   std::string SlotId(int src, const MsgKey& key) const;
   Status OpAborted(const std::string& name, uint64_t seq) const;  // requires mu_
   Status WaitState(std::unique_lock<std::mutex>& lk, Slot* slot, int src, TimePoint deadline,
