@@ -72,6 +72,8 @@ if REPO not in sys.path:  # run from a checkout: this repository's kungfu
 
 from kungfu._ports import free_port_block  # noqa: E402
 
+from _common import JsonLines  # noqa: E402
+
 
 # ---------------------------------------------------------------------------------------------
 # Arguments
@@ -561,17 +563,8 @@ def driver(args) -> int:
             return 2
     out_dir = args.keep or tempfile.mkdtemp(prefix="keras_throughput.")
     os.makedirs(out_dir, exist_ok=True)
-    json_file = open(args.json, "w") if args.json else None
-    rows: List[dict] = []
-
-    def emit(row: dict) -> None:
-        rows.append(row)
-        line = json.dumps(row)
-        print(line, flush=True)
-        if json_file:
-            json_file.write(line + "\n")
-            json_file.flush()
-
+    report = JsonLines(args.json)
+    rows, emit = report.rows, report.emit
     try:
         for n in nps:
             found: Dict[str, dict] = {}
@@ -615,8 +608,7 @@ def driver(args) -> int:
                 if found.get(label):
                     emit(found[label])
     finally:
-        if json_file:
-            json_file.close()
+        report.close()
         if not args.keep:
             shutil.rmtree(out_dir, ignore_errors=True)
     print_table(rows)

@@ -85,6 +85,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+from _common import JsonLines  # noqa: E402
 from keras_throughput import (  # noqa: E402
     _T0,
     _clear_results,
@@ -439,8 +440,8 @@ def driver(args) -> int:
         return 2
     out_dir = args.keep or tempfile.mkdtemp(prefix="monitoring_overhead.")
     os.makedirs(out_dir, exist_ok=True)
-    json_file = open(args.json, "w") if args.json else None
-    rows: List[dict] = []
+    report = JsonLines(args.json)
+    rows = report.rows
     problems: List[str] = []
     try:
         for n in nps:
@@ -455,16 +456,10 @@ def driver(args) -> int:
             extra = {"loadavg_before": before, "loadavg_after": after, "wall_s": round(wall, 1),
                      "rank0_phases_s": fit_times["_phases"]}
             for row in rows_for(args, n, read_results(out_dir, n), fit_times, extra):
-                rows.append(row)
+                report.emit(row)
                 problems += problems_of(row)
-                line = json.dumps(row)
-                print(line, flush=True)
-                if json_file:
-                    json_file.write(line + "\n")
-                    json_file.flush()
     finally:
-        if json_file:
-            json_file.close()
+        report.close()
         if not args.keep:
             shutil.rmtree(out_dir, ignore_errors=True)
     print_table(rows)

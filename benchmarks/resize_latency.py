@@ -96,6 +96,8 @@ if REPO not in sys.path:  # run from a checkout: this repository's kungfu
     sys.path.insert(0, REPO)
 
 from kungfu._ports import free_port_range, free_ports  # noqa: E402
+
+from _common import JsonLines  # noqa: E402
 WORKER = os.path.join(HERE, "_resize_worker.py")
 
 TARGET_PAUSE_OUT = 1.0
@@ -499,16 +501,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = args.keep or tempfile.mkdtemp(prefix="resize_latency.")
     os.makedirs(out, exist_ok=True)
-    json_file = open(args.json, "w") if args.json else None
-    rows: List[dict] = []
-
-    def emit(row: dict) -> None:
-        rows.append(row)
-        line = json.dumps(row)
-        print(line, flush=True)
-        if json_file:
-            json_file.write(line + "\n")
-            json_file.flush()
+    report = JsonLines(args.json)
+    rows, emit = report.rows, report.emit
 
     load_before = os.getloadavg()
     t0 = time.time()
@@ -572,8 +566,7 @@ def main(argv=None) -> int:
         print(f"resize_latency: {e}", file=sys.stderr)
         return 1
     finally:
-        if json_file:
-            json_file.close()
+        report.close()
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)
 

@@ -44,6 +44,17 @@ _PORT_ERRORS = ("cannot listen on", "Address already in use")
 _CONSEQUENCES = ("PeerFailedError", "CancelledError")
 
 
+def steps_of(records):
+    """The per-step records of elastic runs (elastic_train.py: {worker: [row per step]}) as
+    {step: [the row of every worker that trained it]}, in step order."""
+    by_step: Dict[int, list] = {}
+    for rows in records.values():
+        for row in rows:
+            if "done" not in row:
+                by_step.setdefault(row["step"], []).append(row)
+    return dict(sorted(by_step.items()))
+
+
 class WorkerError(AssertionError):
     """A worker raised, crashed, or did not finish in time."""
 

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from conftest import free_port_range, free_ports  # noqa: E402
+from conftest import free_port_range, free_ports, steps_of  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -43,16 +43,6 @@ def run_elastic(tmp_path, np_: int, slots: int, *args: str, timeout: float = 240
     return r, records
 
 
-def _steps(records):
-    """{step: [record of every worker that trained it]}"""
-    by_step = defaultdict(list)
-    for rows in records.values():
-        for row in rows:
-            if "done" not in row:
-                by_step[row["step"]].append(row)
-    return dict(sorted(by_step.items()))
-
-
 @pytest.fixture(scope="module")
 def schedule_run(tmp_path_factory):
     return run_elastic(tmp_path_factory.mktemp("elastic"), 1, 4, "--schedule", "2,4,3,1,4",
@@ -64,7 +54,7 @@ def test_schedule_runs_to_the_end(schedule_run):
     r, records = schedule_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "elastic job finished" in r.stderr
-    steps = _steps(records)
+    steps = steps_of(records)
     sizes = []
     for rows in steps.values():
         # Every worker that trained a step saw the same cluster size... after the step: the
@@ -80,7 +70,7 @@ def test_schedule_runs_to_the_end(schedule_run):
 @pytest.mark.timeout(300)
 def test_weights_identical_after_every_step(schedule_run):
     _, records = schedule_run
-    for step, rows in _steps(records).items():
+    for step, rows in steps_of(records).items():
         assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
 
 
@@ -89,7 +79,7 @@ def test_monitoring_follows_the_cluster_size(schedule_run):
     """The gradient statistics count the workers of the step they ran in (read live, never
     captured when the step was traced), and every worker gets the same noise scale."""
     _, records = schedule_run
-    for step, rows in _steps(records).items():
+    for step, rows in steps_of(records).items():
         assert {row["monitor_n"] for row in rows} == {float(len(rows))}, f"step {step}"
         assert len({repr(row["gns"]) for row in rows}) == 1, f"step {step}"
 
@@ -113,7 +103,7 @@ def test_joiners_trace_their_step_before_the_switch(schedule_run):
 def test_every_sample_once_per_epoch(schedule_run):
     _, records = schedule_run
     by_epoch = defaultdict(list)
-    for rows in _steps(records).values():
+    for rows in steps_of(records).values():
         for row in rows:
             by_epoch[row["epoch"]].extend(row["served"])
     last = max(by_epoch)
@@ -128,7 +118,7 @@ def test_every_sample_once_per_epoch(schedule_run):
 @pytest.mark.timeout(300)
 def test_loss_decreases_and_bad_requests_are_refused(schedule_run):
     _, records = schedule_run
-    steps = _steps(records)
+    steps = steps_of(records)
     losses = [rows[0]["loss"] for rows in steps.values()]
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 / 2
     errors = next(rows[-2]["errors"] for rows in records.values() if len(rows) > 2)
@@ -158,6 +148,6 @@ def test_a_joiner_that_fails_is_given_up_and_training_goes_on(tmp_path):
                              env_extra={"KUNGFU_RESIZE_TIMEOUT": "4s"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "before it was ready" in r.stderr and "abandoned" in r.stderr
-    steps = _steps(records)
+    steps = steps_of(records)
     assert len(steps) == 80 and all(len(rows) == 1 and rows[0]["size"] == 1
                                      for rows in steps.values())

@@ -9,13 +9,13 @@ namespace cannot be created.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 
 import pytest
 
 pytest.importorskip("tensorflow")
 
 # two_hosts is a fixture: importing it makes it available here.
+from conftest import steps_of  # noqa: E402
 from test_multihost import REPO, PY, run_on_both, two_hosts  # noqa: E402,F401
 
 SCRIPT = REPO / "tests" / "integration" / "elastic_train.py"
@@ -31,16 +31,6 @@ def hosts(request):
         return request.getfixturevalue("two_hosts")
     except pytest.fail.Exception as e:
         pytest.skip(f"multi-host elastic test needs network namespaces: {e.msg}")
-
-
-def _steps(records):
-    """{step: [record of every worker that trained it]}"""
-    by_step = defaultdict(list)
-    for rows in records.values():
-        for row in rows:
-            if "done" not in row:
-                by_step[row["step"]].append(row)
-    return dict(sorted(by_step.items()))
 
 
 @pytest.mark.timeout(150)
@@ -80,7 +70,7 @@ def test_elastic_grow_to_second_host_and_shrink(hosts, tmp_path, monkeypatch):
     assert "elastic job finished" in err_a and "elastic job finished" in err_b, report
 
     # Sizes, by the number of workers that trained each step: 1, then 3, then 1 again.
-    steps = _steps(records)
+    steps = steps_of(records)
     sizes = []
     for rows in steps.values():
         if not sizes or sizes[-1] != len(rows):
