@@ -345,6 +345,10 @@ Handle Peer::Barrier(const OpOptions& options) {
   });
 }
 
+Handle Peer::Fail(const char* kind, const OpOptions& options, const Status& reason) {
+  return Run(kind, options, [reason](Session&, const OpContext&) { return reason; });
+}
+
 Handle Peer::Consensus(const void* data, size_t bytes, bool* agreed, const OpOptions& options) {
   return Run("consensus", options, [=](Session& s, const OpContext& ctx) {
     return s.Consensus(ctx, data, bytes, agreed);

@@ -47,6 +47,9 @@ struct OpOptions {
   std::string name;      // empty: "auto:<kind>"
   int strategy = -1;     // a StrategyKind, or -1 for the peer's default
   int64_t timeout_ms = -1;  // < 0: the peer's op_timeout_ms
+  // What else every peer must agree on for this operation, beyond kind, reduce op, dtype, count,
+  // root and strategy (e.g. a digest of a tensor's trailing shape); 0: nothing.
+  uint64_t digest = 0;
 };
 
 // Output of allgather and gather: the per-peer element counts and their concatenation.
@@ -94,6 +97,10 @@ class Peer {
   Handle Gather(const void* send, size_t count, DType dtype, int root,
                 std::shared_ptr<GatherResult> out, const OpOptions& options);
   Handle Barrier(const OpOptions& options);
+  // Takes the next sequence number of (kind, options.name) like any operation of that kind and
+  // fails it with `reason` on every peer: input rejected before it reached the runtime still
+  // takes part, so numbering stays aligned and the other peers fail at once instead of waiting.
+  Handle Fail(const char* kind, const OpOptions& options, const Status& reason);
 
   // Peer-to-peer store (model averaging). Save replaces this peer's blob `name` atomically: a
   // concurrent request sees the old or the new bytes, never a mix. Request copies peer `target`'s
