@@ -60,6 +60,10 @@ SELF_SPEC = Var("KUNGFU_SELF_SPEC", str, None, "this worker's host:port")
 INIT_PEERS = Var("KUNGFU_INIT_PEERS", str, None, "comma-separated host:port of all workers, in rank order")
 INIT_CLUSTER_VERSION = Var("KUNGFU_INIT_CLUSTER_VERSION", int, 0, "cluster version the worker starts in")
 ALLREDUCE_STRATEGY = Var("KUNGFU_ALLREDUCE_STRATEGY", str, "AUTO", "default collective strategy")
+JOB_TOKEN = Var("KUNGFU_JOB_TOKEN", str, None,
+                "the job's secret: peers prove they know it in every handshake (HMAC over a nonce) "
+                "and the builtin config store requires it; kungfu-run makes one per job unless "
+                "this is set (give every host's launcher the same value for a multi-host job)")
 
 # Elastic jobs (kungfu-run -w): set by kungfu-run for each worker.
 def _bool(s: str) -> bool:
@@ -89,7 +93,7 @@ CONNECT_TIMEOUT = Var("KUNGFU_CONNECT_TIMEOUT", _positive_duration, 120.0,
 CHUNK_BYTES = Var("KUNGFU_CHUNK_BYTES", _positive_int, 1 << 20, "largest message; bigger tensors are pipelined")
 PARALLELISM = Var("KUNGFU_PARALLELISM", _positive_int, 2, "independent pipelines per large allreduce")
 
-ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, CONFIG_SERVER,
+ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
        ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, RESIZE_TIMEOUT, OP_TIMEOUT, PEER_TIMEOUT,
        CONNECT_TIMEOUT, CHUNK_BYTES, PARALLELISM]
 
