@@ -28,12 +28,22 @@ class CancelledError(KungFuError, RuntimeError):
     """The local peer was stopped while the operation was pending."""
 
 
+class NotFoundError(KungFuError, LookupError):
+    """A peer has no stored blob of the requested name."""
+
+
+class ResourceExhaustedError(KungFuError, MemoryError):
+    """Out of memory or threads, or a peer sent more than the runtime keeps."""
+
+
 _BY_CODE = {
     1: InvalidArgumentError,
     2: OpTimeoutError,
     3: PeerFailedError,
     4: InternalError,
     5: CancelledError,
+    6: NotFoundError,
+    7: ResourceExhaustedError,
 }
 
 
@@ -51,4 +61,6 @@ __all__ = [
     "PeerFailedError",
     "InternalError",
     "CancelledError",
+    "NotFoundError",
+    "ResourceExhaustedError",
 ]

@@ -292,7 +292,7 @@ TEST(StrangersAreRefusedAndTheClusterGoesOn) {
   // Garbage, a truncated hello, an oversized name, and a silent stranger that just closes.
   {
     int fd = ConnectTcp(peers[0]);
-    const char junk[64] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+    const char junk[128] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";  // longer than a frame header
     SendAll(fd, junk, sizeof(junk));
     Reply r = ReadReply(fd);
     close(fd);

@@ -26,6 +26,7 @@ inline tf::Status ToTF(const Status& s) {
     case Code::kUnavailable: return tf::errors::Unavailable(s.message());
     case Code::kCancelled: return tf::errors::Cancelled(s.message());
     case Code::kNotFound: return tf::errors::NotFound(s.message());
+    case Code::kResourceExhausted: return tf::errors::ResourceExhausted(s.message());
     case Code::kInternal: break;
   }
   return tf::errors::Internal(s.message());

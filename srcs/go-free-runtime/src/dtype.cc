@@ -131,8 +131,10 @@ template <typename T, ReduceOp kOp>
 inline __attribute__((always_inline)) T Apply(T a, T b) {
   if constexpr (kOp == ReduceOp::kSum) return static_cast<T>(a + b);
   if constexpr (kOp == ReduceOp::kProd) return static_cast<T>(a * b);
-  if constexpr (kOp == ReduceOp::kMin) return b < a ? b : a;
-  if constexpr (kOp == ReduceOp::kMax) return a < b ? b : a;
+  // NaN wins min and max (as numpy's minimum/maximum and NCCL): b < a and a < b are both false
+  // when either is NaN, so `b != b` picks a NaN b; a NaN a is kept by the comparison.
+  if constexpr (kOp == ReduceOp::kMin) return (b < a || b != b) ? b : a;
+  if constexpr (kOp == ReduceOp::kMax) return (a < b || b != b) ? b : a;
 }
 
 // Separate in-place and out-of-place loops, so that both vectorise without run-time alias checks
@@ -191,8 +193,8 @@ void ReduceHalfLike(void* dst, const void* a, const void* b, size_t n, ReduceOp 
     switch (op) {
       case ReduceOp::kSum: r = u + v; break;
       case ReduceOp::kProd: r = u * v; break;
-      case ReduceOp::kMin: r = v < u ? v : u; break;
-      case ReduceOp::kMax: r = u < v ? v : u; break;
+      case ReduceOp::kMin: r = (v < u || v != v) ? v : u; break;
+      case ReduceOp::kMax: r = (u < v || v != v) ? v : u; break;
     }
     d[i] = FromFloat(r);
   }

@@ -68,6 +68,20 @@ Status ReadFull(int fd, void* buf, size_t n, bool* eof_at_start) {
   return Status::OK();
 }
 
+Status ReadSome(int fd, void* buf, size_t n, size_t* got) {
+  while (true) {
+    ssize_t r = recv(fd, buf, n, 0);
+    if (r > 0) {
+      *got = static_cast<size_t>(r);
+      return Status::OK();
+    }
+    if (r == 0) return Unavailable("connection closed");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return Unavailable("no data within the peer timeout");
+    return Unavailable("receive failed: " + ErrnoString(errno));
+  }
+}
+
 Status Discard(int fd, uint64_t n) {
   std::vector<char> sink(std::min<uint64_t>(n, 1 << 20));
   while (n > 0) {

@@ -24,8 +24,10 @@ struct Frame {
   uint64_t payload_len;
   uint32_t name_len;
   uint32_t flags;
+  uint64_t sig;          // the sender's OpSig of this op (kind, reduce op, strategy, root); 0: none
+  uint64_t digest;       // OpSig::digest
 };
-static_assert(sizeof(Frame) == 56, "frame header must be packed");
+static_assert(sizeof(Frame) == 72, "frame header must be packed");
 
 constexpr uint32_t kMagic = 0x3155464b;  // "KFU1"
 constexpr uint16_t kProto = 1;
@@ -41,12 +43,15 @@ enum FrameType : uint8_t {
   kBye = 6,
   kRequest = 7,  // asks for a stored blob; answered by kData or kMissing with the same key
   kMissing = 8,
+  kSig = 9,  // no payload: the sender's signature of op (name, seq), from a peer waiting on us
 };
 
 // Status codes for I/O. kEof is returned by ReadFull only when the stream ended before any byte.
 Status WriteFull(int fd, struct iovec* iov, int iovcnt);
 Status ReadFull(int fd, void* buf, size_t n, bool* eof_at_start = nullptr);
 Status Discard(int fd, uint64_t n);
+// One recv() of at most n bytes (bounded by the socket's timeout); *got > 0 on success.
+Status ReadSome(int fd, void* buf, size_t n, size_t* got);
 
 // Sends/receives timeouts on a blocking socket; a timed-out call fails with Unavailable.
 void SetTimeouts(int fd, int64_t ms);

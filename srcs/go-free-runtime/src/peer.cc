@@ -113,7 +113,7 @@ Handle Peer::Request(int target, const std::string& name, void* dst, size_t byte
                      const OpOptions& options) {
   OpOptions o = options;
   o.name = "p2p:" + name;
-  return Run("request", o, [=](Session& s, const OpContext& ctx) -> Status {
+  return Run(Sig(OpKind::kRequest, o), o, [=](Session& s, const OpContext& ctx) -> Status {
     KF_RETURN_IF_ERROR(CheckRoot(target, s.size()));
     if (target == rank_) {
       std::lock_guard<std::mutex> lk(store_mu_);
@@ -228,10 +228,20 @@ void Peer::Submit(std::function<void()> task) {
     return;
   }
   tasks_.push_back(std::move(task));
-  if (idle_workers_ == 0) {
-    workers_.emplace_back([this] { WorkerLoop(); });
-  } else {
+  if (idle_workers_ > 0) {
     pool_cv_.notify_one();
+    return;
+  }
+  try {
+    workers_.emplace_back([this] { WorkerLoop(); });
+  } catch (const std::exception&) {
+    // No thread to be had (out of memory or threads). A busy worker takes the task when it is
+    // free; with no worker at all, run it here rather than lose it.
+    if (!workers_.empty()) return;
+    auto mine = std::move(tasks_.back());
+    tasks_.pop_back();
+    lk.unlock();
+    mine();
   }
 }
 
@@ -253,10 +263,30 @@ void Peer::WorkerLoop() {
 // ---------------------------------------------------------------------------------------------
 // Operations.
 
-Handle Peer::Run(const char* kind, const OpOptions& options, Body body, bool collective) {
+OpSig Peer::Sig(OpKind kind, const OpOptions& options, int op, int root) const {
+  OpSig sig;
+  sig.kind = kind;
+  sig.op = op;
+  sig.root = root;
+  // A strategy asked for by name must match; the default may be changing under set_strategy
+  // on other threads, and whichever it is, the tags of its messages tell strategies apart.
+  sig.strategy = options.strategy;
+  sig.digest = options.digest;
+  return sig;
+}
+
+// 1. Number the op (name, seq). 2. On a worker: BeginOp, run the body, abort the op on every
+// peer if it failed, EndOp (no receive of it is left posted into the caller's buffers), and only
+// then complete the handle, which lets the caller free its buffers.
+Handle Peer::Run(OpSig sig, const OpOptions& options, Body body, bool collective) {
   Handle h;
+  const char* kind = OpKindName(sig.kind);
   OpContext ctx;
   ctx.name = options.name.empty() ? std::string("auto:") + kind : options.name;
+  if (ctx.name.find('\0') != std::string::npos) {
+    h.Complete(InvalidArgument("an operation name may not contain NUL"));
+    return h;
+  }
   {
     std::lock_guard<std::mutex> lk(seq_mu_);
     ctx.seq = next_seq_[ctx.name]++;
@@ -266,16 +296,24 @@ Handle Peer::Run(const char* kind, const OpOptions& options, Body body, bool col
   std::shared_ptr<Session> session = session_;
   const std::string what = std::string(kind) + " '" + ctx.name + "'";
   auto task = [=]() {
-    Status s = stopping_ ? Cancelled("peer stopped") : body(*session, ctx);
+    Transport& t = session->transport();
+    t.BeginOp(ctx.name, ctx.seq, sig);
+    Status s;
+    try {
+      s = stopping_ ? Cancelled("peer stopped") : body(*session, ctx);
+    } catch (const std::bad_alloc&) {
+      s = ResourceExhausted("out of memory");
+    } catch (const std::exception& e) {
+      s = Internal(std::string("unexpected error: ") + e.what());
+    }
     if (!s.ok()) {
       s = s.WithContext(what);
       // Whatever failed here (bad input, disagreement, a deadline, a peer that died or left),
       // peers may be waiting on this peer's part of the op: tell them at once. Best effort: a
       // peer that cannot be reached learns of the failure itself.
-      if (collective && s.code() != Code::kCancelled) {
-        session->transport().AbortOp(ctx.name, ctx.seq, s);
-      }
+      if (collective && s.code() != Code::kCancelled) t.AbortOp(ctx.name, ctx.seq, s);
     }
+    t.EndOp(ctx.name, ctx.seq);
     h.Complete(s);
   };
   if (size() == 1) {
@@ -289,7 +327,7 @@ Handle Peer::Run(const char* kind, const OpOptions& options, Body body, bool col
 
 Handle Peer::AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                        const OpOptions& options) {
-  return Run("allreduce", options, [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kAllReduce, options, static_cast<int>(op)), options, [=](Session& s, const OpContext& ctx) {
     KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
     KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
     return s.AllReduce(ctx, send, recv, count, dtype, op, options.strategy,
@@ -299,7 +337,7 @@ Handle Peer::AllReduce(const void* send, void* recv, size_t count, DType dtype, 
 
 Handle Peer::Reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, int root,
                     const OpOptions& options) {
-  return Run("reduce", options, [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kReduce, options, static_cast<int>(op), root), options, [=](Session& s, const OpContext& ctx) {
     KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
     KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
     KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
@@ -309,7 +347,7 @@ Handle Peer::Reduce(const void* send, void* recv, size_t count, DType dtype, Red
 
 Handle Peer::Broadcast(const void* send, void* recv, size_t count, DType dtype, int root,
                        const OpOptions& options) {
-  return Run("broadcast", options, [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kBroadcast, options, 0, root), options, [=](Session& s, const OpContext& ctx) {
     KF_RETURN_IF_ERROR(CheckDType(dtype));
     KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
     KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
@@ -319,7 +357,7 @@ Handle Peer::Broadcast(const void* send, void* recv, size_t count, DType dtype, 
 
 Handle Peer::AllGather(const void* send, size_t count, DType dtype,
                        std::shared_ptr<GatherResult> out, const OpOptions& options) {
-  return Run("allgather", options, [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kAllGather, options), options, [=](Session& s, const OpContext& ctx) {
     KF_RETURN_IF_ERROR(CheckDType(dtype));
     return s.AllGather(ctx, send, count, dtype, out.get());
   });
@@ -327,7 +365,7 @@ Handle Peer::AllGather(const void* send, size_t count, DType dtype,
 
 Handle Peer::Gather(const void* send, size_t count, DType dtype, int root,
                     std::shared_ptr<GatherResult> out, const OpOptions& options) {
-  return Run("gather", options, [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kGather, options, 0, root), options, [=](Session& s, const OpContext& ctx) {
     KF_RETURN_IF_ERROR(CheckDType(dtype));
     KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
     return s.Gather(ctx, send, count, dtype, root, out.get());
@@ -337,7 +375,7 @@ Handle Peer::Gather(const void* send, size_t count, DType dtype, int root,
 Handle Peer::Barrier(const OpOptions& options) {
   OpOptions o = options;
   if (o.name.empty()) o.name = "kungfu::barrier";
-  return Run("barrier", o, [](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kBarrier, o), o, [](Session& s, const OpContext& ctx) {
     uint8_t x = 1;
     return s.AllReduce(ctx, &x, &x, 1, DType::kUInt8, ReduceOp::kMax,
                        static_cast<int>(StrategyKind::kBinaryTreeStar),
@@ -346,11 +384,17 @@ Handle Peer::Barrier(const OpOptions& options) {
 }
 
 Handle Peer::Fail(const char* kind, const OpOptions& options, const Status& reason) {
-  return Run(kind, options, [reason](Session&, const OpContext&) { return reason; });
+  OpKind k = OpKind::kNone;
+  for (int i = 1; i <= static_cast<int>(OpKind::kRequest); ++i) {
+    if (std::string(OpKindName(static_cast<OpKind>(i))) == kind) k = static_cast<OpKind>(i);
+  }
+  OpOptions o = options;
+  if (o.name.empty() && k == OpKind::kBarrier) o.name = "kungfu::barrier";
+  return Run(Sig(k, o), o, [reason](Session&, const OpContext&) { return reason; });
 }
 
 Handle Peer::Consensus(const void* data, size_t bytes, bool* agreed, const OpOptions& options) {
-  return Run("consensus", options, [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kConsensus, options), options, [=](Session& s, const OpContext& ctx) {
     return s.Consensus(ctx, data, bytes, agreed);
   });
 }
@@ -358,7 +402,7 @@ Handle Peer::Consensus(const void* data, size_t bytes, bool* agreed, const OpOpt
 Handle Peer::SetStrategy(StrategyKind kind, const Tree& tree, const OpOptions& options) {
   OpOptions o = options;
   if (o.name.empty()) o.name = "kungfu::set-strategy";
-  return Run("set-strategy", o, [this, kind, tree](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kSetStrategy, o), o, [this, kind, tree](Session& s, const OpContext& ctx) {
     // Agree first, validate after: every peer takes part in the consensus whatever it was
     // given, so a proposal that is malformed on some peers only fails as a disagreement on all.
     std::vector<int32_t> proposal{static_cast<int32_t>(kind)};
@@ -385,6 +429,8 @@ Handle Peer::SetStrategy(StrategyKind kind, const Tree& tree, const OpOptions& o
 }
 
 std::pair<StrategyKind, Tree> Peer::DefaultStrategy() const { return session_->Default(); }
+
+Transport::Stats Peer::TransportStats() const { return session_->transport().stats(); }
 
 std::vector<StrategyCounter> Peer::StrategyCounters() const { return session_->Counters(); }
 

@@ -146,13 +146,18 @@ Status Session::AllReduceWith(const OpContext& ctx, const void* send, void* recv
   size_t finished = 0;
   Status first;
   for (size_t i = 1; i < parts; ++i) {
-    spawn([&, i] {
+    auto part = [&, i] {
       Status st = run_part(i);
       std::lock_guard<std::mutex> lk(mu);
       if (!st.ok() && first.ok()) first = st;
       ++finished;
       cv.notify_all();
-    });
+    };
+    try {
+      spawn(part);
+    } catch (const std::exception&) {  // no thread to be had: run it here, after the others
+      part();
+    }
   }
   Status st = run_part(0);
   std::unique_lock<std::mutex> lk(mu);
@@ -176,13 +181,14 @@ Status Session::DirectAllReduce(const OpContext& ctx, const void* send, void* re
                                 DType dtype, ReduceOp op) {
   const int n = size(), r = rank_;
   const size_t es = DTypeSize(dtype);
-  const uint64_t mine[3] = {static_cast<uint64_t>(getpid()), reinterpret_cast<uint64_t>(send),
-                            reinterpret_cast<uint64_t>(recv)};
+  // Addresses only: each peer's pid was bound to its stream's credentials by the probe, so a peer
+  // can point others only at its own memory.
+  const uint64_t mine[2] = {reinterpret_cast<uint64_t>(send), reinterpret_cast<uint64_t>(recv)};
   const MsgExpect where_meta{dtype, count, sizeof(mine)};
   const MsgExpect signal{dtype, count, 0};
   auto key = [&](uint64_t step) { return MsgKey{ctx.name, ctx.seq, Tag(kDirectPhase, 0, step, 0)}; };
   for (int i = 1; i < n; ++i) KF_RETURN_IF_ERROR(transport_.Send((r + i) % n, key(0), where_meta, mine));
-  std::vector<std::array<uint64_t, 3>> where(n);
+  std::vector<std::array<uint64_t, 2>> where(n);
   for (int i = 1; i < n; ++i) {
     const int src = (r + i) % n;
     Buffer in;
@@ -190,8 +196,13 @@ Status Session::DirectAllReduce(const OpContext& ctx, const void* send, void* re
     std::memcpy(where[src].data(), in.data(), sizeof(mine));
   }
   auto remote = [&](int src, uint64_t addr, void* dst, size_t bytes) {
-    Status st = net::ReadRemote(static_cast<int>(where[src][0]), addr, dst, bytes);
-    return st.ok() ? st : Unavailable("peer " + transport_.Describe(src) + ": " + st.message());
+    Status st = net::ReadRemote(direct_pids_[src], addr, dst, bytes);
+    if (st.ok()) return st;
+    // A live peer lets go of its buffers only after its op failed, and it sends its abort before
+    // that: report the abort, not the peer whose memory vanished (unless that peer is gone).
+    Status op = transport_.OpError(ctx.name, ctx.seq, std::chrono::milliseconds(1000));
+    if (!op.ok()) return op;
+    return Unavailable("peer " + transport_.Describe(src) + ": " + st.message());
   };
   {
     auto [b, e] = EvenPiece(count, n, r);
@@ -203,7 +214,7 @@ Status Session::DirectAllReduce(const OpContext& ctx, const void* send, void* re
       const char* acc = static_cast<const char*>(send) + off * es;
       for (int i = 1; i < n; ++i) {
         const int src = (r + i) % n;
-        KF_RETURN_IF_ERROR(remote(src, where[src][1] + off * es, scratch.data(), len * es));
+        KF_RETURN_IF_ERROR(remote(src, where[src][0] + off * es, scratch.data(), len * es));
         ::kungfu::Reduce(out, acc, scratch.data(), len, dtype, op);
         acc = out;
       }
@@ -216,7 +227,7 @@ Status Session::DirectAllReduce(const OpContext& ctx, const void* send, void* re
     KF_RETURN_IF_ERROR(transport_.Recv(src, key(1), signal, ctx.deadline, &none));
     auto [b, e] = EvenPiece(count, n, src);
     if (e > b) {
-      KF_RETURN_IF_ERROR(remote(src, where[src][2] + b * es, static_cast<char*>(recv) + b * es,
+      KF_RETURN_IF_ERROR(remote(src, where[src][1] + b * es, static_cast<char*>(recv) + b * es,
                                 (e - b) * es));
     }
   }
@@ -228,28 +239,44 @@ Status Session::DirectAllReduce(const OpContext& ctx, const void* send, void* re
   return Status::OK();
 }
 
+// The probe: each peer sends its pid and the address of a word holding its rank; a peer that
+// can read every other's word, from the pid that the kernel reports for that peer's Unix socket
+// (not the pid it claims), votes yes; DIRECT is on iff all vote yes.
 Status Session::ProbeDirect(TimePoint deadline) {
   direct_ok_ = false;
   const int n = size();
   if (n == 1 || MakeHostLayout(peers_).host_count() != 1) return Status::OK();
+  const std::string name = "kungfu::probe-direct";
+  transport_.BeginOp(name, 0, OpSig{OpKind::kInternal});
+  Status st = ProbeDirectOp(name, deadline);
+  transport_.EndOp(name, 0);
+  return st;
+}
+
+Status Session::ProbeDirectOp(const std::string& name, TimePoint deadline) {
+  const int n = size();
   probe_word_ = 0x6b756e6766750000ull ^ static_cast<uint64_t>(rank_);
   const uint64_t mine[2] = {static_cast<uint64_t>(getpid()), reinterpret_cast<uint64_t>(&probe_word_)};
   const MsgExpect meta{DType::kUInt64, 2, sizeof(mine)};
-  const MsgKey key{"kungfu::probe-direct", 0, Tag(kDirectPhase, 0, 0, 0)};
+  const MsgKey key{name, 0, Tag(kDirectPhase, 0, 0, 0)};
   for (int i = 1; i < n; ++i) KF_RETURN_IF_ERROR(transport_.Send((rank_ + i) % n, key, meta, mine));
   uint8_t ok = 1;
+  direct_pids_.assign(n, -1);
   for (int i = 1; i < n; ++i) {
     const int src = (rank_ + i) % n;
     Buffer in;
     KF_RETURN_IF_ERROR(transport_.Recv(src, key, meta, deadline, &in));
     uint64_t theirs[2], word = 0;
     std::memcpy(theirs, in.data(), sizeof(theirs));
-    if (!net::ReadRemote(static_cast<int>(theirs[0]), theirs[1], &word, sizeof(word)).ok() ||
+    const int pid = transport_.PeerPid(src);
+    if (pid <= 0 || static_cast<uint64_t>(pid) != theirs[0] ||
+        !net::ReadRemote(pid, theirs[1], &word, sizeof(word)).ok() ||
         word != (0x6b756e6766750000ull ^ static_cast<uint64_t>(src))) {
       ok = 0;
     }
+    direct_pids_[src] = pid;
   }
-  OpContext ctx{"kungfu::probe-direct/agree", 0, deadline};
+  OpContext ctx{SubOpName(name, "agree"), 0, deadline};
   KF_RETURN_IF_ERROR(AllReduce(ctx, &ok, &ok, 1, DType::kUInt8, ReduceOp::kMin,
                                static_cast<int>(StrategyKind::kBinaryTreeStar),
                                [](std::function<void()> f) { f(); }));
@@ -512,7 +539,15 @@ Status Session::Gather(const OpContext& ctx, const void* send, size_t count, DTy
   KF_RETURN_IF_ERROR(ExchangeCounts(ctx, count, root, &counts));
   const bool receiving = root < 0 || rank_ == root;
   std::vector<uint64_t> offsets(n + 1, 0);
-  for (int i = 0; i < n; ++i) offsets[i + 1] = offsets[i] + counts[i];
+  for (int i = 0; i < n; ++i) {
+    // Counts come from peers: a sum or size that overflows is an error, never a short buffer.
+    if (counts[i] > (UINT64_MAX - offsets[i]) || offsets[i] + counts[i] > (SIZE_MAX / 2) / es) {
+      return InvalidArgument("the gathered blocks are too large to hold (" +
+                             transport_.Describe(i) + " has " + std::to_string(counts[i]) +
+                             " elements)");
+    }
+    offsets[i + 1] = offsets[i] + counts[i];
+  }
   std::vector<std::shared_ptr<Transport::Posted>> posted;
   if (receiving) {
     out->counts = counts;
@@ -556,7 +591,7 @@ Status Session::Consensus(const OpContext& ctx, const void* data, size_t bytes, 
   const Spawner inline_spawn = [](std::function<void()> f) { f(); };
   int64_t lens[2] = {static_cast<int64_t>(bytes), -static_cast<int64_t>(bytes)};
   OpContext c1 = ctx;
-  c1.name = ctx.name + "/len";
+  c1.name = SubOpName(ctx.name, "len");
   KF_RETURN_IF_ERROR(AllReduce(c1, lens, lens, 2, DType::kInt64, ReduceOp::kMin,
                                static_cast<int>(StrategyKind::kBinaryTreeStar), inline_spawn));
   if (lens[0] != -lens[1]) {
@@ -570,7 +605,7 @@ Status Session::Consensus(const OpContext& ctx, const void* data, size_t bytes, 
     both[bytes + i] = static_cast<uint8_t>(~in[i]);
   }
   OpContext c2 = ctx;
-  c2.name = ctx.name + "/bytes";
+  c2.name = SubOpName(ctx.name, "bytes");
   KF_RETURN_IF_ERROR(AllReduce(c2, both.data(), both.data(), both.size(), DType::kUInt8,
                                ReduceOp::kMin, -1, inline_spawn));
   for (size_t i = 0; i < bytes; ++i) {

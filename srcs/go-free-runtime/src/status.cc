@@ -14,6 +14,7 @@ const char* CodeName(Code code) {
     case Code::kInternal: return "INTERNAL";
     case Code::kCancelled: return "CANCELLED";
     case Code::kNotFound: return "NOT_FOUND";
+    case Code::kResourceExhausted: return "RESOURCE_EXHAUSTED";
   }
   return "UNKNOWN";
 }

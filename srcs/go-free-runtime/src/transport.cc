@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 
+#include "kungfu/strategy.h"
 #include "net.h"
 
 namespace kungfu {
@@ -28,6 +29,7 @@ Pool& GlobalPool() {
   return *pool;
 }
 size_t SizeClass(size_t n) {
+  if (n > (size_t(1) << 62)) return n;  // no power of two above; the allocation fails anyway
   size_t c = kMinClass;
   while (c < n) c <<= 1;
   return c;
@@ -86,19 +88,94 @@ void Buffer::Release() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Operation signatures.
+
+const char* OpKindName(OpKind kind) {
+  switch (kind) {
+    case OpKind::kNone: return "an operation";
+    case OpKind::kAllReduce: return "allreduce";
+    case OpKind::kReduce: return "reduce";
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kAllGather: return "allgather";
+    case OpKind::kGather: return "gather";
+    case OpKind::kBarrier: return "barrier";
+    case OpKind::kConsensus: return "consensus";
+    case OpKind::kSetStrategy: return "set-strategy";
+    case OpKind::kRequest: return "request";
+    case OpKind::kInternal: return "internal";
+  }
+  return "an unknown operation";
+}
+
+uint64_t OpSig::Word() const {
+  return uint64_t(static_cast<uint8_t>(kind)) | uint64_t(static_cast<uint8_t>(op)) << 8 |
+         uint64_t(static_cast<uint8_t>(strategy + 1)) << 16 |
+         uint64_t(static_cast<uint32_t>(root + 1)) << 32;
+}
+
+OpSig OpSig::FromWire(uint64_t word, uint64_t digest) {
+  OpSig s;
+  s.kind = static_cast<OpKind>(word & 0xff);
+  s.op = static_cast<int>((word >> 8) & 0xff);
+  s.strategy = static_cast<int>((word >> 16) & 0xff) - 1;
+  s.root = static_cast<int>(static_cast<int64_t>(word >> 32) - 1);
+  s.digest = digest;
+  return s;
+}
+
+std::string OpSig::ToString() const {
+  std::string args;
+  auto add = [&](const std::string& a) { args += (args.empty() ? "" : ", ") + a; };
+  if (op != 0) add(ReduceOpName(static_cast<ReduceOp>(op)));
+  if (root >= 0) add("root " + std::to_string(root));
+  if (strategy >= 0) add(std::string("strategy ") + StrategyName(static_cast<StrategyKind>(strategy)));
+  if (digest != 0) add("shape digest " + std::to_string(digest % 100000));
+  return std::string(OpKindName(kind)) + "(" + args + ")";
+}
+
+std::string SubOpName(const std::string& name, const char* part) {
+  std::string s = name;
+  s += '\0';
+  s += part;
+  return s;
+}
+
+namespace {
+std::string BaseName(const std::string& name) {
+  size_t nul = name.find('\0');
+  return nul == std::string::npos ? name : name.substr(0, nul);
+}
+constexpr uint64_t kMaxAbortMessage = 64 << 10;
+// How long a wait goes before it tells the peer what it waits for (a kSig frame). Long enough to
+// cost nothing while peers agree (their data arrives first), short against any op deadline.
+constexpr auto kAnnounceAfter = std::chrono::milliseconds(200);
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
 // Mailbox slots.
 
 struct Transport::Slot {
   enum State { kWaiting, kPosted, kReading, kArrived, kDone, kFailed };
   State state = kWaiting;
   std::condition_variable cv;
-  // Posted receives.
+  // Posted receives. `cancel` asks the reader filling dst to stop writing into it.
   void* dst = nullptr;
   MsgExpect expect;
-  // Arrived messages.
+  std::atomic<bool> cancel{false};
+  // Arrived messages; `unclaimed` of their bytes count against max_unclaimed_bytes.
   Buffer buffer;
+  uint64_t unclaimed = 0;
   net::Frame frame{};
   Status error;
+};
+
+struct Transport::OpRecord {
+  bool begun = false;
+  OpSig sig;                 // this peer's, once begun
+  Status error;              // a disagreement this peer found
+  int first_src = -1;        // the first peer whose message arrived before the op began
+  OpSig first_remote;
+  std::vector<std::string> slots;  // ids of the op's posted receives and filed messages
 };
 
 struct Transport::Posted {
@@ -148,6 +225,139 @@ std::string Transport::SlotId(int src, const MsgKey& key) const {
   id += '#';
   id += std::to_string(key.tag);
   return id;
+}
+
+namespace {
+Status Disagreement(const std::string& src, const OpSig& theirs, const std::string& self,
+                    const OpSig& mine, const std::string& name) {
+  return InvalidArgument("peers called different operations under one name '" + name + "': " +
+                         src + " called " + theirs.ToString() + ", " + self + " called " +
+                         mine.ToString());
+}
+}  // namespace
+
+void Transport::BeginOp(const std::string& name, uint64_t seq, const OpSig& sig) {
+  std::lock_guard<std::mutex> lk(mu_);
+  OpRecord& rec = ops_[{name, seq}];
+  rec.begun = true;
+  rec.sig = sig;
+  if (rec.first_src >= 0 && rec.first_remote != sig && rec.error.ok()) {
+    rec.error = Disagreement(Describe(rec.first_src), rec.first_remote,
+                             "this peer " + Describe(rank_), sig, name);
+  }
+}
+
+void Transport::EndOp(const std::string& name, uint64_t seq) {
+  std::unique_lock<std::mutex> lk(mu_);
+  const OpKey op{name, seq};
+  Finished& fin = finished_[name];
+  if (seq >= fin.below) fin.above.insert(seq);
+  while (!fin.above.empty() && *fin.above.begin() == fin.below) {
+    fin.above.erase(fin.above.begin());
+    ++fin.below;
+  }
+  aborted_.erase(op);
+  auto it = ops_.find(op);
+  if (it == ops_.end()) return;
+  std::vector<std::string> ids = std::move(it->second.slots);
+  ops_.erase(it);
+  for (const std::string& id : ids) {
+    auto s = slots_.find(id);
+    if (s == slots_.end()) continue;
+    std::shared_ptr<Slot> slot = s->second;
+    // A reader copying into the op's buffer finishes (or abandons) that copy before we return.
+    while (slot->state == Slot::kReading) {
+      slot->cancel = true;
+      slot->cv.wait_for(lk, std::chrono::milliseconds(100));
+    }
+    TakeUnclaimed(slot.get());
+    slot->buffer = Buffer();
+    if (slot->state == Slot::kPosted || slot->state == Slot::kWaiting) {
+      slot->state = Slot::kFailed;
+      slot->error = Cancelled("the operation ended");
+    }
+    auto again = slots_.find(id);
+    if (again != slots_.end() && again->second == slot) slots_.erase(again);
+  }
+}
+
+Status Transport::OpErrorLocked(const OpKey& op) const {
+  auto a = aborted_.find(op);
+  if (a != aborted_.end()) return a->second;
+  auto r = ops_.find(op);
+  if (r != ops_.end() && !r->second.error.ok()) return r->second.error;
+  return Status::OK();
+}
+
+Status Transport::OpError(const std::string& name, uint64_t seq, std::chrono::milliseconds wait) {
+  const OpKey op{BaseName(name), seq};
+  const TimePoint until = Clock::now() + wait;
+  std::unique_lock<std::mutex> lk(mu_);
+  while (true) {
+    Status s = OpErrorLocked(op);
+    if (!s.ok() || Clock::now() >= until) return s;
+    lk.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    lk.lock();
+  }
+}
+
+bool Transport::IsFinished(const OpKey& op) const {
+  auto it = finished_.find(op.first);
+  return it != finished_.end() && (op.second < it->second.below || it->second.above.count(op.second));
+}
+
+void Transport::TrackSlot(const OpKey& op, const std::string& id) { ops_[op].slots.push_back(id); }
+
+void Transport::NoteRemoteSig(int src, const OpKey& op, const net::Frame& f) {
+  if (f.sig == 0 || IsFinished(op)) return;  // 0: a reply from a blob store, no peer's own op
+  OpRecord& rec = ops_[op];
+  OpSig theirs = OpSig::FromWire(f.sig, f.digest);
+  if (!rec.begun) {
+    if (rec.first_src < 0) {
+      rec.first_src = src;
+      rec.first_remote = theirs;
+    }
+  } else if (theirs != rec.sig && rec.error.ok()) {
+    rec.error = Disagreement("peer " + Describe(src), theirs, "this peer " + Describe(rank_),
+                             rec.sig, op.first);
+    for (auto& kv : slots_) kv.second->cv.notify_all();
+  }
+}
+
+void Transport::TakeUnclaimed(Slot* slot) {
+  unclaimed_bytes_ -= slot->unclaimed;
+  slot->unclaimed = 0;
+}
+
+// For a deadline message: operations this peer has not started that `src` sent messages for (the
+// usual cause is peers that called operations under different names).
+std::string Transport::UnstartedFrom(int src) const {
+  std::string names;
+  int n = 0;
+  for (const auto& kv : ops_) {
+    if (kv.second.begun || kv.second.first_src != src) continue;
+    if (n++ == 3) {
+      names += ", ...";
+      break;
+    }
+    names += (names.empty() ? "" : ", ") + ("'" + kv.first.first + "' #" +
+                                            std::to_string(kv.first.second) + " (" +
+                                            kv.second.first_remote.ToString() + ")");
+  }
+  if (names.empty()) return "";
+  return "; it sent messages for operations this peer has not started: " + names;
+}
+
+int Transport::PeerPid(int src) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (src < 0 || src >= size() || in_fds_[src] < 0) return -1;
+  struct ucred cred {};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(in_fds_[src], SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.pid <= 0) {
+    return -1;
+  }
+  return cred.pid;
 }
 
 Status Transport::ConnectAll(TimePoint deadline) {
@@ -252,13 +462,24 @@ Status Transport::Fail(const Status& s) {
   return failure_.ok() ? s : failure_;
 }
 
+Transport::Stats Transport::stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  Stats s;
+  s.unclaimed_bytes = unclaimed_bytes_;
+  s.slots = slots_.size();
+  s.ops = ops_.size();
+  s.aborts = aborted_.size();
+  return s;
+}
+
 Status Transport::failure() const {
   std::lock_guard<std::mutex> lk(mu_);
   return failure_;
 }
 
 Status Transport::SendFrame(int dst, uint8_t type, const MsgKey& key, const MsgExpect& meta,
-                            const void* payload, uint64_t payload_len, bool wait_for_stream) {
+                            const void* payload, uint64_t payload_len, bool wait_for_stream,
+                            const OpSig& sig) {
   Outgoing& o = *out_[dst];
   net::Frame f{};
   f.magic = net::kMagic;
@@ -271,6 +492,8 @@ Status Transport::SendFrame(int dst, uint8_t type, const MsgKey& key, const MsgE
   f.total_count = meta.total_count;
   f.payload_len = payload_len;
   f.name_len = static_cast<uint32_t>(key.name.size());
+  f.sig = sig.Word();
+  f.digest = sig.digest;
   struct iovec iov[3] = {{&f, sizeof(f)},
                          {const_cast<char*>(key.name.data()), key.name.size()},
                          {const_cast<void*>(payload), static_cast<size_t>(payload_len)}};
@@ -289,42 +512,69 @@ Status Transport::SendFrame(int dst, uint8_t type, const MsgKey& key, const MsgE
 }
 
 Status Transport::Send(int dst, const MsgKey& key, const MsgExpect& meta, const void* data) {
+  OpSig sig;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (!failure_.ok()) return failure_;
     if (closed_) return Cancelled("peer stopped");
     if (peer_left_[dst]) return Unavailable("peer " + Describe(dst) + " has left");
+    auto it = ops_.find({BaseName(key.name), key.seq});
+    if (it != ops_.end() && it->second.begun) sig = it->second.sig;
   }
-  Status s = SendFrame(dst, net::kData, key, meta, data, meta.bytes);
+  Status s = SendFrame(dst, net::kData, key, meta, data, meta.bytes, true, sig);
   if (!s.ok()) {
     return Fail(Unavailable("peer " + Describe(dst) + " is unreachable: " + s.message()));
   }
   return s;
 }
 
-Status Transport::OpAborted(const std::string& name, uint64_t seq) const {
-  auto it = aborted_.find({name, seq});
-  return it == aborted_.end() ? Status::OK() : it->second;
-}
-
+// Waits until `slot` holds its message, or the wait must end: the op was aborted or peers
+// disagree on it, the transport failed or closed, the sender left, or the deadline passed.
 Status Transport::WaitState(std::unique_lock<std::mutex>& lk, Slot* slot, int src,
                             TimePoint deadline, const MsgKey& key) {
+  const OpKey op{BaseName(key.name), key.seq};
+  const TimePoint announce_at = Clock::now() + kAnnounceAfter;
+  bool announced = false;
   while (true) {
-    if (slot->state == Slot::kArrived || slot->state == Slot::kDone) return Status::OK();
-    if (slot->state == Slot::kFailed) return slot->error;
-    // A reader is filling the posted buffer: wait for it even past the deadline (its own reads
-    // are bounded by the peer timeout), so the buffer is never written after we return.
-    if (slot->state != Slot::kReading) {
-      Status aborted = OpAborted(key.name, key.seq);
-      if (!aborted.ok()) return aborted;
-      if (!failure_.ok()) return failure_;
-      if (closed_) return Cancelled("peer stopped");
-      if (peer_left_[src]) return Unavailable("peer " + Describe(src) + " has left");
-      if (Clock::now() >= deadline) {
-        return DeadlineExceeded("no message from peer " + Describe(src) + " before the deadline");
-      }
+    Status op_error = OpErrorLocked(op);
+    Status stop = op_error;
+    if (stop.ok()) stop = failure_;
+    if (stop.ok() && closed_) stop = Cancelled("peer stopped");
+    if (stop.ok() && peer_left_[src]) stop = Unavailable("peer " + Describe(src) + " has left");
+    if (stop.ok() && Clock::now() >= deadline) {
+      stop = DeadlineExceeded("no message from peer " + Describe(src) + " before the deadline" +
+                              UnstartedFrom(src));
     }
-    slot->cv.wait_until(lk, std::min(deadline, Clock::now() + std::chrono::milliseconds(500)));
+    if (slot->state == Slot::kReading) {
+      // The reader is writing into the posted buffer: never return while it does. If the wait
+      // must end, ask it to stop; it abandons the message at its next recv().
+      if (!stop.ok()) slot->cancel = true;
+      slot->cv.wait_for(lk, std::chrono::milliseconds(stop.ok() ? 500 : 20));
+      continue;
+    }
+    if (slot->state == Slot::kArrived || slot->state == Slot::kDone) {
+      // Data that made it is still no success for an op that failed elsewhere.
+      return op_error;
+    }
+    if (slot->state == Slot::kFailed) return slot->cancel ? stop : slot->error;
+    if (!stop.ok()) return stop;
+    if (!announced && Clock::now() >= announce_at) {
+      // Waiting long on a peer: tell it what we called. If it waits on us for another operation
+      // under this name (each waiting for the other to send first), both find out now.
+      auto it = ops_.find(op);
+      if (it != ops_.end() && it->second.begun) {
+        const OpSig sig = it->second.sig;
+        lk.unlock();
+        Status sent = SendFrame(src, net::kSig, MsgKey{op.first, op.second, 0}, MsgExpect{}, nullptr,
+                                0, /*wait_for_stream=*/false, sig);
+        lk.lock();
+        announced = sent.ok() || sent.message().find("busy") == std::string::npos;
+        continue;
+      }
+      announced = true;
+    }
+    slot->cv.wait_until(lk, std::min({deadline, announced ? deadline : announce_at,
+                                      Clock::now() + std::chrono::milliseconds(500)}));
   }
 }
 
@@ -336,8 +586,13 @@ Status Transport::Recv(int src, const MsgKey& key, const MsgExpect& expect, Time
   if (!ref) ref = std::make_shared<Slot>();
   std::shared_ptr<Slot> slot = ref;
   Status s = WaitState(lk, slot.get(), src, deadline, key);
-  slots_.erase(id);
-  if (!s.ok()) return s;
+  auto it = slots_.find(id);
+  if (it != slots_.end() && it->second == slot) slots_.erase(it);
+  TakeUnclaimed(slot.get());
+  if (!s.ok()) {
+    slot->buffer = Buffer();
+    return s;
+  }
   lk.unlock();
   s = CheckFrame(slot->frame, expect, "message from " + Describe(src));
   if (!s.ok()) return s;
@@ -357,6 +612,7 @@ std::shared_ptr<Transport::Posted> Transport::Post(int src, const MsgKey& key,
     // The message came first: copy it out of its pooled buffer.
     std::shared_ptr<Slot> slot = ref;
     slots_.erase(posted->id);
+    TakeUnclaimed(slot.get());
     lk.unlock();
     Status s = CheckFrame(slot->frame, expect, "message from " + Describe(src));
     if (s.ok() && expect.bytes > 0) std::memcpy(dst, slot->buffer.data(), expect.bytes);
@@ -371,6 +627,7 @@ std::shared_ptr<Transport::Posted> Transport::Post(int src, const MsgKey& key,
   ref->dst = dst;
   ref->expect = expect;
   posted->slot = ref;
+  TrackSlot({BaseName(key.name), key.seq}, posted->id);
   return posted;
 }
 
@@ -379,6 +636,10 @@ Status Transport::Wait(const std::shared_ptr<Posted>& posted, TimePoint deadline
   Status s = WaitState(lk, posted->slot.get(), posted->src, deadline, posted->key);
   auto it = slots_.find(posted->id);
   if (it != slots_.end() && it->second == posted->slot) slots_.erase(it);
+  if (posted->slot->state == Slot::kPosted) {  // nobody may write into it any more
+    posted->slot->state = Slot::kFailed;
+    posted->slot->error = s;
+  }
   return s;
 }
 
@@ -394,10 +655,11 @@ Status Transport::SendRequest(int dst, const MsgKey& key, const std::string& blo
   return s;
 }
 
-void Transport::AbortOp(const std::string& name, uint64_t seq, const Status& reason) {
+void Transport::AbortOp(const std::string& full_name, uint64_t seq, const Status& reason) {
+  const std::string name = BaseName(full_name);
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (aborted_.count({name, seq})) return;  // already known: don't echo it back
+    if (aborted_.count({name, seq}) || IsFinished({name, seq})) return;  // don't echo it back
     aborted_[{name, seq}] = reason;
     for (auto& kv : slots_) kv.second->cv.notify_all();
   }
@@ -405,6 +667,7 @@ void Transport::AbortOp(const std::string& name, uint64_t seq, const Status& rea
   MsgExpect meta;
   std::string msg = std::to_string(static_cast<int>(reason.code())) + ":on peer " +
                     Describe(rank_) + ": " + reason.message();
+  if (msg.size() > kMaxAbortMessage) msg.resize(kMaxAbortMessage);
   for (int dst = 0; dst < size(); ++dst) {
     if (dst == rank_) continue;
     // Best effort: a peer we cannot reach fails on its own.
@@ -466,6 +729,11 @@ void Transport::ReadFrames(int src, int fd) {
       return;
     }
     if (f.type == net::kAbort) {
+      if (f.payload_len > kMaxAbortMessage) {
+        Fail(Unavailable(who + " sent an abort message of " + std::to_string(f.payload_len) +
+                         " bytes (at most " + std::to_string(kMaxAbortMessage) + ")"));
+        return;
+      }
       std::string msg(f.payload_len, '\0');
       s = net::ReadFull(fd, msg.data(), msg.size());
       if (!s.ok()) {
@@ -474,14 +742,20 @@ void Transport::ReadFrames(int src, int fd) {
       }
       size_t colon = msg.find(':');
       int code = colon == std::string::npos ? 0 : std::atoi(msg.substr(0, colon).c_str());
-      Code c = (code >= 1 && code <= 6) ? static_cast<Code>(code) : Code::kInternal;
+      Code c = (code >= 1 && code <= 7) ? static_cast<Code>(code) : Code::kInternal;
+      const OpKey op{BaseName(key.name), key.seq};
       std::lock_guard<std::mutex> lk(mu_);
-      aborted_.emplace(std::make_pair(key.name, key.seq),
-                       Status(c, msg.substr(colon == std::string::npos ? 0 : colon + 1)));
+      if (IsFinished(op)) continue;  // late: the op is over here
+      aborted_.emplace(op, Status(c, msg.substr(colon == std::string::npos ? 0 : colon + 1)));
       for (auto& kv : slots_) kv.second->cv.notify_all();
       continue;
     }
     if (f.type == net::kRequest) {
+      if (f.payload_len > net::kMaxNameLen) {
+        Fail(Unavailable(who + " sent a request for a blob name of " +
+                         std::to_string(f.payload_len) + " bytes"));
+        return;
+      }
       std::string blob(f.payload_len, '\0');
       s = net::ReadFull(fd, blob.data(), blob.size());
       if (!s.ok()) {
@@ -508,61 +782,118 @@ void Transport::ReadFrames(int src, int fd) {
       }
       continue;
     }
+    if (f.type == net::kSig) {  // a peer waiting on us says what it called
+      if (f.payload_len != 0) {
+        Fail(Unavailable(who + " sent a malformed frame"));
+        return;
+      }
+      std::lock_guard<std::mutex> lk(mu_);
+      NoteRemoteSig(src, {BaseName(key.name), key.seq}, f);
+      continue;
+    }
     if (f.type != net::kData) {
       Fail(Unavailable(who + " sent an unknown frame type " + std::to_string(f.type)));
       return;
     }
-    // A data message: straight into a posted buffer if there is one, else into a pooled buffer.
-    std::string id = SlotId(src, key);
+    // A data message: dropped if its op is over here, else straight into a posted buffer if
+    // there is one, else into a pooled buffer filed under its key.
+    const std::string id = SlotId(src, key);
+    const OpKey op{BaseName(key.name), key.seq};
     std::shared_ptr<Slot> slot;
+    bool drop = false, over_cap = false;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      auto it = slots_.find(id);
-      if (it != slots_.end() && it->second->state == Slot::kPosted) {
-        slot = it->second;
-        Status check = CheckFrame(f, slot->expect, "message from " + Describe(src));
-        if (check.ok()) {
-          slot->state = Slot::kReading;
-        } else {
-          slot->state = Slot::kFailed;
-          slot->error = check;
-          slot->cv.notify_all();
-          slot = nullptr;
-          s = check;
+      if (IsFinished(op)) {
+        drop = true;
+      } else {
+        NoteRemoteSig(src, op, f);
+        OpRecord& rec = ops_[op];
+        auto it = slots_.find(id);
+        if (it != slots_.end() && it->second->state == Slot::kPosted) {
+          slot = it->second;
+          Status check = rec.error.ok() ? CheckFrame(f, slot->expect, "message from " + Describe(src))
+                                        : rec.error;
+          if (check.ok()) {
+            slot->state = Slot::kReading;
+          } else {
+            slot->state = Slot::kFailed;
+            slot->error = check;
+            slot->cv.notify_all();
+            slot = nullptr;
+            drop = true;
+          }
+        } else if (unclaimed_bytes_ + f.payload_len > options_.max_unclaimed_bytes) {
+          over_cap = true;
         }
       }
     }
+    if (over_cap) {
+      Fail(ResourceExhausted(who + " sent " + std::to_string(f.payload_len) + " bytes that no "
+                             "operation here has asked for, beyond the " +
+                             std::to_string(options_.max_unclaimed_bytes) +
+                             " bytes kept for early messages"));
+      return;
+    }
     if (slot) {
-      Status r = net::ReadFull(fd, slot->dst, f.payload_len);
-      std::lock_guard<std::mutex> lk(mu_);
-      slot->state = r.ok() ? Slot::kDone : Slot::kFailed;
-      slot->error = r;
-      slot->cv.notify_all();
+      // Into the caller's buffer, one recv() at a time, so that a wait that must end can stop
+      // us between two (slot->cancel): the rest of the message is then discarded.
+      char* dst = static_cast<char*>(slot->dst);
+      uint64_t left = f.payload_len;
+      Status r;
+      bool cancelled = false;
+      while (left > 0 && !cancelled) {
+        cancelled = slot->cancel;
+        if (cancelled) break;
+        size_t got = 0;
+        r = net::ReadSome(fd, dst, static_cast<size_t>(std::min<uint64_t>(left, 4 << 20)), &got);
+        if (!r.ok()) break;
+        dst += got;
+        left -= got;
+      }
+      {
+        // Done with the buffer, whatever happens to the rest of the message.
+        std::lock_guard<std::mutex> lk(mu_);
+        slot->state = r.ok() && !cancelled ? Slot::kDone : Slot::kFailed;
+        slot->error = cancelled ? Cancelled("receive abandoned") : r;
+        slot->cv.notify_all();
+      }
+      if (r.ok() && cancelled) r = net::Discard(fd, left);
       if (!r.ok()) {
-        failure_ = Unavailable(who + ": " + r.message());
+        std::lock_guard<std::mutex> lk(mu_);
+        if (failure_.ok() && !closed_) failure_ = Unavailable(who + ": " + r.message());
         for (auto& kv : slots_) kv.second->cv.notify_all();
         return;
       }
       continue;
     }
-    if (!s.ok()) {  // mismatch against a posted receive: the op fails; drop the payload
+    if (drop) {
       if (!net::Discard(fd, f.payload_len).ok()) {
         Fail(Unavailable(who + ": connection broken"));
         return;
       }
       continue;
     }
-    Buffer buf(f.payload_len);
+    Buffer buf;
+    try {
+      buf = Buffer(f.payload_len);
+    } catch (const std::bad_alloc&) {
+      Fail(ResourceExhausted(who + " sent a message of " + std::to_string(f.payload_len) +
+                             " bytes that no operation here has asked for yet, and there is no "
+                             "memory to keep it"));
+      return;
+    }
     s = net::ReadFull(fd, buf.data(), f.payload_len);
     if (!s.ok()) {
       Fail(Unavailable(who + ": " + s.message()));
       return;
     }
     std::unique_lock<std::mutex> lk(mu_);
+    if (IsFinished(op)) continue;  // the op ended while we read
     auto& ref = slots_[id];
     if (!ref) ref = std::make_shared<Slot>();
     if (ref->state == Slot::kPosted) {  // posted while we were reading
-      Status check = CheckFrame(f, ref->expect, "message from " + Describe(src));
+      Status check = OpErrorLocked(op);
+      if (check.ok()) check = CheckFrame(f, ref->expect, "message from " + Describe(src));
       if (check.ok() && f.payload_len > 0) std::memcpy(ref->dst, buf.data(), f.payload_len);
       ref->state = check.ok() ? Slot::kDone : Slot::kFailed;
       ref->error = check;
@@ -571,7 +902,10 @@ void Transport::ReadFrames(int src, int fd) {
     }
     ref->frame = f;
     ref->buffer = std::move(buf);
+    ref->unclaimed = f.payload_len;
+    unclaimed_bytes_ += f.payload_len;
     ref->state = Slot::kArrived;
+    TrackSlot(op, id);
     ref->cv.notify_all();
   }
 }

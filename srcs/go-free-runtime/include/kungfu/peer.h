@@ -124,13 +124,16 @@ class Peer {
   // Call it between operations: one already running keeps the strategy it started with.
   Handle SetStrategy(StrategyKind kind, const Tree& tree, const OpOptions& options);
   std::pair<StrategyKind, Tree> DefaultStrategy() const;
+  Transport::Stats TransportStats() const;
   std::vector<StrategyCounter> StrategyCounters() const;
 
  private:
   explicit Peer(const PeerConfig& config);
   using Body = std::function<Status(Session&, const struct OpContext&)>;
   // collective: failures other than a dead peer abort the op on every peer.
-  Handle Run(const char* kind, const OpOptions& options, Body body, bool collective = true);
+  // sig: what every peer must have called (see Transport::BeginOp); its kind names the op.
+  Handle Run(OpSig sig, const OpOptions& options, Body body, bool collective = true);
+  OpSig Sig(OpKind kind, const OpOptions& options, int op = 0, int root = -1) const;
   void AcceptLoop();
   void HandleIncoming(int fd);
   void Submit(std::function<void()> task);

@@ -76,6 +76,7 @@ class Session {
   Status ReduceTree(const OpContext& ctx, const Part& p, const Tree& tree);
   Status BroadcastTree(const OpContext& ctx, const Part& p, const Tree& tree);
   Status Verdict(const OpContext& ctx, const Tree& tree);
+  Status ProbeDirectOp(const std::string& name, TimePoint deadline);
   Status ExchangeCounts(const OpContext& ctx, uint64_t count, int root, std::vector<uint64_t>* counts);
 
   const PeerList peers_;
@@ -88,6 +89,7 @@ class Session {
   const int parallelism_;
   bool direct_ok_ = false;
   uint64_t probe_word_ = 0;
+  std::vector<int> direct_pids_;  // per rank: the pid DIRECT reads from, bound by the probe
   Transport transport_;
 };
 

@@ -14,6 +14,7 @@ enum class Code : int {
   kInternal = 4,          // a broken invariant or an OS error we cannot attribute to a peer
   kCancelled = 5,         // the peer was stopped while the operation was pending
   kNotFound = 6,          // a peer has no blob of the requested name
+  kResourceExhausted = 7, // out of memory or threads, or a peer sent more than we keep
 };
 
 class Status {
@@ -43,6 +44,9 @@ inline Status Unavailable(std::string m) { return Status(Code::kUnavailable, std
 inline Status Internal(std::string m) { return Status(Code::kInternal, std::move(m)); }
 inline Status Cancelled(std::string m) { return Status(Code::kCancelled, std::move(m)); }
 inline Status NotFound(std::string m) { return Status(Code::kNotFound, std::move(m)); }
+inline Status ResourceExhausted(std::string m) {
+  return Status(Code::kResourceExhausted, std::move(m));
+}
 
 const char* CodeName(Code code);
 

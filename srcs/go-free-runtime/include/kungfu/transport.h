@@ -18,6 +18,22 @@
 // Op-level errors (peers disagree on an operation's size or dtype) are broadcast as ABORT
 // messages so every peer's instance of that operation fails with the same message.
 //
+// Operation lifetime and buffer ownership (what keeps a failed operation from writing into memory
+// its caller has let go of):
+//  1. BeginOp(name, seq, sig) before the operation's first message. Every frame it sends carries
+//     sig (kind, reduce op, strategy, root, digest); every data frame received for it is checked
+//     against its own, so peers that called different operations under one name fail at once with
+//     both named, instead of computing garbage or waiting for the deadline.
+//  2. Receives are posted into the caller's buffers. A wait never returns while the reader is
+//     writing into a posted buffer; if the wait must end (deadline, abort, failure) it asks the
+//     reader to stop, and the reader discards the rest of that message (at most one recv() later).
+//  3. EndOp(name, seq) when the operation ends, however it ends: every receive it still has
+//     posted is cancelled (waiting out a reader mid-copy as in 2), every message filed for it is
+//     freed, and its name and sequence number are marked finished. Messages and aborts for a
+//     finished operation are dropped on arrival. Only after EndOp may the caller's buffers go.
+// Sub-operations of one operation (consensus's two allreduces) use SubOpName(name, part): they
+// share its sequence number, signature and lifetime.
+//
 // Lock order: Transport::mu_ before nothing; each outgoing stream's send mutex is taken alone.
 #pragma once
 #include <atomic>
@@ -28,6 +44,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -38,6 +55,9 @@
 #include "kungfu/status.h"
 
 namespace kungfu {
+namespace net {
+struct Frame;
+}
 
 using Clock = std::chrono::steady_clock;
 using TimePoint = Clock::time_point;
@@ -63,6 +83,30 @@ class Buffer {
   size_t capacity_ = 0;
 };
 
+// What every peer must agree on for one operation, beyond dtype and count (which each message
+// carries): stamped into every frame of the operation and compared on arrival.
+enum class OpKind : uint8_t {
+  kNone = 0, kAllReduce, kReduce, kBroadcast, kAllGather, kGather, kBarrier, kConsensus,
+  kSetStrategy, kRequest, kInternal,
+};
+const char* OpKindName(OpKind kind);
+struct OpSig {
+  OpKind kind = OpKind::kNone;
+  int op = 0;         // a ReduceOp, or 0
+  int strategy = -1;  // a StrategyKind, or -1
+  int root = -1;      // rooted operations, or -1
+  uint64_t digest = 0;  // anything else that must match (a tensor's trailing shape), or 0
+  uint64_t Word() const;
+  static OpSig FromWire(uint64_t word, uint64_t digest);
+  bool operator==(const OpSig& o) const { return Word() == o.Word() && digest == o.digest; }
+  bool operator!=(const OpSig& o) const { return !(*this == o); }
+  std::string ToString() const;  // "allreduce(max)", "broadcast(root 1, strategy STAR)"
+};
+
+// The name under which part `part` of operation `name` sends its messages (NUL-separated, so it
+// cannot collide with a user's name; user names with NUL are refused).
+std::string SubOpName(const std::string& name, const char* part);
+
 // What identifies one message of one operation.
 struct MsgKey {
   std::string name;
@@ -81,6 +125,9 @@ struct MsgExpect {
 struct TransportOptions {
   int64_t peer_timeout_ms = 10000;
   int64_t heartbeat_ms = 1000;
+  // Messages that arrived before any operation asked for them are kept up to this many bytes in
+  // all; a peer that sends more fails the transport (ResourceExhausted) instead of filling memory.
+  uint64_t max_unclaimed_bytes = uint64_t(4) << 30;
 };
 
 class Transport {
@@ -94,6 +141,17 @@ class Transport {
   Status AttachIncoming(int src, int fd);
   // Waits until every peer's incoming stream is attached.
   Status WaitIncoming(TimePoint deadline);
+
+  // Operation lifetime (see the protocol above). EndOp may wait for a reader mid-copy into one of
+  // the operation's buffers (at most one recv(), bounded by the peer timeout).
+  void BeginOp(const std::string& name, uint64_t seq, const OpSig& sig);
+  void EndOp(const std::string& name, uint64_t seq);
+  // The abort or disagreement that fails operation (name, seq), or OK; waits up to `wait` for one
+  // to arrive (a peer that let go of its buffers has already sent its abort).
+  Status OpError(const std::string& name, uint64_t seq, std::chrono::milliseconds wait);
+  // The pid of the process at the other end of peer src's incoming stream (a Unix socket's
+  // credentials), or -1 when it is not known (TCP).
+  int PeerPid(int src) const;
 
   // Sends one data message; blocks only while the OS send buffer is full.
   Status Send(int dst, const MsgKey& key, const MsgExpect& meta, const void* data);
@@ -126,6 +184,14 @@ class Transport {
   void AbortOp(const std::string& name, uint64_t seq, const Status& reason);
   // The first fatal error, or OK.
   Status failure() const;
+  // What the transport holds for operations: all zero between operations, whatever failed.
+  struct Stats {
+    uint64_t unclaimed_bytes = 0;  // messages no operation has taken yet
+    size_t slots = 0;              // posted receives and filed messages
+    size_t ops = 0;                // operation records (begun, or messages arrived for)
+    size_t aborts = 0;             // aborts of unfinished operations
+  };
+  Stats stats() const;
   // Says goodbye to every peer and closes all streams; pending waits fail with Cancelled.
   void Close();
 
@@ -142,6 +208,12 @@ class Transport {
 
  private:
   struct Slot;
+  struct OpRecord;
+  struct Finished {  // finished sequence numbers of one name: all below `below`, and `above`
+    uint64_t below = 0;
+    std::set<uint64_t> above;
+  };
+  using OpKey = std::pair<std::string, uint64_t>;  // base name, seq
   struct Outgoing {
     std::mutex mu;          // one frame at a time
     std::atomic<int> fd{-1};  // read without mu only by CutOutgoing
@@ -153,9 +225,16 @@ class Transport {
   void HeartbeatLoop();
   Status Fail(const Status& s);
   Status SendFrame(int dst, uint8_t type, const MsgKey& key, const MsgExpect& meta,
-                   const void* payload, uint64_t payload_len, bool wait_for_stream = true);
+                   const void* payload, uint64_t payload_len, bool wait_for_stream = true,
+                   const OpSig& sig = OpSig());
   std::string SlotId(int src, const MsgKey& key) const;
-  Status OpAborted(const std::string& name, uint64_t seq) const;  // requires mu_
+  // These require mu_.
+  Status OpErrorLocked(const OpKey& op) const;
+  bool IsFinished(const OpKey& op) const;
+  void TrackSlot(const OpKey& op, const std::string& id);
+  void NoteRemoteSig(int src, const OpKey& op, const net::Frame& f);
+  void TakeUnclaimed(Slot* slot);
+  std::string UnstartedFrom(int src) const;
   Status WaitState(std::unique_lock<std::mutex>& lk, Slot* slot, int src, TimePoint deadline,
                    const MsgKey& key);
 
@@ -178,7 +257,10 @@ class Transport {
   Status failure_;
   std::vector<bool> peer_left_;
   std::unordered_map<std::string, std::shared_ptr<Slot>> slots_;
-  std::map<std::pair<std::string, uint64_t>, Status> aborted_;
+  std::map<OpKey, Status> aborted_;
+  std::map<OpKey, OpRecord> ops_;  // begun operations, and those peers sent messages for
+  std::unordered_map<std::string, Finished> finished_;
+  uint64_t unclaimed_bytes_ = 0;
 };
 
 }  // namespace kungfu
