@@ -1,6 +1,7 @@
 """Collectives over numpy arrays and Python scalars (no TensorFlow)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -59,7 +60,9 @@ class _Input:
             raise InvalidArgumentError(
                 f"expected a numpy array or a Python/numpy scalar, got {type(x).__name__}"
             )
-        self.array = np.ascontiguousarray(x)
+        a = np.asarray(x)
+        # (np.ascontiguousarray would make a 0-d array 1-d; the result keeps x's shape)
+        self.array = a if a.flags.c_contiguous else a.copy(order="C")
         self.code = _dtype_code(self.array.dtype)
 
     def back(self, result: np.ndarray):
@@ -87,12 +90,14 @@ def _output(inp: "_Input", out) -> np.ndarray:
 
 
 class Handle:
-    """An operation in flight. `wait()` returns its result or raises its error."""
+    """An operation in flight. `wait()` returns its result or raises its error.
 
-    def __init__(self, native, result: Callable[[], Any], keep: tuple):
+    The operation itself keeps its buffers alive until it completes (the native module pins
+    them), so dropping a handle, or giving up on it, is safe."""
+
+    def __init__(self, native, result: Callable[[], Any]):
         self._native = native
         self._result = result
-        self._keep = keep  # buffers the runtime reads or writes until completion
 
     def done(self) -> bool:
         return self._native.poll()
@@ -113,19 +118,48 @@ class Handle:
         self._native.add_done_callback(lambda _status: fn(self))
 
 
+@contextmanager
+def _takes_part(kind: str, name, timeout):
+    """Input this worker rejects still takes part: the operation's sequence number is taken and
+    failed on every worker (the others fail at once with the reason; later operations stay
+    paired). Wraps everything up to the native call."""
+    try:
+        yield
+    except InvalidArgumentError as e:
+        try:
+            peer = _peer.get()
+            if peer.size > 1:
+                ms = timeout if isinstance(timeout, (int, float)) and timeout > 0 else None
+                peer.fail(kind, name if isinstance(name, str) else "",
+                          f"rejected on rank {peer.rank}: {e}", _timeout_ms(ms))
+        except Exception:  # no peer to tell (it failed to start): the error below says enough
+            pass
+        raise
+
+
+def _shape_digest(shape: tuple) -> int:
+    """A nonzero 64-bit digest (FNV-1a) of the trailing dimensions: peers compare it."""
+    h = 0xcbf29ce484222325
+    for d in (len(shape),) + tuple(shape):
+        for byte in int(d).to_bytes(8, "little", signed=True):
+            h = ((h ^ byte) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return h or 1
+
+
 def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
                     timeout: Optional[float] = None, out: Optional[np.ndarray] = None) -> Handle:
-    if op not in _OPS and op != "avg":
-        raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, avg, min, max, prod)")
-    inp = _Input(x)
-    if op == "avg" and inp.array.dtype == np.bool_:
-        raise InvalidArgumentError("op 'avg' is not defined for bool")
-    peer = _peer.get()
-    send = inp.array
-    recv = _output(inp, out)
-    native = peer.allreduce(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
-                            send.size, inp.code, _OPS.get(op, 1), name or "",
-                            _strategy_code(strategy), _timeout_ms(timeout))
+    with _takes_part("allreduce", name, timeout):
+        if op not in _OPS and op != "avg":
+            raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, avg, min, max, prod)")
+        inp = _Input(x)
+        if op == "avg" and inp.array.dtype == np.bool_:
+            raise InvalidArgumentError("op 'avg' is not defined for bool")
+        peer = _peer.get()
+        send = inp.array
+        recv = _output(inp, out)
+        native = peer.allreduce(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
+                                send.size, inp.code, _OPS.get(op, 1), name or "",
+                                _strategy_code(strategy), _timeout_ms(timeout))
 
     def result():
         if op == "avg":
@@ -136,7 +170,7 @@ def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Op
                 recv[...] = recv.astype(np.float64) / n
         return inp.back(recv)
 
-    return Handle(native, result, (send, recv))
+    return Handle(native, result)
 
 
 def allreduce(x, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
@@ -144,24 +178,25 @@ def allreduce(x, op: str = "sum", name: Optional[str] = None, strategy: Optional
     """Reduces x across all workers with op (sum, avg, min, max, prod); every worker gets the result.
 
     avg on integers is the floor of the mean. float16/bfloat16 are computed in float32 per step.
-    `out` (an array of x's shape and dtype, x itself for in place) receives the result without a
-    new allocation.
+    min and max propagate NaN (NaN wins, as numpy's minimum/maximum). `out` (an array of x's
+    shape and dtype, x itself for in place) receives the result without a new allocation.
     """
     return allreduce_async(x, op, name, strategy, timeout, out).wait()
 
 
 def reduce_async(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
                  strategy: Optional[str] = None, timeout: Optional[float] = None) -> Handle:
-    if op not in _OPS:
-        raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, min, max, prod)")
-    inp = _Input(x)
-    peer = _peer.get()
-    send = inp.array
-    recv = np.empty_like(send)
-    native = peer.reduce(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
-                         send.size, inp.code, _OPS[op], int(root), name or "",
-                         _strategy_code(strategy), _timeout_ms(timeout))
-    return Handle(native, lambda: inp.back(recv) if peer.rank == root else None, (send, recv))
+    with _takes_part("reduce", name, timeout):
+        if op not in _OPS:
+            raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, min, max, prod)")
+        inp = _Input(x)
+        peer = _peer.get()
+        send = inp.array
+        recv = np.empty_like(send)
+        native = peer.reduce(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
+                             send.size, inp.code, _OPS[op], int(root), name or "",
+                             _strategy_code(strategy), _timeout_ms(timeout))
+    return Handle(native, lambda: inp.back(recv) if peer.rank == root else None)
 
 
 def reduce(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
@@ -172,14 +207,15 @@ def reduce(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
 
 def broadcast_async(x, root: int = 0, name: Optional[str] = None, strategy: Optional[str] = None,
                     timeout: Optional[float] = None, out: Optional[np.ndarray] = None) -> Handle:
-    inp = _Input(x)
-    peer = _peer.get()
-    send = inp.array
-    recv = _output(inp, out)
-    native = peer.broadcast(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
-                            send.size, inp.code, int(root), name or "", _strategy_code(strategy),
-                            _timeout_ms(timeout))
-    return Handle(native, lambda: inp.back(recv), (send, recv))
+    with _takes_part("broadcast", name, timeout):
+        inp = _Input(x)
+        peer = _peer.get()
+        send = inp.array
+        recv = _output(inp, out)
+        native = peer.broadcast(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
+                                send.size, inp.code, int(root), name or "",
+                                _strategy_code(strategy), _timeout_ms(timeout))
+    return Handle(native, lambda: inp.back(recv))
 
 
 def broadcast(x, root: int = 0, name: Optional[str] = None, strategy: Optional[str] = None,
@@ -208,28 +244,30 @@ def _gathered(native, inp: _Input, root: Optional[int]):
 
 
 def allgather_async(x, name: Optional[str] = None, timeout: Optional[float] = None) -> Handle:
-    inp = _Input(x)
-    peer = _peer.get()
-    send = inp.array
-    native = peer.allgather(send.reshape(-1).view(np.uint8), send.size, inp.code, name or "",
-                            _timeout_ms(timeout))
-    return Handle(native, _gathered(native, inp, None), (send,))
+    with _takes_part("allgather", name, timeout):
+        inp = _Input(x)
+        peer = _peer.get()
+        send = inp.array
+        native = peer.allgather(send.reshape(-1).view(np.uint8), send.size, inp.code, name or "",
+                                _timeout_ms(timeout), _shape_digest(send.shape[1:]))
+    return Handle(native, _gathered(native, inp, None))
 
 
 def allgather(x, name: Optional[str] = None, timeout: Optional[float] = None) -> np.ndarray:
     """Concatenates every worker's x along axis 0 in rank order (sizes along axis 0 may differ;
-    a scalar counts as one row)."""
+    a scalar counts as one row). Workers whose arrays differ beyond axis 0 all fail."""
     return allgather_async(x, name, timeout).wait()
 
 
 def gather_async(x, root: int = 0, name: Optional[str] = None,
                  timeout: Optional[float] = None) -> Handle:
-    inp = _Input(x)
-    peer = _peer.get()
-    send = inp.array
-    native = peer.gather(send.reshape(-1).view(np.uint8), send.size, inp.code, int(root),
-                         name or "", _timeout_ms(timeout))
-    return Handle(native, _gathered(native, inp, int(root)), (send,))
+    with _takes_part("gather", name, timeout):
+        inp = _Input(x)
+        peer = _peer.get()
+        send = inp.array
+        native = peer.gather(send.reshape(-1).view(np.uint8), send.size, inp.code, int(root),
+                             name or "", _timeout_ms(timeout), _shape_digest(send.shape[1:]))
+    return Handle(native, _gathered(native, inp, int(root)))
 
 
 def gather(x, root: int = 0, name: Optional[str] = None, timeout: Optional[float] = None):
@@ -239,19 +277,21 @@ def gather(x, root: int = 0, name: Optional[str] = None, timeout: Optional[float
 
 def barrier(name: Optional[str] = None, timeout: Optional[float] = None) -> None:
     """Returns once every worker has entered the barrier."""
-    native = _peer.get().barrier(name or "", _timeout_ms(timeout))
-    Handle(native, lambda: None, ()).wait()
+    with _takes_part("barrier", name, timeout):
+        native = _peer.get().barrier(name or "", _timeout_ms(timeout))
+    Handle(native, lambda: None).wait()
 
 
 def consensus_async(x, name: Optional[str] = None, timeout: Optional[float] = None) -> Handle:
-    if isinstance(x, str):
-        data = np.frombuffer(x.encode(), dtype=np.uint8)
-    elif isinstance(x, (bytes, bytearray, memoryview)):
-        data = np.frombuffer(bytes(x), dtype=np.uint8)
-    else:
-        data = np.ascontiguousarray(_Input(x).array).reshape(-1).view(np.uint8)
-    native = _peer.get().consensus(data, name or "", _timeout_ms(timeout))
-    return Handle(native, native.agreed, (data,))
+    with _takes_part("consensus", name, timeout):
+        if isinstance(x, str):
+            data = np.frombuffer(x.encode(), dtype=np.uint8)
+        elif isinstance(x, (bytes, bytearray, memoryview)):
+            data = np.frombuffer(bytes(x), dtype=np.uint8)
+        else:
+            data = np.ascontiguousarray(_Input(x).array).reshape(-1).view(np.uint8)
+        native = _peer.get().consensus(data, name or "", _timeout_ms(timeout))
+    return Handle(native, native.agreed)
 
 
 def consensus(x, name: Optional[str] = None, timeout: Optional[float] = None) -> bool:

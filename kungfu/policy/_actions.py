@@ -112,7 +112,7 @@ def _install(kind: int, tree: List[int], name: str) -> None:
     from kungfu._collective import Handle
 
     native = _peer.get().set_strategy(kind, tree, name, -1)
-    Handle(native, lambda: None, ()).wait()
+    Handle(native, lambda: None).wait()
 
 
 def set_tree(fathers: Sequence[int]) -> None:

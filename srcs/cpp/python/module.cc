@@ -1,7 +1,11 @@
-// pybind11 binding of the runtime. Buffers come in as Python buffer objects (the Python layer
-// passes contiguous numpy arrays and keeps them alive until the handle completes); statuses go
-// out as (code, message) and are turned into kungfu.errors exceptions in Python. Waiting releases
-// the GIL.
+// pybind11 binding of the runtime. Buffers come in as Python buffer objects (contiguous numpy
+// arrays); statuses go out as (code, message) and are turned into kungfu.errors exceptions in
+// Python. Waiting releases the GIL.
+//
+// Ownership: every Python object an operation reads or writes is pinned by the operation itself
+// (PinUntilDone), not by the Python handle, and released only when the operation completes (the
+// runtime completes a handle only after the operation stopped touching its buffers). So dropping
+// a handle, or giving up on it with wait(timeout), never frees memory the runtime still uses.
 #include <pybind11/functional.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -30,12 +34,37 @@ const void* ReadPtr(py::buffer& b, size_t* bytes) {
   return info.ptr;
 }
 
-OpOptions Options(const std::string& name, int strategy, int64_t timeout_ms) {
+OpOptions Options(const std::string& name, int strategy, int64_t timeout_ms, uint64_t digest = 0) {
   OpOptions o;
   o.name = name;
   o.strategy = strategy;
   o.timeout_ms = timeout_ms;
+  o.digest = digest;
   return o;
+}
+
+bool PythonIsUsable() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+// Keeps `objects` alive until `h` completes; called with the GIL held. The release takes the GIL
+// on the completing thread (a runtime worker), or leaks the references if Python is shutting down
+// (touching Python then could crash; the process is exiting anyway).
+void PinUntilDone(const Handle& h, std::vector<py::object> objects) {
+  auto pinned = std::make_shared<std::vector<py::object>>(std::move(objects));
+  h.OnComplete([pinned](const Status&) {
+    if (PythonIsUsable()) {
+      py::gil_scoped_acquire gil;
+      pinned->clear();
+    } else {
+      for (auto& o : *pinned) o.release();
+      pinned->clear();
+    }
+  });
 }
 
 // A handle plus whatever its result needs (gather output, consensus flag).
@@ -115,7 +144,7 @@ PYBIND11_MODULE(_kungfu, m) {
            })
       .def("add_done_callback", [](PyHandle& h, std::function<void(py::tuple)> fn) {
         h.handle.OnComplete([fn](const Status& s) {
-          if (!Py_IsInitialized()) return;
+          if (!PythonIsUsable()) return;
           py::gil_scoped_acquire gil;
           try {
             fn(StatusTuple(s));
@@ -157,6 +186,7 @@ PYBIND11_MODULE(_kungfu, m) {
              auto h = std::make_shared<PyHandle>();
              h->handle = p.AllReduce(s, WritablePtr(recv), count, static_cast<DType>(dtype),
                                      static_cast<ReduceOp>(op), Options(name, strategy, timeout_ms));
+             PinUntilDone(h->handle, {send, recv});
              return h;
            })
       .def("reduce",
@@ -167,6 +197,7 @@ PYBIND11_MODULE(_kungfu, m) {
              auto h = std::make_shared<PyHandle>();
              h->handle = p.Reduce(s, WritablePtr(recv), count, static_cast<DType>(dtype),
                                   static_cast<ReduceOp>(op), root, Options(name, strategy, timeout_ms));
+             PinUntilDone(h->handle, {send, recv});
              return h;
            })
       .def("broadcast",
@@ -177,28 +208,31 @@ PYBIND11_MODULE(_kungfu, m) {
              auto h = std::make_shared<PyHandle>();
              h->handle = p.Broadcast(s, WritablePtr(recv), count, static_cast<DType>(dtype), root,
                                      Options(name, strategy, timeout_ms));
+             PinUntilDone(h->handle, {send, recv});
              return h;
            })
       .def("allgather",
            [](Peer& p, py::buffer send, size_t count, int dtype, const std::string& name,
-              int64_t timeout_ms) {
+              int64_t timeout_ms, uint64_t digest) {
              size_t n;
              const void* s = ReadPtr(send, &n);
              auto h = std::make_shared<PyHandle>();
              h->gathered = std::make_shared<GatherResult>();
              h->handle = p.AllGather(s, count, static_cast<DType>(dtype), h->gathered,
-                                     Options(name, -1, timeout_ms));
+                                     Options(name, -1, timeout_ms, digest));
+             PinUntilDone(h->handle, {send});
              return h;
            })
       .def("gather",
            [](Peer& p, py::buffer send, size_t count, int dtype, int root, const std::string& name,
-              int64_t timeout_ms) {
+              int64_t timeout_ms, uint64_t digest) {
              size_t n;
              const void* s = ReadPtr(send, &n);
              auto h = std::make_shared<PyHandle>();
              h->gathered = std::make_shared<GatherResult>();
              h->handle = p.Gather(s, count, static_cast<DType>(dtype), root, h->gathered,
-                                  Options(name, -1, timeout_ms));
+                                  Options(name, -1, timeout_ms, digest));
+             PinUntilDone(h->handle, {send});
              return h;
            })
       .def("barrier",
@@ -213,8 +247,18 @@ PYBIND11_MODULE(_kungfu, m) {
         auto h = std::make_shared<PyHandle>();
         h->agreed = std::make_shared<bool>(false);
         h->handle = p.Consensus(d, n, h->agreed.get(), Options(name, -1, timeout_ms));
+        PinUntilDone(h->handle, {data});
+        h->handle.OnComplete([agreed = h->agreed](const Status&) {});  // written until then
         return h;
       })
+      .def("fail",
+           [](Peer& p, const std::string& kind, const std::string& name, const std::string& message,
+              int64_t timeout_ms) {
+             // Input this rank rejected: take the op's number and fail it on every rank.
+             auto h = std::make_shared<PyHandle>();
+             h->handle = p.Fail(kind.c_str(), Options(name, -1, timeout_ms), InvalidArgument(message));
+             return h;
+           })
       .def("drop", [](Peer& p, const std::string& name) { p.Drop(name); })
       .def("set_strategy",
            [](Peer& p, int kind, const std::vector<int>& tree, const std::string& name,
