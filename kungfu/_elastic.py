@@ -115,8 +115,21 @@ class Elastic:
 
     def join(self) -> None:
         """A joiner: reports ready for its version, then connects (the others switch to that
-        version once every joiner is ready)."""
-        self.store.mark_ready(self.current.version, self.self_spec)
+        version once every joiner is ready). A store that cannot be reached is retried for as
+        long as the resize may wait (the others abandon it after that)."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.1
+        while True:
+            try:
+                self.store.mark_ready(self.current.version, self.self_spec)
+                break
+            except StoreError as e:
+                if time.monotonic() + delay > deadline:
+                    raise StoreError(f"this joiner could not report ready to the config store "
+                                     f"within {self.timeout:g}s (KUNGFU_RESIZE_TIMEOUT): {e}") from None
+                warnings.warn(f"kungfu: cannot reach the config store to report ready, retrying: {e}")
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
         _peer.get()
 
 

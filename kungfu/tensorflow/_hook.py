@@ -204,17 +204,18 @@ class Hook(keras.callbacks.Callback):
             raise RuntimeError("growing the cluster in model.fit needs kungfu's data: pass "
                                "data=kf.ElasticData(...) to kf.Hook (joiners continue from its "
                                "sample offset)")
+        # Rank 0 broadcasts what it wrote, or why it wrote nothing ("!" and the reason).
         proposal = ""
         if kf.rank() == 0:
             try:
                 new = ctx.propose(n)
+                proposal = new.to_json() if new is not None else "!the stored configuration changed"
             except StoreError as e:  # the others wait in the broadcast: tell them, go on
-                warnings.warn(f"kungfu: resize to {n} failed: {e}")
-                new = None
-            proposal = new.to_json() if new is not None else ""
+                proposal = f"!{e}"
         proposal = self._broadcast_blob(proposal.encode(), "kungfu/elastic/propose").decode()
-        if not proposal:
-            warnings.warn(f"kungfu: resize to {n} lost: the stored configuration changed")
+        if proposal.startswith("!"):
+            warnings.warn(f"kungfu: resize to {n} failed: {proposal[1:]}; training goes on with "
+                          f"{kf.size()}")
             return
         new = ClusterConfig.from_json(proposal)
         if ctx.joiners(new):
