@@ -1,6 +1,7 @@
 """Collectives over numpy arrays and Python scalars (no TensorFlow)."""
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
@@ -9,20 +10,23 @@ import numpy as np
 from kungfu import _peer
 from kungfu.errors import InvalidArgumentError, OpTimeoutError, raise_for_status
 
-_DTYPE_CODES = {
-    "int8": 1, "int16": 2, "int32": 3, "int64": 4,
-    "uint8": 5, "uint16": 6, "uint32": 7, "uint64": 8,
-    "float16": 9, "bfloat16": 10, "float32": 11, "float64": 12, "bool": 13,
-}
-_OPS = {"sum": 1, "min": 2, "max": 3, "prod": 4}
+
+
+@functools.lru_cache(maxsize=None)
+def _table(which: str) -> dict:
+    """The runtime's own tables (one source): dtype name -> code, reduce op name -> code."""
+    from kungfu import _kungfu
+
+    return getattr(_kungfu, which)()
 _NO_TIMEOUT = -1
 
 
 def _dtype_code(dtype: np.dtype) -> int:
-    code = _DTYPE_CODES.get(np.dtype(dtype).name)
+    codes = _table("dtype_codes")
+    code = codes.get(np.dtype(dtype).name)
     if code is None:
         raise InvalidArgumentError(
-            f"dtype {np.dtype(dtype).name} is not supported (supported: {', '.join(_DTYPE_CODES)})"
+            f"dtype {np.dtype(dtype).name} is not supported (supported: {', '.join(codes)})"
         )
     return code
 
@@ -149,7 +153,8 @@ def _shape_digest(shape: tuple) -> int:
 def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
                     timeout: Optional[float] = None, out: Optional[np.ndarray] = None) -> Handle:
     with _takes_part("allreduce", name, timeout):
-        if op not in _OPS and op != "avg":
+        ops = _table("reduce_ops")
+        if op not in ops and op != "avg":
             raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, avg, min, max, prod)")
         inp = _Input(x)
         if op == "avg" and inp.array.dtype == np.bool_:
@@ -158,7 +163,7 @@ def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Op
         send = inp.array
         recv = _output(inp, out)
         native = peer.allreduce(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
-                                send.size, inp.code, _OPS.get(op, 1), name or "",
+                                send.size, inp.code, ops.get(op, 1), name or "",
                                 _strategy_code(strategy), _timeout_ms(timeout))
 
     def result():
@@ -187,14 +192,15 @@ def allreduce(x, op: str = "sum", name: Optional[str] = None, strategy: Optional
 def reduce_async(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
                  strategy: Optional[str] = None, timeout: Optional[float] = None) -> Handle:
     with _takes_part("reduce", name, timeout):
-        if op not in _OPS:
+        ops = _table("reduce_ops")
+        if op not in ops:
             raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, min, max, prod)")
         inp = _Input(x)
         peer = _peer.get()
         send = inp.array
         recv = np.empty_like(send)
         native = peer.reduce(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
-                             send.size, inp.code, _OPS[op], int(root), name or "",
+                             send.size, inp.code, ops[op], int(root), name or "",
                              _strategy_code(strategy), _timeout_ms(timeout))
     return Handle(native, lambda: inp.back(recv) if peer.rank == root else None)
 

@@ -36,22 +36,33 @@ class ResourceExhaustedError(KungFuError, MemoryError):
     """Out of memory or threads, or a peer sent more than the runtime keeps."""
 
 
-_BY_CODE = {
-    1: InvalidArgumentError,
-    2: OpTimeoutError,
-    3: PeerFailedError,
-    4: InternalError,
-    5: CancelledError,
-    6: NotFoundError,
-    7: ResourceExhaustedError,
+# By the runtime's status names (kungfu._kungfu.status_codes() maps codes to them: one source).
+_BY_NAME = {
+    "INVALID_ARGUMENT": InvalidArgumentError,
+    "DEADLINE_EXCEEDED": OpTimeoutError,
+    "UNAVAILABLE": PeerFailedError,
+    "INTERNAL": InternalError,
+    "CANCELLED": CancelledError,
+    "NOT_FOUND": NotFoundError,
+    "RESOURCE_EXHAUSTED": ResourceExhaustedError,
 }
+_names = None
+
+
+def _class_of(code: int):
+    global _names
+    if _names is None:
+        from kungfu import _kungfu
+
+        _names = _kungfu.status_codes()
+    return _BY_NAME.get(_names.get(code), InternalError)
 
 
 def raise_for_status(status) -> None:
     """Raises the exception for a native (code, message) status; returns if code is 0."""
     code, message = status
     if code != 0:
-        raise _BY_CODE.get(code, InternalError)(message)
+        raise _class_of(code)(message)
 
 
 __all__ = [

@@ -257,3 +257,14 @@ def test_public_names():
     for name in kp.__all__:
         assert callable(getattr(kp, name)), name
     assert isinstance(kf.__version__, str)
+
+
+def test_every_runtime_status_has_its_exception():
+    from kungfu import _kungfu, errors
+
+    codes = _kungfu.status_codes()
+    assert set(codes.values()) == set(errors._BY_NAME), codes
+    for code, name in codes.items():
+        with pytest.raises(errors._BY_NAME[name]):
+            errors.raise_for_status((code, "x"))
+    assert codes[7] == "RESOURCE_EXHAUSTED" and issubclass(errors.ResourceExhaustedError, MemoryError)

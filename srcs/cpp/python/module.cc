@@ -119,6 +119,24 @@ PYBIND11_MODULE(_kungfu, m) {
     return static_cast<int>(k);
   });
   m.def("strategy_name", [](int k) { return std::string(StrategyName(static_cast<StrategyKind>(k))); });
+  // The code tables, from their one source (the runtime's enums): Python builds its own from these.
+  m.def("status_codes", [] {
+    py::dict d;
+    for (int c = 1; c <= static_cast<int>(Code::kResourceExhausted); ++c) {
+      d[py::int_(c)] = CodeName(static_cast<Code>(c));
+    }
+    return d;
+  });
+  m.def("dtype_codes", [] {
+    py::dict d;
+    for (int c = 1; IsValidDType(c); ++c) d[DTypeName(static_cast<DType>(c))] = c;
+    return d;
+  });
+  m.def("reduce_ops", [] {
+    py::dict d;
+    for (int c = 1; IsValidReduceOp(c); ++c) d[ReduceOpName(static_cast<ReduceOp>(c))] = c;
+    return d;
+  });
   m.def("validate_tree", [](const std::vector<int>& fathers, int n) {
     return StatusTuple(ValidateTree(fathers, n));
   });
