@@ -77,6 +77,7 @@ def _create(self_spec: Optional[str], peers: List[str], version: int):
         connect_timeout_ms=int(_env.CONNECT_TIMEOUT.get() * 1000),
         chunk_bytes=_env.CHUNK_BYTES.get(),
         parallelism=_env.PARALLELISM.get(),
+        job_token=_env.JOB_TOKEN.get() or "",
     )
     raise_for_status(peer.start())
     atexit.register(peer.stop)

@@ -111,8 +111,23 @@ void SendHello(int fd, const std::string& name, uint64_t version, uint16_t proto
   f.type = kungfu::net::kHello;
   f.version = version;
   f.name_len = static_cast<uint32_t>(name.size());
+  f.payload_len = 32;  // the dialer's nonce
   SendAll(fd, &f, sizeof(f));
   SendAll(fd, name.data(), name.size());
+  const std::string nonce(32, 'n');
+  SendAll(fd, nonce.data(), nonce.size());
+}
+
+// Step 3 of the handshake with a proof made up by a stranger that does not know the token.
+void SendMadeUpProof(int fd) {
+  kungfu::net::Frame f{};
+  f.magic = kungfu::net::kMagic;
+  f.proto = kungfu::net::kProto;
+  f.type = kungfu::net::kAuth;
+  f.payload_len = 32;
+  SendAll(fd, &f, sizeof(f));
+  const std::string proof(32, 'p');
+  SendAll(fd, proof.data(), proof.size());
 }
 
 struct Reply {
@@ -129,8 +144,11 @@ Reply ReadReply(int fd) {
   if (f.magic != kungfu::net::kMagic || f.type != kungfu::net::kHelloReply || f.name_len > 4096) return r;
   r.message.resize(f.name_len);
   if (!RecvAll(fd, r.message.data(), f.name_len)) return r;
+  std::string payload(f.payload_len < 4096 ? f.payload_len : 0, '\0');
+  if (!RecvAll(fd, payload.data(), payload.size())) return r;
   r.got = true;
   r.code = static_cast<Code>(f.flags);
+  if (r.code == Code::kOk) return r;  // a challenge (handshake step 2): the stream stays open
   char c;
   const ssize_t k = recv(fd, &c, 1, 0);  // a reset (unread bytes at close) counts as closed
   r.closed_after = k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
@@ -275,14 +293,19 @@ TEST(StrangersAreRefusedAndTheClusterGoesOn) {
       {"another cluster version", false, p1 + ">" + p0, 7, kungfu::net::kProto, Code::kUnavailable, "7"},
       {"another protocol", false, p1 + ">" + p0, 0, 99, Code::kInvalidArgument, "99"},
       {"no separator", false, p1 + p0, 0, kungfu::net::kProto, Code::kInvalidArgument, ""},
-      // A known peer that is already connected: a second stream would hijack its messages.
-      {"impersonating a connected peer", false, p1 + ">" + p0, 0, kungfu::net::kProto, Code::kInvalidArgument, ""},
+      // A known peer's name from a stranger without the job token (were it let in, a second
+      // stream would hijack the peer's messages): challenged, then refused.
+      {"impersonating a connected peer", false, p1 + ">" + p0, 0, kungfu::net::kProto, Code::kInvalidArgument, "job token"},
   };
   for (const Attempt& a : attempts) {
     int fd = a.unix_socket ? ConnectUnix(peers[0]) : ConnectTcp(peers[0]);
     if (!CHECK_MSG(fd >= 0, std::string(a.what) + ": cannot connect")) continue;
     SendHello(fd, a.name, a.version, a.proto);
     Reply r = ReadReply(fd);
+    if (r.got && r.code == Code::kOk) {  // challenged: answer without knowing the token
+      SendMadeUpProof(fd);
+      r = ReadReply(fd);
+    }
     close(fd);
     if (!CHECK_MSG(r.got, std::string(a.what) + ": no handshake reply")) continue;
     CHECK_MSG(r.code == a.want, std::string(a.what) + ": code " + kungfu::CodeName(r.code) + " (" + r.message + ")");

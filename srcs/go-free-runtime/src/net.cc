@@ -6,6 +6,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -61,6 +62,28 @@ Status ReadFull(int fd, void* buf, size_t n, bool* eof_at_start) {
     if (r < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return Unavailable("no data within the peer timeout");
+      return Unavailable("receive failed: " + ErrnoString(errno));
+    }
+    got += static_cast<size_t>(r);
+  }
+  return Status::OK();
+}
+
+Status ReadFullBy(int fd, void* buf, size_t n, std::chrono::steady_clock::time_point deadline) {
+  char* p = static_cast<char*>(buf);
+  size_t got = 0;
+  while (got < n) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return Unavailable("no complete message in time");
+    struct pollfd pfd = {fd, POLLIN, 0};
+    int rc = poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
+    if (rc < 0 && errno != EINTR) return Unavailable("poll failed: " + ErrnoString(errno));
+    if (rc <= 0) continue;
+    ssize_t r = recv(fd, p + got, n - got, MSG_DONTWAIT);
+    if (r == 0) return Unavailable("connection closed");
+    if (r < 0) {
+      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
       return Unavailable("receive failed: " + ErrnoString(errno));
     }
     got += static_cast<size_t>(r);

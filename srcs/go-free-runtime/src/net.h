@@ -2,6 +2,7 @@
 #pragma once
 #include <sys/uio.h>
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -30,7 +31,7 @@ struct Frame {
 static_assert(sizeof(Frame) == 72, "frame header must be packed");
 
 constexpr uint32_t kMagic = 0x3155464b;  // "KFU1"
-constexpr uint16_t kProto = 1;
+constexpr uint16_t kProto = 2;  // 2: signatures in frames, token-proving handshake
 constexpr uint32_t kMaxNameLen = 4096;
 constexpr uint64_t kMaxPayload = uint64_t(1) << 40;
 
@@ -43,6 +44,7 @@ enum FrameType : uint8_t {
   kBye = 6,
   kRequest = 7,  // asks for a stored blob; answered by kData or kMissing with the same key
   kMissing = 8,
+  kAuth = 10,  // the dialer's proof of the job token (handshake step 3)
   kSig = 9,  // no payload: the sender's signature of op (name, seq), from a peer waiting on us
 };
 
@@ -50,6 +52,8 @@ enum FrameType : uint8_t {
 Status WriteFull(int fd, struct iovec* iov, int iovcnt);
 Status ReadFull(int fd, void* buf, size_t n, bool* eof_at_start = nullptr);
 Status Discard(int fd, uint64_t n);
+// ReadFull with one deadline for the whole read (a peer trickling bytes cannot stretch it).
+Status ReadFullBy(int fd, void* buf, size_t n, std::chrono::steady_clock::time_point deadline);
 // One recv() of at most n bytes (bounded by the socket's timeout); *got > 0 on success.
 Status ReadSome(int fd, void* buf, size_t n, size_t* got);
 

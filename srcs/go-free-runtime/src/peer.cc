@@ -62,6 +62,7 @@ Peer::Peer(const PeerConfig& config)
       rank_(RankOf(config_.peers, config_.self)) {
   TransportOptions t;
   t.peer_timeout_ms = config_.peer_timeout_ms;
+  t.job_token = config_.job_token;
   t.heartbeat_ms = std::max<int64_t>(10, std::min<int64_t>(1000, config_.peer_timeout_ms / 4));
   session_ = std::make_shared<Session>(config_.version, config_.peers, rank_, config_.strategy, t,
                                        config_.chunk_bytes, config_.parallelism);
@@ -152,6 +153,11 @@ Status Peer::Start() {
   return session_->ProbeDirect(deadline);
 }
 
+namespace {
+constexpr size_t kHandshakeThreads = 4;
+constexpr size_t kMaxPendingHandshakes = 256;
+}  // namespace
+
 void Peer::AcceptLoop() {
   while (!stopping_) {
     struct pollfd fds[2] = {{listen_fds_[0], POLLIN, 0}, {listen_fds_[1], POLLIN, 0}};
@@ -160,34 +166,66 @@ void Peer::AcceptLoop() {
     for (auto& f : fds) {
       if (!(f.revents & POLLIN)) continue;
       int fd = accept4(f.fd, nullptr, nullptr, SOCK_CLOEXEC);
-      // Each handshake on its own thread, so a silent client delays nobody else.
-      if (fd >= 0) handshakes_.emplace_back([this, fd] { HandleIncoming(fd); });
+      if (fd < 0) continue;
+      std::lock_guard<std::mutex> lk(hs_mu_);
+      if (hs_queue_.size() >= kMaxPendingHandshakes) {
+        close(fd);
+        continue;
+      }
+      hs_queue_.push_back(fd);
+      if (hs_idle_ == 0 && hs_threads_.size() < kHandshakeThreads) {
+        try {
+          hs_threads_.emplace_back([this] { HandshakeLoop(); });
+        } catch (const std::exception&) {  // no thread to be had: the ones there take it
+          if (hs_threads_.empty()) {
+            hs_queue_.pop_back();
+            close(fd);
+            continue;
+          }
+        }
+      }
+      hs_cv_.notify_one();
     }
   }
 }
 
-// Handshake: the dialer names itself and whom it meant to reach, with its cluster version. A
-// stranger, a wrong destination or another version is refused and the stream closed.
+void Peer::HandshakeLoop() {
+  std::unique_lock<std::mutex> lk(hs_mu_);
+  while (true) {
+    ++hs_idle_;
+    hs_cv_.wait(lk, [&] { return stopping_ || !hs_queue_.empty(); });
+    --hs_idle_;
+    if (stopping_) return;
+    int fd = hs_queue_.front();
+    hs_queue_.pop_front();
+    lk.unlock();
+    HandleIncoming(fd);
+    lk.lock();
+  }
+}
+
+// The listener's side of the handshake (steps in transport.h): a stranger, a wrong destination,
+// another version or a wrong job token is refused and the stream closed.
 void Peer::HandleIncoming(int fd) {
-  net::SetTimeouts(fd, 2000);
-  uint64_t version = 0;
-  std::string src, dst;
-  Status s = Transport::ReadHello(fd, &version, &src, &dst);
+  net::SetTimeouts(fd, 2000);  // bounds our writes; reads are bounded by the hello's deadline
+  Transport::Hello hello;
+  Status s = Transport::ReadHello(fd, &hello);
   int src_rank = -1;
   if (s.ok()) {
     PeerID id;
-    if (PeerID::Parse(src, &id).ok()) src_rank = RankOf(config_.peers, id);
-    if (dst != config_.self.ToString()) {
-      s = InvalidArgument("this is " + config_.self.ToString() + ", not " + dst);
-    } else if (version != config_.version) {
+    if (PeerID::Parse(hello.src, &id).ok()) src_rank = RankOf(config_.peers, id);
+    if (hello.dst != config_.self.ToString()) {
+      s = InvalidArgument("this is " + config_.self.ToString() + ", not " + hello.dst);
+    } else if (hello.version != config_.version) {
       // Another version: retryable. In a resize, a peer of version v+1 dials peers that are
       // still in v until they switch (and a stray peer of an old version gives up on its own).
-      s = Unavailable("cluster version " + std::to_string(version) + " does not match " +
+      s = Unavailable("cluster version " + std::to_string(hello.version) + " does not match " +
                       std::to_string(config_.version));
     } else if (src_rank < 0 || src_rank == rank_) {
-      s = InvalidArgument(src + " is not a peer of this cluster");
+      s = InvalidArgument(hello.src + " is not a peer of this cluster");
     }
   }
+  if (s.ok()) s = Transport::Challenge(fd, hello, config_.job_token);
   if (s.ok()) {
     net::TuneStream(fd, true);
     s = session_->transport().AttachIncoming(src_rank, fd);
@@ -199,8 +237,14 @@ void Peer::HandleIncoming(int fd) {
 void Peer::Stop() {
   if (stopping_.exchange(true)) return;
   if (acceptor_.joinable()) acceptor_.join();
-  for (auto& t : handshakes_) t.join();  // each is bounded by the 2 s handshake timeout
-  handshakes_.clear();
+  {
+    std::lock_guard<std::mutex> lk(hs_mu_);
+    hs_cv_.notify_all();
+  }
+  for (auto& t : hs_threads_) t.join();  // each handshake ends within its 2 s
+  hs_threads_.clear();
+  for (int fd : hs_queue_) close(fd);
+  hs_queue_.clear();
   for (int& fd : listen_fds_) {
     if (fd >= 0) close(fd);
     fd = -1;

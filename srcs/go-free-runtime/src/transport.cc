@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 
+#include "auth.h"
 #include "kungfu/strategy.h"
 #include "net.h"
 
@@ -378,25 +379,7 @@ Status Transport::ConnectAll(TimePoint deadline) {
       last = net::Dial(peers_[dst], local, &fd);
       if (last.ok()) {
         net::SetTimeouts(fd, options_.peer_timeout_ms);
-        std::string name = self.ToString() + ">" + peers_[dst].ToString();
-        net::Frame f{};
-        f.magic = net::kMagic;
-        f.proto = net::kProto;
-        f.type = net::kHello;
-        f.version = version_;
-        f.name_len = static_cast<uint32_t>(name.size());
-        struct iovec iov[2] = {{&f, sizeof(f)}, {const_cast<char*>(name.data()), name.size()}};
-        net::Frame reply{};
-        last = net::WriteFull(fd, iov, 2);
-        if (last.ok()) last = net::ReadFull(fd, &reply, sizeof(reply));
-        std::string why(reply.name_len < net::kMaxNameLen ? reply.name_len : 0, '\0');
-        if (last.ok() && (reply.magic != net::kMagic || reply.type != net::kHelloReply)) {
-          last = Unavailable("bad handshake reply");
-        }
-        if (last.ok()) last = net::ReadFull(fd, why.data(), why.size());
-        if (last.ok() && reply.flags != 0) {
-          last = Status(static_cast<Code>(reply.flags), why);
-        }
+        last = DialHandshake(fd, self.ToString() + ">" + peers_[dst].ToString());
         if (last.ok()) {
           std::lock_guard<std::mutex> lk(out_[dst]->mu);
           out_[dst]->fd = fd;
@@ -970,36 +953,132 @@ void Transport::Close() {
   }
 }
 
-Status Transport::ReadHello(int fd, uint64_t* version, std::string* src, std::string* dst) {
-  net::Frame f;
-  KF_RETURN_IF_ERROR(net::ReadFull(fd, &f, sizeof(f)));
-  if (f.magic != net::kMagic || f.type != net::kHello || f.name_len > net::kMaxNameLen) {
+// ---------------------------------------------------------------------------------------------
+// Handshake (protocol in transport.h).
+
+namespace {
+
+constexpr auto kHandshakeTime = std::chrono::milliseconds(2000);
+constexpr size_t kNonceLen = 32;
+
+std::string Transcript(const std::string& name, uint64_t version, const std::string& dial_nonce,
+                       const std::string& accept_nonce) {
+  return name + "|" + std::to_string(version) + "|" + dial_nonce + accept_nonce;
+}
+
+std::string Bytes(const auth::Digest& d) { return std::string(d.begin(), d.end()); }
+
+auth::Digest Proof(const std::string& token, const char* role, const std::string& transcript) {
+  return auth::HmacSha256(token, std::string(role) + "|" + transcript);
+}
+
+Status WriteFrame(int fd, uint8_t type, uint64_t version, uint32_t flags, const std::string& name,
+                  const std::string& payload) {
+  net::Frame f{};
+  f.magic = net::kMagic;
+  f.proto = net::kProto;
+  f.type = type;
+  f.version = version;
+  f.flags = flags;
+  f.name_len = static_cast<uint32_t>(name.size());
+  f.payload_len = payload.size();
+  struct iovec iov[3] = {{&f, sizeof(f)},
+                         {const_cast<char*>(name.data()), name.size()},
+                         {const_cast<char*>(payload.data()), payload.size()}};
+  return net::WriteFull(fd, iov, 3);
+}
+
+// Reads one handshake frame of `type` whose name and payload are at most the limits given.
+Status ReadFrame(int fd, uint8_t type, TimePoint deadline, size_t max_payload, net::Frame* f,
+                 std::string* name, std::string* payload) {
+  KF_RETURN_IF_ERROR(net::ReadFullBy(fd, f, sizeof(*f), deadline));
+  if (f->magic != net::kMagic || f->type != type || f->name_len > net::kMaxNameLen ||
+      f->payload_len > max_payload) {
     return InvalidArgument("not a kungfu handshake");
   }
-  if (f.proto != net::kProto) {
-    return InvalidArgument("protocol version " + std::to_string(f.proto) + ", expected " +
+  if (f->proto != net::kProto) {
+    return InvalidArgument("protocol version " + std::to_string(f->proto) + ", expected " +
                            std::to_string(net::kProto));
   }
-  std::string name(f.name_len, '\0');
-  KF_RETURN_IF_ERROR(net::ReadFull(fd, name.data(), name.size()));
+  name->assign(f->name_len, '\0');
+  KF_RETURN_IF_ERROR(net::ReadFullBy(fd, name->data(), name->size(), deadline));
+  payload->assign(f->payload_len, '\0');
+  return net::ReadFullBy(fd, payload->data(), payload->size(), deadline);
+}
+
+// Reads the listener's verdict (steps 2 and 4): a refusal becomes the status it carries.
+Status ReadVerdict(int fd, TimePoint deadline, size_t payload_len, std::string* payload) {
+  net::Frame reply{};
+  std::string why;
+  Status s = ReadFrame(fd, net::kHelloReply, deadline, 1 << 16, &reply, &why, payload);
+  if (!s.ok()) return Unavailable("bad handshake reply: " + s.message());
+  if (reply.flags != 0) {
+    Code c = reply.flags <= static_cast<uint32_t>(Code::kResourceExhausted) ? static_cast<Code>(reply.flags)
+                                                                             : Code::kInternal;
+    return Status(c, why);
+  }
+  if (payload->size() != payload_len) return Unavailable("bad handshake reply: wrong length");
+  return Status::OK();
+}
+
+}  // namespace
+
+Status Transport::DialHandshake(int fd, const std::string& name) {
+  const TimePoint deadline = Clock::now() + kHandshakeTime;
+  const std::string mine = Bytes(auth::Nonce());
+  KF_RETURN_IF_ERROR(WriteFrame(fd, net::kHello, version_, 0, name, mine));  // 1
+  std::string challenge;
+  KF_RETURN_IF_ERROR(ReadVerdict(fd, deadline, kNonceLen + 32, &challenge));  // 2
+  const std::string theirs = challenge.substr(0, kNonceLen);
+  const std::string transcript = Transcript(name, version_, mine, theirs);
+  const auth::Digest want = Proof(options_.job_token, "accept", transcript);
+  auth::Digest got;
+  std::memcpy(got.data(), challenge.data() + kNonceLen, got.size());
+  if (!auth::Equal(want, got)) {
+    return InvalidArgument("it could not prove that it knows this job's token (KUNGFU_JOB_TOKEN "
+                           "differs between the two, or it is not part of this job)");
+  }
+  KF_RETURN_IF_ERROR(WriteFrame(fd, net::kAuth, version_, 0, "",
+                                Bytes(Proof(options_.job_token, "dial", transcript))));  // 3
+  std::string none;
+  return ReadVerdict(fd, deadline, 0, &none);  // 4
+}
+
+Status Transport::ReadHello(int fd, Hello* hello) {
+  hello->deadline = Clock::now() + kHandshakeTime;
+  net::Frame f{};
+  std::string name;
+  KF_RETURN_IF_ERROR(ReadFrame(fd, net::kHello, hello->deadline, kNonceLen, &f, &name, &hello->nonce));
+  if (hello->nonce.size() != kNonceLen) return InvalidArgument("not a kungfu handshake");
   size_t gt = name.find('>');
   if (gt == std::string::npos) return InvalidArgument("malformed handshake");
-  *version = f.version;
-  *src = name.substr(0, gt);
-  *dst = name.substr(gt + 1);
+  hello->version = f.version;
+  hello->name = name;
+  hello->src = name.substr(0, gt);
+  hello->dst = name.substr(gt + 1);
+  return Status::OK();
+}
+
+Status Transport::Challenge(int fd, const Hello& hello, const std::string& token) {
+  const std::string mine = Bytes(auth::Nonce());
+  const std::string transcript = Transcript(hello.name, hello.version, hello.nonce, mine);
+  KF_RETURN_IF_ERROR(WriteFrame(fd, net::kHelloReply, 0, 0, "",
+                                mine + Bytes(Proof(token, "accept", transcript))));  // 2
+  net::Frame f{};
+  std::string empty, proof;
+  Status s = ReadFrame(fd, net::kAuth, hello.deadline, 32, &f, &empty, &proof);  // 3
+  if (!s.ok()) return s.code() == Code::kInvalidArgument ? s : Unavailable(s.message());
+  auth::Digest got{};
+  if (proof.size() == got.size()) std::memcpy(got.data(), proof.data(), got.size());
+  if (proof.size() != got.size() || !auth::Equal(Proof(token, "dial", transcript), got)) {
+    return InvalidArgument("wrong job token: " + hello.src + " does not know this job's "
+                           "KUNGFU_JOB_TOKEN");
+  }
   return Status::OK();
 }
 
 void Transport::WriteHelloReply(int fd, const Status& verdict) {
-  net::Frame f{};
-  f.magic = net::kMagic;
-  f.proto = net::kProto;
-  f.type = net::kHelloReply;
-  f.flags = static_cast<uint32_t>(verdict.code());
-  const std::string& m = verdict.message();
-  f.name_len = static_cast<uint32_t>(m.size());
-  struct iovec iov[2] = {{&f, sizeof(f)}, {const_cast<char*>(m.data()), m.size()}};
-  net::WriteFull(fd, iov, 2);
+  WriteFrame(fd, net::kHelloReply, 0, static_cast<uint32_t>(verdict.code()), verdict.message(), "");
 }
 
 }  // namespace kungfu

@@ -14,6 +14,8 @@
 //  4. The handle completes with the status; nothing ever waits past the op deadline.
 #pragma once
 #include <atomic>
+#include <condition_variable>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -41,6 +43,7 @@ struct PeerConfig {
   int64_t connect_timeout_ms = 120000;  // how long Start() waits for every peer to come up
   size_t chunk_bytes = 1 << 20;         // largest message; large tensors pipeline in chunks
   int parallelism = 2;                  // independent pipelines per large allreduce
+  std::string job_token;                // proved both ways in every handshake (see transport.h)
 };
 
 struct OpOptions {
@@ -135,6 +138,7 @@ class Peer {
   Handle Run(OpSig sig, const OpOptions& options, Body body, bool collective = true);
   OpSig Sig(OpKind kind, const OpOptions& options, int op = 0, int root = -1) const;
   void AcceptLoop();
+  void HandshakeLoop();
   void HandleIncoming(int fd);
   void Submit(std::function<void()> task);
   void WorkerLoop();
@@ -145,8 +149,14 @@ class Peer {
 
   int listen_fds_[2] = {-1, -1};
   std::thread acceptor_;
-  std::vector<std::thread> handshakes_;  // owned by the acceptor thread until Stop joins it
   std::atomic<bool> stopping_{false};
+  // Accepted connections wait here for one of a few handshake threads (a stranger costs no
+  // thread of its own; a flood beyond the queue is refused, and real peers retry).
+  std::mutex hs_mu_;
+  std::condition_variable hs_cv_;
+  std::deque<int> hs_queue_;
+  std::vector<std::thread> hs_threads_;  // created by the acceptor, joined by Stop
+  int hs_idle_ = 0;
 
   std::mutex store_mu_;
   std::map<std::string, Transport::Blob> store_;

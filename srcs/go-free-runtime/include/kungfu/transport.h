@@ -128,6 +128,8 @@ struct TransportOptions {
   // Messages that arrived before any operation asked for them are kept up to this many bytes in
   // all; a peer that sends more fails the transport (ResourceExhausted) instead of filling memory.
   uint64_t max_unclaimed_bytes = uint64_t(4) << 30;
+  // The job's secret, proved both ways in every handshake (empty: a job without one).
+  std::string job_token;
 };
 
 class Transport {
@@ -201,10 +203,24 @@ class Transport {
   const PeerList& peers() const { return peers_; }
   std::string Describe(int rank) const;  // "host:port (rank r)"
 
-  // Stream handshake, used by the listener of the Peer (which owns the listening sockets).
-  // Reads a hello from `fd`; on success sets *src to the sender's rank.
-  static Status ReadHello(int fd, uint64_t* version, std::string* src, std::string* dst);
-  static void WriteHelloReply(int fd, const Status& verdict);
+  // Stream handshake, the listener's side (the Peer owns the listening sockets). Each step ends
+  // within 2 s of the hello, however slowly a stranger sends.
+  //  1. The dialer sends a hello: "src>dst", its cluster version and a random nonce.
+  //  2. The listener checks destination, version and membership (a refusal is a reply carrying
+  //     the status; another cluster version is retryable), then replies with its own nonce and
+  //     HMAC-SHA256(job token, "accept" | transcript), transcript = name | version | both nonces.
+  //  3. The dialer checks that proof (a listener without the token is refused) and answers with
+  //     HMAC-SHA256(job token, "dial" | transcript).
+  //  4. The listener checks it and attaches the stream; its final reply says whether it did.
+  // No frame beyond these is parsed before step 4, and a wrong token is refused both ways.
+  struct Hello {
+    uint64_t version = 0;
+    std::string name, src, dst, nonce;
+    TimePoint deadline;
+  };
+  static Status ReadHello(int fd, Hello* hello);                                          // 1
+  static Status Challenge(int fd, const Hello& hello, const std::string& token);         // 2, 3
+  static void WriteHelloReply(int fd, const Status& verdict);                            // 4
 
  private:
   struct Slot;
@@ -219,6 +235,7 @@ class Transport {
     std::atomic<int> fd{-1};  // read without mu only by CutOutgoing
     TimePoint last_send;
   };
+  Status DialHandshake(int fd, const std::string& name);  // steps 1-4, the dialer's side
   void ReaderLoop(int src, int fd);
   void ReadFrames(int src, int fd);
   void CutOutgoing(int dst);
