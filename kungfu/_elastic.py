@@ -88,15 +88,20 @@ class Elastic:
         done = set(self.store.ready_peers(self.pending.version))
         return all(p in done for p in self.joiners(self.pending))
 
+    def failed(self) -> List[str]:
+        """Rank 0: joiners of the pending configuration that their launcher saw die."""
+        joiners = self.joiners(self.pending)
+        return [p for p in self.store.failed_peers(self.pending.version) if p in joiners]
+
     def overdue(self) -> bool:
         return time.monotonic() - self.pending_since > self.timeout
 
-    def abandon(self, rank: int) -> None:
+    def abandon(self, rank: int, why: Optional[str] = None) -> None:
         """Gives up the pending resize; rank 0 stores the old peers as the next version."""
         pending, self.pending = self.pending, None
-        warnings.warn(f"kungfu: resize to {len(pending.peers)} workers abandoned: its new "
-                      f"workers were not ready within {self.timeout:g}s; training goes on with "
-                      f"{len(self.current.peers)}")
+        why = why or f"its new workers were not ready within {self.timeout:g}s"
+        warnings.warn(f"kungfu: resize to {len(pending.peers)} workers abandoned: {why}; "
+                      f"training goes on with {len(self.current.peers)}")
         if rank == 0:
             self.store.propose(ClusterConfig(pending.version + 1, self.current.peers))
 

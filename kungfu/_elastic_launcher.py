@@ -60,6 +60,18 @@ class ElasticLauncher(Launcher):
         self.latest: Optional[ClusterConfig] = None
         self.leaving: Dict[int, float] = {}  # worker -> when it must be gone
         self.stopped: Set[int] = set()  # workers this launcher stopped (expected exits)
+        self.store_problem: Optional[str] = None  # the store error last reported, if any
+
+    def _store_trouble(self, e: Optional[Exception]) -> None:
+        """Reports a store error once per change of message, and the recovery; not every poll."""
+        msg = None if e is None else str(e)
+        if msg == self.store_problem:
+            return
+        if msg is not None:
+            self.error(f"elastic job: {msg}")
+        else:
+            self.info("elastic job: the config store answers again")
+        self.store_problem = msg
 
     def _hosts_text(self) -> str:
         return ",".join(f"{h.host}:{h.slots}" for h in self.hosts)
@@ -68,10 +80,11 @@ class ElasticLauncher(Launcher):
         if self.opts.builtin_config_port is not None:
             mine = sorted(self.here)
             bind = "127.0.0.1" if all(_is_loopback(h) for h in mine) else mine[0]
-            self.server = ConfigServer(bind, self.opts.builtin_config_port).start()
+            self.server = ConfigServer(bind, self.opts.builtin_config_port,
+                                       token=self.opts.job_token).start()
             self.url = self.server.url
             self.info(f"config store at {self.url}")
-        store = connect(self.url)
+        store = connect(self.url, token=self.opts.job_token)
         initial = ClusterConfig(0, [w.spec for w in self.peers])
         until = time.monotonic() + STORE_WAIT
         while True:
@@ -137,14 +150,18 @@ class ElasticLauncher(Launcher):
             return True
 
     def _joiner_never_ready(self, store, key: int) -> bool:
+        """Whether a worker that failed was a joiner that never reported ready. A store that
+        cannot say counts as not ready: the job goes on (the workers abandon the resize when
+        it times out), rather than ending for want of an answer."""
         version = self.version_of[key]
-        if version == 0:
+        if version == 0 or (self.latest is not None and version < self.latest.version):
             return False
         spec = self.running[key].worker.spec
         try:
             return spec not in store.ready_peers(version)
-        except StoreError:
-            return False
+        except StoreError as e:
+            self._store_trouble(e)
+            return True
 
     def _run(self, start: float) -> int:
         try:
@@ -165,8 +182,9 @@ class ElasticLauncher(Launcher):
                 if not stopping:
                     try:
                         cfg, _ = store.config()
+                        self._store_trouble(None)
                     except StoreError as e:
-                        self.error(f"elastic job: {e}")
+                        self._store_trouble(e)
                         cfg = None
                     if cfg is not None and cfg.version >= seen:
                         # Every poll, not only on a new version: a peer whose old worker was
@@ -194,7 +212,7 @@ class ElasticLauncher(Launcher):
                     event = None
                 now = time.monotonic()
                 if event is not None and event[0] == "exit":
-                    _, key, rc = event
+                    _, key, rc, _ = event
                     run = self.running[key]
                     run.returncode = rc
                     spec = run.worker.spec
@@ -211,6 +229,10 @@ class ElasticLauncher(Launcher):
                                    f"{_describe_exit(rc)} before it was ready; its resize "
                                    "will be abandoned")
                         self.finished[spec] = seen
+                        try:  # the workers give up the resize at once instead of timing out
+                            store.mark_failed(self.version_of[key], spec)
+                        except StoreError as e:
+                            self._store_trouble(e)
                     elif result is None:
                         result = _exit_code(rc)
                         self.error(f"worker {run.worker.rank} ({spec}) {_describe_exit(rc)}; "

@@ -81,6 +81,13 @@ ELASTIC_HOSTS = Var("KUNGFU_ELASTIC_HOSTS", str, None,
 PORT_RANGE = Var("KUNGFU_PORT_RANGE", str, None, "the ports workers listen on (kungfu-run's -port-range)")
 ELASTIC_JOINING = Var("KUNGFU_ELASTIC_JOINING", _bool, False,
                       "this worker joins a running elastic job (it syncs state before training)")
+ETCD_CACERT = Var("KUNGFU_ETCD_CACERT", str, None,
+                  "CA file that verifies an etcds:// config store (etcd's gateway over TLS)")
+ETCD_CERT = Var("KUNGFU_ETCD_CERT", str, None, "client certificate for an etcds:// config store")
+ETCD_KEY = Var("KUNGFU_ETCD_KEY", str, None, "the client certificate's key (KUNGFU_ETCD_CERT)")
+WATCHDOG_FD = Var("KUNGFU_WATCHDOG_FD", int, None,
+                  "set by kungfu-run: a pipe whose end of file means the launcher died; the "
+                  "worker then ends its process group (wrappers like bash -c included)")
 RESIZE_TIMEOUT = Var("KUNGFU_RESIZE_TIMEOUT", _positive_duration, 120.0,
                      "how long a resize waits for its joiners before it is abandoned")
 
@@ -94,7 +101,8 @@ CHUNK_BYTES = Var("KUNGFU_CHUNK_BYTES", _positive_int, 1 << 20, "largest message
 PARALLELISM = Var("KUNGFU_PARALLELISM", _positive_int, 2, "independent pipelines per large allreduce")
 
 ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
-       ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, RESIZE_TIMEOUT, OP_TIMEOUT, PEER_TIMEOUT,
+       ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, ETCD_CACERT, ETCD_CERT, ETCD_KEY, WATCHDOG_FD,
+       RESIZE_TIMEOUT, OP_TIMEOUT, PEER_TIMEOUT,
        CONNECT_TIMEOUT, CHUNK_BYTES, PARALLELISM]
 
 

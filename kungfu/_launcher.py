@@ -15,6 +15,7 @@ import ipaddress
 import os
 import queue
 import re
+import secrets
 import shlex
 import signal
 import socket
@@ -50,6 +51,7 @@ STRATEGIES = (
 )
 # After SIGTERM, how long a worker may take to exit before it gets SIGKILL.
 GRACE_SECONDS = 5.0
+BLAME_WINDOW = 0.1  # seconds of exits compared to find the worker that failed first
 
 
 class UsageError(Exception):
@@ -76,6 +78,8 @@ class Options:
     elastic: bool = False
     builtin_config_port: Optional[int] = None
     config_server: Optional[str] = None
+    job_token_file: Optional[str] = None
+    job_token: str = ""  # resolved by run(), never printed
 
 
 HELP = """\
@@ -107,13 +111,22 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
                       initial size, the slots of -H the largest. Needs one of:
   -builtin-config-port P  host the config store here, on port P of this host's address
                       (one launcher of the job hosts it; the others use -config-server)
-  -config-server URL  the job's config store: http://HOST:P (a builtin one) or etcd://HOST:P
+  -config-server URL  the job's config store: http://HOST:P (a builtin one), or etcd's gateway:
+                      etcd://[USER:PASSWORD@]HOST:P, or etcds://... over TLS
+  -job-token-file F   the job's secret, read from file F. Workers prove it to each other in
+                      every handshake and the builtin config store answers only requests that
+                      carry it, so no other process can join or change the job. Default:
+                      KUNGFU_JOB_TOKEN if set, else a random secret for this job; a job on
+                      several hosts must give every launcher the same one
   -h, -help, --help   print this help and exit
 
 Each worker inherits the environment of kungfu-run plus its identity
 ({identity})
-and PYTHONUNBUFFERED=1; its stdin is /dev/null. A worker runs in its own process group, and is
-killed if kungfu-run dies.
+and the job's secret (KUNGFU_JOB_TOKEN) and PYTHONUNBUFFERED=1; its stdin is /dev/null. A worker
+runs in its own process group, which kungfu-run signals as a whole. If kungfu-run dies (even by
+SIGKILL), its workers end too: each inherits a pipe (KUNGFU_WATCHDOG_FD) whose end means the
+launcher is gone, and kungfu ends the worker's process group then, through wrappers such as
+bash -c.
 Every line a worker writes is printed with its rank in front, "[r] ": stdout lines on
 kungfu-run's stdout, stderr lines on its stderr.
 
@@ -150,6 +163,7 @@ _VALUE_FLAGS = {
     "timeout": "timeout",
     "builtin-config-port": "builtin_config_port",
     "config-server": "config_server",
+    "job-token-file": "job_token_file",
 }
 _HELP_FLAGS = {"h", "help"}
 
@@ -261,10 +275,35 @@ def parse_args(argv: Sequence[str]) -> Options:
         raise UsageError("-w needs exactly one of -builtin-config-port P and -config-server URL")
     if not opts.elastic and (opts.builtin_config_port is not None or opts.config_server):
         raise UsageError("-builtin-config-port and -config-server are for elastic jobs (-w)")
-    if opts.config_server is not None and not opts.config_server.startswith(("http://", "etcd://")):
-        raise UsageError(f"-config-server must be http://HOST:P or etcd://HOST:P, "
+    if opts.config_server is not None and not opts.config_server.startswith(
+            ("http://", "etcd://", "etcds://")):
+        raise UsageError(f"-config-server must be http://HOST:P, etcd://HOST:P or etcds://HOST:P, "
                          f"got {opts.config_server!r}")
     return opts
+
+
+def job_token(opts: Options, alone: bool) -> str:
+    """The job's secret: from -job-token-file, else KUNGFU_JOB_TOKEN, else a new random one when
+    this launcher runs the whole job (`alone`). A job with a launcher per host needs the same
+    secret on every host, so it must be given there (a random one would differ per host)."""
+    if opts.job_token_file is not None:
+        try:
+            with open(opts.job_token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise UsageError(f"cannot read -job-token-file {opts.job_token_file!r}: "
+                             f"{e.strerror or e}") from None
+        if not token:
+            raise UsageError(f"-job-token-file {opts.job_token_file!r} is empty")
+        return token
+    token = _env.JOB_TOKEN.get()
+    if token:
+        return token
+    if not alone:
+        raise UsageError("a job with a launcher on each host needs one secret on every host: "
+                         "give each launcher the same -job-token-file FILE, or set "
+                         "KUNGFU_JOB_TOKEN to the same value")
+    return secrets.token_hex(32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -538,6 +577,9 @@ class Launcher:
         self.events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self.running: Dict[int, _Running] = {}
         self._drained = False
+        # Workers inherit the read end; only this process holds the write end, so the workers
+        # see end of file when it dies, however it dies (kungfu/_watchdog.py).
+        self._watchdog = os.pipe()
 
     # messages ---------------------------------------------------------------------------
     def info(self, msg: str) -> None:
@@ -564,6 +606,8 @@ class Launcher:
         peers = [p.spec for p in self.peers] if peers is None else peers
         env.update(_env.worker_env(worker.spec, peers, version, self.opts.strategy))
         env.update(extra_env or {})
+        env[_env.JOB_TOKEN.name] = self.opts.job_token
+        env[_env.WATCHDOG_FD.name] = str(self._watchdog[0])
         env["PYTHONUNBUFFERED"] = "1"
         log = None
         if self.opts.logdir is not None:
@@ -577,6 +621,7 @@ class Launcher:
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # own process group: signals reach its children too
                 preexec_fn=_preexec_parent_death_signal(),
+                pass_fds=(self._watchdog[0],),
             )
         except BaseException:
             if log is not None:
@@ -601,7 +646,24 @@ class Launcher:
 
     def _wait(self, run: _Running, key=None) -> None:
         code = run.proc.wait()
-        self.events.put(("exit", run.worker.rank if key is None else key, code))
+        self.events.put(("exit", run.worker.rank if key is None else key, code, time.monotonic()))
+
+    def _first_failure(self, event: tuple) -> tuple:
+        """Of the failing exits seen within BLAME_WINDOW of `event`, the earliest: a worker
+        that fails takes its peers down a moment later (PeerFailedError), and their exits can
+        be reported first."""
+        exits, others = [event], []
+        until = time.monotonic() + BLAME_WINDOW
+        while True:
+            try:
+                e = self.events.get(timeout=max(0.0, until - time.monotonic()))
+            except queue.Empty:
+                break
+            (exits if e[0] == "exit" else others).append(e)
+        first = min((e for e in exits if e[2] != 0), key=lambda e: e[3])
+        for e in others + sorted((e for e in exits if e is not first), key=lambda e: e[3]):
+            self.events.put(e)  # handled in turn, after the culprit
+        return first
 
     def _signal_all(self, sig: int) -> None:
         for run in self.running.values():
@@ -708,8 +770,11 @@ class Launcher:
                 event = None
             now = time.monotonic()
 
+            if (event is not None and event[0] == "exit" and event[2] != 0 and result is None
+                    and not stopping):
+                event = self._first_failure(event)
             if event is not None and event[0] == "exit":
-                _, rank, rc = event
+                _, rank, rc, _ = event
                 run = self.running[rank]
                 run.returncode = rc
                 if rc != 0 and result is None and not stopping:
@@ -791,6 +856,9 @@ def run(argv: Sequence[str]) -> int:
         peers = plan_workers(opts.np, hosts, opts.port_range)
         here = set(local_hosts(opts, hosts))
         mine = [w for w in peers if w.host in here]
+        # Alone: this launcher starts every worker the job may have (elastic: every slot).
+        alone = all(h.host in here for h in hosts) if opts.elastic else len(mine) == len(peers)
+        opts.job_token = job_token(opts, alone)
         if opts.logdir is not None:
             try:
                 os.makedirs(opts.logdir, exist_ok=True)

@@ -64,7 +64,9 @@ _detached = False
 
 
 def _create(self_spec: Optional[str], peers: List[str], version: int):
-    from kungfu import _kungfu
+    from kungfu import _kungfu, _watchdog
+
+    _watchdog.start_from_env()
 
     multi = len(peers) > 1
     peer = _kungfu.Peer(

@@ -15,11 +15,21 @@ Backends: `ConfigServer` (an HTTP server kungfu-run hosts with -builtin-config-p
 /v3/kv/range and /v3/kv/txn; no client library). The server checks every write to the config key:
 a malformed configuration (bad JSON, bad peers, a version other than the stored one + 1) gets
 400 and a stale revision 409; nothing is half-applied. Every request has a deadline.
+
+Security: a ConfigServer given the job's token (kungfu-run passes KUNGFU_JOB_TOKEN) answers only
+requests that carry it (`Authorization: Bearer <token>`, else 401); values are limited to
+MAX_VALUE_BYTES (413), bodies must be exactly as long as announced, a client idle for
+IDLE_TIMEOUT is dropped, and configurations are parsed outside the store's lock. EtcdStore
+supports etcd's user/password authentication and an https:// gateway with a CA and a client
+certificate; whatever etcd holds that cannot be parsed is a StoreError, never a crash.
 """
 from __future__ import annotations
 
 import base64
+import hmac
 import json
+import re
+import ssl
 import threading
 import urllib.error
 import urllib.parse
@@ -30,8 +40,14 @@ from typing import Dict, List, Optional, Tuple
 
 CONFIG_KEY = "cluster/config"
 READY_PREFIX = "cluster/ready/"
+FAILED_PREFIX = "cluster/failed/"  # a launcher's word that a joiner died before it was ready
 DONE_KEY = "cluster/done"  # written when training has finished (the launchers may exit)
 REQUEST_TIMEOUT = 5.0  # seconds
+MAX_VALUE_BYTES = 1 << 20  # a configuration of ~50k peers; the store holds nothing bigger
+IDLE_TIMEOUT = 10.0  # seconds a client of the builtin server may stay silent mid-request
+# A host as the runtime's PeerID parser takes it: a name or an IPv4 address (letters, digits,
+# '-', '.', '_'), no spaces, no shell characters.
+_HOST = re.compile(r"[A-Za-z0-9_.-]{1,253}")
 
 
 class StoreError(RuntimeError):
@@ -57,10 +73,13 @@ class ClusterConfig:
     @staticmethod
     def from_json(text: str) -> "ClusterConfig":
         try:
+            if len(text) > MAX_VALUE_BYTES:
+                raise ValueError(f"{len(text)} bytes, more than {MAX_VALUE_BYTES}")
             d = json.loads(text)
             return ClusterConfig(d["version"], d["peers"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"malformed cluster configuration {text[:200]!r}: {e}") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise ValueError(f"malformed cluster configuration {text[:200]!r}: "
+                             f"{type(e).__name__ if isinstance(e, RecursionError) else e}") from None
 
 
 def check_config(c: ClusterConfig) -> None:
@@ -70,14 +89,18 @@ def check_config(c: ClusterConfig) -> None:
         raise ValueError("a cluster configuration needs at least one peer")
     for p in c.peers:
         host, _, port = p.rpartition(":") if isinstance(p, str) else ("", "", "")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"peer {p!r} is not host:port")
+        if not _HOST.fullmatch(host) or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"peer {p!r} is not host:port (a host name or IPv4 address)")
     if len(set(c.peers)) != len(c.peers):
         raise ValueError(f"peers are listed twice in {list(c.peers)}")
 
 
 def ready_key(version: int, peer: str) -> str:
     return f"{READY_PREFIX}{version}/{peer}"
+
+
+def failed_key(version: int, peer: str) -> str:
+    return f"{FAILED_PREFIX}{version}/{peer}"
 
 
 class Store:
@@ -100,9 +123,15 @@ class Store:
     # -- cluster configuration --------------------------------------------------------------
 
     def config(self) -> Tuple[Optional[ClusterConfig], int]:
-        """The stored configuration and its revision ((None, 0) before the first)."""
+        """The stored configuration and its revision ((None, 0) before the first). A value that
+        is not a configuration (written around kungfu) is a StoreError."""
         value, rev = self.get(CONFIG_KEY)
-        return (None if value is None else ClusterConfig.from_json(value)), rev
+        if value is None:
+            return None, rev
+        try:
+            return ClusterConfig.from_json(value), rev
+        except ValueError as e:
+            raise StoreError(f"the store holds no valid configuration at {CONFIG_KEY}: {e}") from None
 
     def propose(self, new: ClusterConfig) -> bool:
         """Stores `new` if the stored version is new.version - 1 (or nothing is stored and
@@ -124,6 +153,13 @@ class Store:
         prefix = f"{READY_PREFIX}{version}/"
         return sorted(k[len(prefix):] for k in self.list(prefix))
 
+    def mark_failed(self, version: int, peer: str) -> None:
+        self.put(failed_key(version, peer), "1")
+
+    def failed_peers(self, version: int) -> List[str]:
+        prefix = f"{FAILED_PREFIX}{version}/"
+        return sorted(k[len(prefix):] for k in self.list(prefix))
+
 
 # -- the builtin server --------------------------------------------------------------------------
 
@@ -141,12 +177,16 @@ class MemoryStore(Store):
             return value, rev
 
     def compare_and_swap(self, key, value, revision):
+        if key == CONFIG_KEY:
+            # Parsed outside the lock (a large value must not stall other clients); checked
+            # against the stored config after, under it.
+            new = ClusterConfig.from_json(value)
         with self._lock:
             current = self._data.get(key, (None, 0))[1]
             if current != revision:
                 raise StaleWriteError(f"{key}: revision {current}, not {revision}")
             if key == CONFIG_KEY:
-                _check_config_write(self._data.get(key, (None, 0))[0], value)
+                _check_version(self._data.get(key, (None, 0))[0], new)
             self._revision += 1
             self._data[key] = (value, self._revision)
             return self._revision
@@ -165,8 +205,11 @@ class MemoryStore(Store):
 
 
 def _check_config_write(old: Optional[str], new: str) -> None:
-    cfg = ClusterConfig.from_json(new)  # ValueError: malformed
-    want = 0 if old is None else ClusterConfig.from_json(old).version + 1
+    _check_version(old, ClusterConfig.from_json(new))  # ValueError: malformed
+
+
+def _check_version(old: Optional[str], cfg: ClusterConfig) -> None:
+    want = 0 if old is None else json.loads(old)["version"] + 1
     if cfg.version != want:
         raise ValueError(f"cluster version {cfg.version} cannot follow "
                          f"{'nothing' if old is None else want - 1}: expected {want}")
@@ -175,13 +218,18 @@ def _check_config_write(old: Optional[str], new: str) -> None:
 class ConfigServer:
     """An HTTP server over a MemoryStore: GET/PUT /v1/kv/<key>[?revision=R], GET /v1/kv?prefix=P.
 
-    PUT with ?revision=R is a compare-and-swap (409 when stale); 400 for a malformed write."""
+    PUT with ?revision=R is a compare-and-swap (409 when stale); 400 for a malformed write, 401
+    without the token (when one is set), 411/413 for a missing or too large body."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None,
+                 idle_timeout: float = IDLE_TIMEOUT):
         self.store = MemoryStore()
         store = self.store
+        expected = f"Bearer {token}".encode() if token else None
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = idle_timeout  # a client silent this long mid-request is dropped
+
             def log_message(self, *args):  # quiet
                 pass
 
@@ -193,6 +241,16 @@ class ConfigServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _authorized(self) -> bool:
+                if expected is None:
+                    return True
+                got = (self.headers.get("Authorization") or "").encode()
+                if hmac.compare_digest(got, expected):
+                    return True
+                self._reply(401, {"error": "the job token is missing or wrong (the builtin "
+                                           "config store answers only its job: KUNGFU_JOB_TOKEN)"})
+                return False
+
             def _key(self):
                 url = urllib.parse.urlparse(self.path)
                 q = urllib.parse.parse_qs(url.query)
@@ -203,6 +261,8 @@ class ConfigServer:
                 return urllib.parse.unquote(url.path[len("/v1/kv/"):]), q
 
             def do_GET(self):
+                if not self._authorized():
+                    return
                 key, q = self._key()
                 if key is False:
                     return self._reply(404, {"error": f"no such path {self.path}"})
@@ -215,24 +275,49 @@ class ConfigServer:
                 return self._reply(200, {"value": value, "revision": rev})
 
             def do_PUT(self):
+                if not self._authorized():
+                    return
                 key, q = self._key()
                 if not key:
                     return self._reply(404, {"error": f"no such path {self.path}"})
+                text = self.headers.get("Content-Length")
+                if text is None or not text.strip().isdigit():
+                    self.close_connection = True
+                    return self._reply(411, {"error": "a PUT needs a Content-Length"})
+                length = int(text)
+                if length > MAX_VALUE_BYTES:
+                    self.close_connection = True
+                    return self._reply(413, {"error": f"a value is at most {MAX_VALUE_BYTES} "
+                                                      f"bytes, this one {length}"})
                 try:
-                    length = int(self.headers.get("Content-Length", "0"))
-                    value = self.rfile.read(length).decode()
+                    body = self.rfile.read(length)
+                except OSError:  # the idle timeout: nothing is stored
+                    self.close_connection = True
+                    return
+                if len(body) != length:  # the client went away mid-body: store nothing
+                    self.close_connection = True
+                    return self._reply(400, {"error": f"body of {len(body)} bytes, "
+                                                      f"{length} announced"})
+                try:
+                    value = body.decode()
                     if "revision" in q:
                         rev = store.compare_and_swap(key, value, int(q["revision"][0]))
                     else:
                         rev = store.put(key, value)
                 except StaleWriteError as e:
                     return self._reply(409, {"error": str(e), "revision": store.get(key)[1]})
-                except (ValueError, StoreError, UnicodeDecodeError) as e:
-                    return self._reply(400, {"error": str(e)})
+                except (ValueError, StoreError, UnicodeDecodeError, RecursionError) as e:
+                    return self._reply(400, {"error": str(e) or type(e).__name__})
                 return self._reply(200, {"revision": rev})
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
+            def do_DELETE(self):
+                self._reply(501, {"error": "keys are never deleted"})
+
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 128  # 20 concurrent writers saw resets with the default 5
+            daemon_threads = True
+
+        self._server = Server((host, port), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, name="kungfu-config",
                                         daemon=True)
 
@@ -251,34 +336,59 @@ class ConfigServer:
 
 
 def _request(method: str, url: str, body: Optional[bytes] = None,
-             timeout: float = REQUEST_TIMEOUT) -> Tuple[int, dict]:
+             timeout: float = REQUEST_TIMEOUT, headers: Optional[Dict[str, str]] = None,
+             context: Optional[ssl.SSLContext] = None) -> Tuple[int, dict]:
     req = urllib.request.Request(url, data=body, method=method)
     if body is not None:
         req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    # A reset before any reply (a listen queue that overflowed) is retried once when repeating
+    # the request cannot do harm: reads, and compare-and-swaps (a second try of one that was in
+    # fact applied fails as stale, which the caller handles like any lost race).
+    tries = 2 if method == "GET" or "revision=" in url or "/v3/kv/range" in url else 1
+    for attempt in range(tries):
         try:
-            payload = json.loads(e.read() or b"{}")
-        except ValueError:
-            payload = {}
-        return e.code, payload
-    except (urllib.error.URLError, OSError) as e:
-        raise StoreError(f"cannot reach the config store at {url}: {e}") from None
+            with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
+                return r.status, json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            try:
+                payload = json.loads(e.read() or b"{}")
+            except ValueError:
+                payload = {}
+            return e.code, payload
+        except ConnectionResetError as e:
+            if attempt + 1 < tries:
+                continue
+            raise StoreError(f"cannot reach the config store at {url}: {e}") from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise StoreError(f"cannot reach the config store at {url}: {e}") from None
+    raise AssertionError("unreachable")
 
 
 class HTTPStore(Store):
-    """Client of ConfigServer."""
+    """Client of ConfigServer. `token`: the job's token (default: KUNGFU_JOB_TOKEN)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, token: Optional[str] = None):
         self.url = url.rstrip("/")
+        if token is None:
+            from kungfu import _env
+
+            token = _env.JOB_TOKEN.get()
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     def _kv(self, key: str, query: str = "") -> str:
         return f"{self.url}/v1/kv/{urllib.parse.quote(key, safe='')}{query}"
 
+    def _call(self, method: str, url: str, body: Optional[bytes] = None) -> Tuple[int, dict]:
+        code, reply = _request(method, url, body, headers=self._headers)
+        if code == 401:
+            raise StoreError(f"the config store at {self.url} refused this client: "
+                             f"{reply.get('error', 'unauthorized')}")
+        return code, reply
+
     def get(self, key):
-        code, body = _request("GET", self._kv(key))
+        code, body = self._call("GET", self._kv(key))
         if code == 404:
             return None, 0
         if code != 200:
@@ -286,7 +396,7 @@ class HTTPStore(Store):
         return body["value"], int(body["revision"])
 
     def _put(self, key, value, query):
-        code, body = _request("PUT", self._kv(key, query), value.encode())
+        code, body = self._call("PUT", self._kv(key, query), value.encode())
         if code == 409:
             raise StaleWriteError(body.get("error", "stale"))
         if code != 200:
@@ -300,7 +410,7 @@ class HTTPStore(Store):
         return self._put(key, value, "")
 
     def list(self, prefix):
-        code, body = _request("GET", f"{self.url}/v1/kv?prefix={urllib.parse.quote(prefix)}")
+        code, body = self._call("GET", f"{self.url}/v1/kv?prefix={urllib.parse.quote(prefix)}")
         if code != 200:
             raise StoreError(f"list {prefix}: {code} {body.get('error')}")
         return dict(body["kvs"])
@@ -318,24 +428,58 @@ def _unb64(s: str) -> str:
 
 class EtcdStore(Store):
     """etcd v3 through its JSON gateway (POST /v3/kv/range, /v3/kv/txn). Revisions are etcd's
-    mod_revision; a write to the config key is checked here before the transaction."""
+    mod_revision; a write to the config key is checked here before the transaction.
 
-    def __init__(self, url: str, prefix: str = "kungfu/"):
+    user/password: etcd's authentication (a token from /v3/auth/authenticate, renewed when etcd
+    says it expired). An https:// URL uses TLS; `cacert` verifies the server, `cert`/`key` are a
+    client certificate."""
+
+    def __init__(self, url: str, prefix: str = "kungfu/", user: Optional[str] = None,
+                 password: Optional[str] = None, cacert: Optional[str] = None,
+                 cert: Optional[str] = None, key: Optional[str] = None):
         self.url = url.rstrip("/")
         self.prefix = prefix
+        self._user, self._password = user, password
+        self._auth: Optional[str] = None
+        self._context = None
+        if self.url.startswith("https://"):
+            self._context = ssl.create_default_context(cafile=cacert)
+            if cert:
+                self._context.load_cert_chain(cert, key)
+
+    def _authenticate(self) -> None:
+        code, reply = _request("POST", self.url + "/v3/auth/authenticate",
+                               json.dumps({"name": self._user, "password": self._password}).encode(),
+                               context=self._context)
+        if code != 200 or "token" not in reply:
+            raise StoreError(f"etcd refused user {self._user!r}: {code} {reply.get('message', reply)}")
+        self._auth = reply["token"]
 
     def _post(self, path: str, body: dict) -> dict:
-        code, reply = _request("POST", self.url + path, json.dumps(body).encode())
-        if code != 200:
-            raise StoreError(f"etcd {path}: {code} {reply}")
-        return reply
+        for attempt in range(2):
+            if self._user is not None and self._auth is None:
+                self._authenticate()
+            headers = {"Authorization": self._auth} if self._auth else {}
+            code, reply = _request("POST", self.url + path, json.dumps(body).encode(),
+                                   headers=headers, context=self._context)
+            expired = code != 200 and "token" in str(reply.get("message", reply.get("error", "")))
+            if expired and self._user is not None and attempt == 0:
+                self._auth = None  # expired or revoked: authenticate again, once
+                continue
+            if code != 200:
+                raise StoreError(f"etcd {path}: {code} {reply}")
+            return reply
+        raise AssertionError("unreachable")
 
     def get(self, key):
         r = self._post("/v3/kv/range", {"key": _b64(self.prefix + key)})
         kvs = r.get("kvs") or []
         if not kvs:
             return None, 0
-        return _unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"])
+        try:
+            return _unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"etcd holds an unreadable value at {self.prefix + key}: {e}") from None
 
     def compare_and_swap(self, key, value, revision):
         if key == CONFIG_KEY:
@@ -372,13 +516,24 @@ class EtcdStore(Store):
         return out
 
 
-def connect(url: str) -> Store:
-    """A Store for http://host:port (the builtin server) or etcd://host:port."""
-    if url.startswith("etcd://"):
-        return EtcdStore("http://" + url[len("etcd://"):])
+def connect(url: str, token: Optional[str] = None) -> Store:
+    """A Store for http://host:port (the builtin server; `token` defaults to KUNGFU_JOB_TOKEN),
+    etcd://[user:password@]host:port or etcds://... (etcd's gateway over TLS; the CA and client
+    certificate come from KUNGFU_ETCD_CACERT, KUNGFU_ETCD_CERT, KUNGFU_ETCD_KEY)."""
+    for scheme, web in (("etcd://", "http://"), ("etcds://", "https://")):
+        if url.startswith(scheme):
+            from kungfu import _env
+
+            parts = urllib.parse.urlsplit("x://" + url[len(scheme):])
+            user = urllib.parse.unquote(parts.username) if parts.username else None
+            password = urllib.parse.unquote(parts.password or "") if user else None
+            netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
+            return EtcdStore(web + netloc, user=user, password=password,
+                             cacert=_env.ETCD_CACERT.get(), cert=_env.ETCD_CERT.get(),
+                             key=_env.ETCD_KEY.get())
     if url.startswith("http://"):
-        return HTTPStore(url)
-    raise ValueError(f"config server URL must start with http:// or etcd://, got {url!r}")
+        return HTTPStore(url, token)
+    raise ValueError(f"config server URL must start with http://, etcd:// or etcds://, got {url!r}")
 
 
 def server_main(argv=None) -> int:
@@ -393,9 +548,24 @@ def server_main(argv=None) -> int:
                     "http://HOST:PORT. Runs until interrupted.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--port", type=int, default=9100, help="port to listen on (9100)")
+    p.add_argument("--token-file", metavar="PATH",
+                   help="answer only clients that send the secret in this file (the job's "
+                        "KUNGFU_JOB_TOKEN; kungfu-run -job-token-file takes the same file). "
+                        "Default: KUNGFU_JOB_TOKEN if set, else no token (anyone who can reach "
+                        "the port may change the job)")
     args = p.parse_args(argv)
+    from kungfu import _env
+
+    token = _env.JOB_TOKEN.get()
+    if args.token_file:
+        try:
+            token = open(args.token_file).read().strip()
+        except OSError as e:
+            p.exit(2, f"kungfu-config-server: cannot read --token-file: {e}\n")
+        if not token:
+            p.exit(2, f"kungfu-config-server: --token-file {args.token_file} is empty\n")
     try:
-        server = ConfigServer(args.host, args.port).start()
+        server = ConfigServer(args.host, args.port, token=token).start()
     except OSError as e:
         p.exit(1, f"kungfu-config-server: cannot listen on {args.host}:{args.port}: {e}\n")
     print(f"kungfu-config-server: serving {server.url}", flush=True)
@@ -408,4 +578,4 @@ def server_main(argv=None) -> int:
 
 
 __all__ = ["ClusterConfig", "Store", "StoreError", "StaleWriteError", "ConfigServer", "MemoryStore",
-           "HTTPStore", "EtcdStore", "connect", "CONFIG_KEY"]
+           "HTTPStore", "EtcdStore", "connect", "CONFIG_KEY", "MAX_VALUE_BYTES"]

@@ -181,12 +181,16 @@ class Hook(keras.callbacks.Callback):
         if self.data is not None and self.state.samples_in_epoch >= len(self.data):
             return  # never after an epoch's last step: a joiner's first epoch would be empty
         try:
-            ready = ctx.ready()
+            failed = ctx.failed()
+            ready = not failed and ctx.ready()
         except StoreError as e:
             warnings.warn(f"kungfu: cannot read the config store: {e}")
-            ready = False
+            failed, ready = [], False
         if ready:
             _actions._record("elastic", {"switch": ctx.pending.version})
+        elif failed:
+            _actions._record("elastic", {"abandon": ctx.pending.version,
+                                         "why": f"new worker {', '.join(failed)} failed"})
         elif ctx.overdue():
             _actions._record("elastic", {"abandon": ctx.pending.version})
 
@@ -232,7 +236,7 @@ class Hook(keras.callbacks.Callback):
         if "switch" in decision:
             self._switch(ctx.pending)
         else:
-            ctx.abandon(kf.rank())
+            ctx.abandon(kf.rank(), decision.get("why"))
 
     def _switch(self, new: ClusterConfig) -> None:
         ctx = _elastic.context()
@@ -448,7 +452,7 @@ class Hook(keras.callbacks.Callback):
             import kungfu as kf
 
             if ctx.pending is not None:
-                ctx.abandon(kf.rank())  # training is over before the new workers were ready
+                ctx.abandon(kf.rank(), "training ended before its new workers were ready")
             if kf.rank() == 0:
                 ctx.finish()
 

@@ -143,11 +143,14 @@ def test_a_joiner_whose_model_differs_fails_everyone_at_once(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_a_joiner_that_fails_is_given_up_and_training_goes_on(tmp_path):
+    # The launcher tells the workers (cluster/failed/...): they give the resize up at once, not
+    # after KUNGFU_RESIZE_TIMEOUT.
     r, records = run_elastic(tmp_path, 1, 2, "--schedule", "2", "--fail-joiner",
                              "--max-steps", "80", timeout=150,
-                             env_extra={"KUNGFU_RESIZE_TIMEOUT": "4s"})
+                             env_extra={"KUNGFU_RESIZE_TIMEOUT": "300s"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "before it was ready" in r.stderr and "abandoned" in r.stderr
+    assert "failed; training goes on with 1" in r.stderr, r.stderr[-5000:]
     steps = steps_of(records)
     assert len(steps) == 80 and all(len(rows) == 1 and rows[0]["size"] == 1
                                      for rows in steps.values())

@@ -162,7 +162,8 @@ def test_one_launcher_per_host_with_self(script):
     common = ["-np", "5", "-H", "127.0.0.1:3,127.0.0.2:3", "-port-range", ports, "-q"]
     procs = [
         subprocess.Popen(launcher_cmd(*common, "-self", ip, PY, path), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env_with_repo())
+                         stderr=subprocess.PIPE, text=True,
+                         env=env_with_repo(KUNGFU_JOB_TOKEN="one-secret-for-both-launchers"))
         for ip in ("127.0.0.2", "127.0.0.1")
     ]
     try:
@@ -376,3 +377,76 @@ def test_workers_die_with_a_killed_launcher(script, sync):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+BUSY = """
+    import os, sys, time
+    import numpy as np
+    import kungfu as kf
+
+    with open(sys.argv[1] + f".{kf.rank()}", "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        kf.allreduce(np.ones(1000, np.float32))
+        time.sleep(0.01)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for its (dead) parent counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_workers_behind_a_wrapper_end_when_the_launcher_is_killed(tmp_path):
+    """The probe: SIGKILL of kungfu-run running `bash -c "python w.py; echo done"` left both
+    python workers running with their ports. The watchdog pipe ends them."""
+    path = write_script(tmp_path, "busy.py", BUSY)
+    pids = tmp_path / "pid"
+    ports = free_port_range(2)
+    p = subprocess.Popen(launcher_cmd("-np", "2", "-port-range", ports, "-q", "bash", "-c",
+                                      f"{PY} {path} {pids}; echo done"),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env_with_repo())
+    try:
+        until = time.time() + 30
+        while time.time() < until and not all(Path(f"{pids}.{r}").exists() for r in (0, 1)):
+            time.sleep(0.1)
+        time.sleep(0.5)
+        workers = [int(Path(f"{pids}.{r}").read_text()) for r in (0, 1)]
+        assert all(_alive(w) for w in workers)
+        p.kill()
+        p.wait()
+        until = time.time() + 5
+        while time.time() < until and any(_alive(w) for w in workers):
+            time.sleep(0.1)
+        assert not any(_alive(w) for w in workers), "workers outlived their launcher"
+    finally:
+        p.kill()
+        for r in (0, 1):
+            try:
+                os.kill(int(Path(f"{pids}.{r}").read_text()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+
+
+def test_the_worker_that_failed_first_is_blamed(tmp_path):
+    """Rank 1 exits 1; rank 0 exits 3 a moment later (as it would of the PeerFailedError). The
+    launcher must name worker 1 every time, however the two exits are reported."""
+    path = write_script(tmp_path, "fail.py", """
+        import os, sys, time
+        rank = os.environ["KUNGFU_INIT_PEERS"].split(",").index(os.environ["KUNGFU_SELF_SPEC"])
+        if rank == 1:
+            sys.exit(1)
+        time.sleep(0.02)
+        sys.exit(3)
+    """)
+    ports = free_port_range(2)
+    for _ in range(8):
+        r = run_launcher("-np", "2", "-port-range", ports, PY, path, timeout=30)
+        assert r.returncode == 1, r.stderr
+        assert "worker 1 (" in r.stderr and "worker 0 (" not in r.stderr, r.stderr

@@ -70,6 +70,7 @@ def two_hosts():
 
 def launcher_env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
+    env["KUNGFU_JOB_TOKEN"] = "multihost-test-secret"  # one secret for the launchers of both hosts
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 

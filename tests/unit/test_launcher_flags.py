@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(60)
 
 
-def launcher(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def launcher(*args: str, timeout: float = 30, env_extra=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "KUNGFU_JOB_TOKEN"}
+    env.update(env_extra or {})
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     return subprocess.run(
         [sys.executable, "-m", "kungfu.cmd", *args],
@@ -304,9 +305,42 @@ def test_help_wins_over_other_flags():
 
 
 def test_nothing_to_run_on_a_host_without_workers():
-    r = launcher("-np", "2", "-H", "10.0.0.1:2,10.0.0.2:2", "-self", "10.0.0.2", "true")
+    r = launcher("-np", "2", "-H", "10.0.0.1:2,10.0.0.2:2", "-self", "10.0.0.2", "true",
+                 env_extra={"KUNGFU_JOB_TOKEN": "s"})
     assert r.returncode == 0, r.stderr
     assert "nothing to run" in r.stderr
+
+
+def test_a_job_on_several_hosts_needs_one_secret(tmp_path):
+    args = ("-np", "2", "-H", "10.0.0.1:1,10.0.0.2:1", "-self", "10.0.0.2", "true")
+    r = launcher(*args)
+    assert r.returncode == 2 and "same -job-token-file" in r.stderr, r.stderr
+    # Two launchers on loopback "hosts" (-self): also two secrets unless one is given.
+    r = launcher("-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1", "-self", "127.0.0.2", "true")
+    assert r.returncode == 2 and "same -job-token-file" in r.stderr, r.stderr
+    empty, secret = tmp_path / "empty", tmp_path / "secret"
+    empty.write_text("\n")
+    secret.write_text("0123456789abcdef\n")
+    r = launcher("-job-token-file", str(empty), *args)
+    assert r.returncode == 2 and "is empty" in r.stderr, r.stderr
+    r = launcher("-job-token-file", str(tmp_path / "missing"), *args)
+    assert r.returncode == 2 and "cannot read -job-token-file" in r.stderr, r.stderr
+    r = launcher("-job-token-file", str(secret), *args)
+    assert r.returncode == 0, r.stderr
+
+
+def test_workers_get_the_job_token_and_it_is_never_printed(tmp_path):
+    show = ("import os; t = os.environ['KUNGFU_JOB_TOKEN']; "
+            "print(len(t), os.environ['KUNGFU_WATCHDOG_FD'].isdigit())")
+    r = launcher("-np", "2", sys.executable, "-c", show)
+    assert r.returncode == 0, r.stderr
+    lines = sorted(r.stdout.splitlines())
+    assert lines == ["[0] 64 True", "[1] 64 True"], r.stdout  # one random 32-byte secret
+    r = launcher("-np", "1", sys.executable, "-c",
+                 "import os; print(os.environ['KUNGFU_JOB_TOKEN'] == os.environ['WANT'])",
+                 env_extra={"KUNGFU_JOB_TOKEN": "hunter2-xyz", "WANT": "hunter2-xyz"})
+    assert r.stdout.strip() == "[0] True", r.stdout + r.stderr
+    assert "hunter2" not in r.stderr
 
 
 def test_importing_the_launcher_loads_neither_tensorflow_nor_the_runtime():
@@ -335,8 +369,21 @@ def test_elastic_flags():
     (["-builtin-config-port", "9100", "python"], "elastic jobs (-w)"),
     (["-w", "-builtin-config-port", "port", "python"], "port number"),
     (["-w", "-builtin-config-port", "70000", "python"], "port number"),
-    (["-w", "-config-server", "ftp://a:1", "python"], "http://HOST:P or etcd://HOST:P"),
+    (["-w", "-config-server", "ftp://a:1", "python"], "http://HOST:P, etcd://HOST:P or etcds://HOST:P"),
 ])
 def test_elastic_flags_rejected(argv, message):
     with pytest.raises(L.UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         L.parse_args(argv)
+
+
+def test_the_earliest_failure_is_blamed_whatever_order_exits_are_reported_in():
+    # Rank 0 died of the PeerFailedError that rank 1's exit caused, and its exit was reported
+    # first: the launcher must still blame rank 1 (exits carry the time each was reaped).
+    opts = L.parse_args(["-np", "2", "true"])
+    launcher = L.Launcher(opts, [], [])
+    rank0 = ("exit", 0, 3, 10.05)
+    launcher.events.put(("exit", 1, 1, 10.00))
+    launcher.events.put(("signal", 15))
+    assert launcher._first_failure(rank0) == ("exit", 1, 1, 10.00)
+    rest = [launcher.events.get_nowait() for _ in range(2)]
+    assert ("signal", 15) in rest and rank0 in rest  # nothing is lost

@@ -80,7 +80,7 @@ def test_ready_markers(client):
 
 
 def test_bad_urls_and_unreachable_store():
-    with pytest.raises(ValueError, match="http:// or etcd://"):
+    with pytest.raises(ValueError, match="http://, etcd:// or etcds://"):
         st.connect("ftp://x")
     with pytest.raises(st.StoreError, match="cannot reach"):
         st.connect("http://127.0.0.1:9").get("x")

@@ -250,3 +250,35 @@ def test_unreachable_etcd():
     port, = free_ports(1)
     with pytest.raises(st.StoreError, match="cannot reach"):
         st.connect(f"etcd://127.0.0.1:{port}").get("x")
+
+
+def test_garbage_written_straight_into_etcd_is_a_store_error(etcd, client):
+    # The probe: `{not json` put at kungfu/cluster/config around kungfu crashed the launcher.
+    _post(etcd.client_url + "/v3/kv/put", {"key": st._b64(client.prefix + st.CONFIG_KEY),
+                                           "value": st._b64("{not json")})
+    with pytest.raises(st.StoreError, match="no valid configuration"):
+        client.config()
+
+
+def test_user_and_password(tmp_path):
+    server = Etcd(str(tmp_path))
+    try:
+        server.wait_ready()
+        url = server.client_url
+        for path, body in [("/v3/auth/user/add", {"name": "root", "password": "rootpw"}),
+                           ("/v3/auth/role/add", {"name": "root"}),
+                           ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+                           ("/v3/auth/enable", {})]:
+            _post(url + path, body)
+        with pytest.raises(st.StoreError):
+            st.EtcdStore(url).put("k", "v")  # no credentials: refused
+        with pytest.raises(st.StoreError, match="refused user"):
+            st.EtcdStore(url, user="root", password="wrong").put("k", "v")
+        good = st.EtcdStore(url, user="root", password="rootpw")
+        assert good.propose(st.ClusterConfig(0, ["127.0.0.1:1"]))
+        assert good.config()[0].peers == ("127.0.0.1:1",)
+        host = url[len("http://"):]
+        via_url = st.connect(f"etcd://root:rootpw@{host}")
+        assert via_url.config()[0].version == 0
+    finally:
+        server.stop()
