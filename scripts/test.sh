@@ -8,4 +8,22 @@ cmake -S . -B build/cpp-tests -DKUNGFU_BUILD_TESTS=ON -DKUNGFU_BUILD_PYTHON=OFF 
 cmake --build build/cpp-tests -j "$jobs" >> build-cpp-tests.log || { cat build-cpp-tests.log; exit 1; }
 rm -f build-cpp-tests.log
 (cd build/cpp-tests && ctest --output-on-failure)
+# The runtime and its tests again under AddressSanitizer + UndefinedBehaviorSanitizer (every test,
+# leaks included), then under ThreadSanitizer (the tests that run threads); any report fails.
+# tests/cpp/tsan.supp says what is suppressed and why.
+sanitized() {  # $1: address or thread
+  cmake -S . -B "build/sanitize-$1" -DKUNGFU_BUILD_TESTS=ON -DKUNGFU_BUILD_PYTHON=OFF \
+    -DKUNGFU_SANITIZE="$1" -DCMAKE_BUILD_TYPE=RelWithDebInfo > "build-sanitize-$1.log"
+  cmake --build "build/sanitize-$1" -j "$jobs" >> "build-sanitize-$1.log" \
+    || { cat "build-sanitize-$1.log"; exit 1; }
+  rm -f "build-sanitize-$1.log"
+}
+sanitized address
+(cd build/sanitize-address \
+  && ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:allocator_may_return_null=1 \
+     UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ctest --output-on-failure)
+sanitized thread
+(cd build/sanitize-thread \
+  && TSAN_OPTIONS="halt_on_error=1:history_size=7:allocator_may_return_null=1:suppressions=$PWD/../../tests/cpp/tsan.supp" \
+     ctest --output-on-failure -E '^test_(reduce|strategy|peer_id)$')
 .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"

@@ -1,5 +1,7 @@
 #include "kungfu/dtype.h"
 
+#include <type_traits>
+
 #include <algorithm>
 #include <cstring>
 
@@ -127,8 +129,18 @@ uint16_t FloatToBFloat16(float f) {
 
 namespace {
 
+// Integers wrap around (two's complement), as numpy's do: computed in an unsigned type at least
+// as wide as int, since signed overflow, and unsigned short * unsigned short (promoted to int),
+// are undefined behaviour.
+template <typename T>
+using Wrap = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, std::make_unsigned_t<T>>;
+
 template <typename T, ReduceOp kOp>
 inline __attribute__((always_inline)) T Apply(T a, T b) {
+  if constexpr (std::is_integral_v<T> && (kOp == ReduceOp::kSum || kOp == ReduceOp::kProd)) {
+    const Wrap<T> x = static_cast<Wrap<T>>(a), y = static_cast<Wrap<T>>(b);
+    return static_cast<T>(kOp == ReduceOp::kSum ? x + y : x * y);
+  }
   if constexpr (kOp == ReduceOp::kSum) return static_cast<T>(a + b);
   if constexpr (kOp == ReduceOp::kProd) return static_cast<T>(a * b);
   // NaN wins min and max (as numpy's minimum/maximum and NCCL): b < a and a < b are both false
@@ -168,7 +180,11 @@ inline __attribute__((always_inline)) void ReduceTyped(void* dst, const void* a,
 }
 
 // The hot kernels get an AVX2 clone chosen at load time; the default clone runs anywhere.
+#ifdef KUNGFU_NO_CLONES  // sanitizer builds
+#define KF_CLONES
+#else
 #define KF_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
 
 KF_CLONES void ReduceF32(void* d, const void* a, const void* b, size_t n, ReduceOp op) {
   ReduceTyped<float>(d, a, b, n, op);

@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <map>
 
 #include "auth.h"
@@ -51,7 +53,10 @@ Buffer::Buffer(size_t size) : size_(size) {
       return;
     }
   }
-  data_ = new char[capacity_];
+  // malloc, not new: a size a peer or a caller got wrong is a bad_alloc to report, and
+  // sanitizer runtimes return null for it (allocator_may_return_null) where new would abort.
+  data_ = static_cast<char*>(std::malloc(capacity_));
+  if (data_ == nullptr) throw std::bad_alloc();
 }
 
 Buffer::Buffer(Buffer&& o) noexcept : data_(o.data_), size_(o.size_), capacity_(o.capacity_) {
@@ -84,7 +89,7 @@ void Buffer::Release() {
       data_ = nullptr;
     }
   }
-  delete[] data_;
+  std::free(data_);
   data_ = nullptr;
 }
 
