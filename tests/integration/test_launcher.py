@@ -450,3 +450,29 @@ def test_the_worker_that_failed_first_is_blamed(tmp_path):
         r = run_launcher("-np", "2", "-port-range", ports, PY, path, timeout=30)
         assert r.returncode == 1, r.stderr
         assert "worker 1 (" in r.stderr and "worker 0 (" not in r.stderr, r.stderr
+
+
+def test_a_lost_config_store_is_reported_once(tmp_path):
+    """The probe: an elastic launcher printed 'cannot reach the config store' 188 times in 19 s
+    (every poll). Now: once per change, and the job, which needs no store to run, goes on."""
+    port = int(free_port_range(1).split("-")[0])
+    server = subprocess.Popen(
+        [PY, "-c", f"import sys; from kungfu.store import server_main; "
+                   f"sys.exit(server_main(['--port', '{port}']))"],
+        env=env_with_repo(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "serving" in server.stdout.readline()
+        ports = free_port_range(1)
+        job = subprocess.Popen(
+            launcher_cmd("-w", "-np", "1", "-H", "127.0.0.1:1", "-port-range", ports,
+                         "-config-server", f"http://127.0.0.1:{port}", PY, "-c",
+                         "import time; time.sleep(4); print('trained')"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with_repo())
+        time.sleep(1.5)
+        server.kill()
+        out, err = job.communicate(timeout=40)
+    finally:
+        server.kill()
+    assert job.returncode == 0, err
+    assert "[0] trained" in out
+    assert err.count("cannot reach the config store") == 1, err
