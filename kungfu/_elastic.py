@@ -93,6 +93,13 @@ class Elastic:
         joiners = self.joiners(self.pending)
         return [p for p in self.store.failed_peers(self.pending.version) if p in joiners]
 
+    def commit_switch(self) -> List[str]:
+        """Rank 0, once every joiner is ready: says in the store that the workers switch, then
+        reads the joiners' failures once more (a launcher writes a failure before it reads this
+        word, so one of the two sees the other); the switch goes ahead only if none failed."""
+        self.store.mark_switched(self.pending.version)
+        return self.failed()
+
     def overdue(self) -> bool:
         return time.monotonic() - self.pending_since > self.timeout
 

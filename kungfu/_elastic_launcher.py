@@ -149,16 +149,20 @@ class ElasticLauncher(Launcher):
         except StoreError:
             return True
 
-    def _joiner_never_ready(self, store, key: int) -> bool:
-        """Whether a worker that failed was a joiner that never reported ready. A store that
-        cannot say counts as not ready: the job goes on (the workers abandon the resize when
-        it times out), rather than ending for want of an answer."""
+    def _joiner_failed(self, store, key: int) -> bool:
+        """Whether a worker that failed was a joiner the cluster had not switched to yet (ready
+        or not). If so, it is written to the store as failed, and rank 0 gives its resize up;
+        the failure is written before the switch is read, and rank 0 writes the switch before it
+        reads the failures, so one of the two sees the other. A store that cannot say counts as
+        not switched: the job goes on (the workers abandon the resize when it times out), rather
+        than ending for want of an answer; if they had switched, their own failures end it."""
         version = self.version_of[key]
         if version == 0 or (self.latest is not None and version < self.latest.version):
             return False
         spec = self.running[key].worker.spec
         try:
-            return spec not in store.ready_peers(version)
+            store.mark_failed(version, spec)
+            return not store.switched(version)
         except StoreError as e:
             self._store_trouble(e)
             return True
@@ -224,15 +228,11 @@ class ElasticLauncher(Launcher):
                         self.finished[spec] = seen
                     elif key in self.stopped or stopping:
                         pass
-                    elif self._joiner_never_ready(store, key):
+                    elif self._joiner_failed(store, key):
                         self.error(f"joining worker {run.worker.rank} ({spec}) "
-                                   f"{_describe_exit(rc)} before it was ready; its resize "
-                                   "will be abandoned")
+                                   f"{_describe_exit(rc)} before the cluster switched to it; "
+                                   "its resize will be abandoned")
                         self.finished[spec] = seen
-                        try:  # the workers give up the resize at once instead of timing out
-                            store.mark_failed(self.version_of[key], spec)
-                        except StoreError as e:
-                            self._store_trouble(e)
                     elif result is None:
                         result = _exit_code(rc)
                         self.error(f"worker {run.worker.rank} ({spec}) {_describe_exit(rc)}; "

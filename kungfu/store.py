@@ -40,7 +40,8 @@ from typing import Dict, List, Optional, Tuple
 
 CONFIG_KEY = "cluster/config"
 READY_PREFIX = "cluster/ready/"
-FAILED_PREFIX = "cluster/failed/"  # a launcher's word that a joiner died before it was ready
+FAILED_PREFIX = "cluster/failed/"  # a launcher's word that a joiner died before the switch
+SWITCHED_PREFIX = "cluster/switched/"  # rank 0's word that the workers switch to a version
 DONE_KEY = "cluster/done"  # written when training has finished (the launchers may exit)
 REQUEST_TIMEOUT = 5.0  # seconds
 MAX_VALUE_BYTES = 1 << 20  # a configuration of ~50k peers; the store holds nothing bigger
@@ -152,6 +153,12 @@ class Store:
     def ready_peers(self, version: int) -> List[str]:
         prefix = f"{READY_PREFIX}{version}/"
         return sorted(k[len(prefix):] for k in self.list(prefix))
+
+    def mark_switched(self, version: int) -> None:
+        self.put(f"{SWITCHED_PREFIX}{version}", "1")
+
+    def switched(self, version: int) -> bool:
+        return self.get(f"{SWITCHED_PREFIX}{version}")[0] is not None
 
     def mark_failed(self, version: int, peer: str) -> None:
         self.put(failed_key(version, peer), "1")

@@ -183,6 +183,9 @@ class Hook(keras.callbacks.Callback):
         try:
             failed = ctx.failed()
             ready = not failed and ctx.ready()
+            if ready:
+                failed = ctx.commit_switch()
+                ready = not failed
         except StoreError as e:
             warnings.warn(f"kungfu: cannot read the config store: {e}")
             failed, ready = [], False

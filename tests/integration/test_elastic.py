@@ -149,7 +149,7 @@ def test_a_joiner_that_fails_is_given_up_and_training_goes_on(tmp_path):
                              "--max-steps", "80", timeout=150,
                              env_extra={"KUNGFU_RESIZE_TIMEOUT": "300s"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    assert "before it was ready" in r.stderr and "abandoned" in r.stderr
+    assert "before the cluster switched to it" in r.stderr and "abandoned" in r.stderr
     assert "failed; training goes on with 1" in r.stderr, r.stderr[-5000:]
     steps = steps_of(records)
     assert len(steps) == 80 and all(len(rows) == 1 and rows[0]["size"] == 1
