@@ -27,3 +27,16 @@ if ! command -v etcd >/dev/null 2>&1; then
     echo "etcd-server not installed (no apt-get, not root, or apt-get failed): the etcd test (tests/unit/test_store_etcd.py) will be skipped"
   fi
 fi
+# clang, for the libFuzzer run of the frame and handshake parsers in scripts/test.sh. Optional:
+# without it that run is skipped (the seeded random-frame tests still run under gcc).
+if ! command -v clang++ >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+      && { timeout 300 apt-get update -qq \
+           && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq clang; } \
+         >/dev/null 2>&1 \
+      && command -v clang++ >/dev/null 2>&1; then
+    echo "clang installed: $(command -v clang++)"
+  else
+    echo "clang not installed (no apt-get, not root, or apt-get failed): the libFuzzer run in scripts/test.sh will be skipped"
+  fi
+fi

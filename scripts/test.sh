@@ -26,4 +26,17 @@ sanitized thread
 (cd build/sanitize-thread \
   && TSAN_OPTIONS="halt_on_error=1:history_size=7:allocator_may_return_null=1:suppressions=$PWD/../../tests/cpp/tsan.supp" \
      ctest --output-on-failure -E '^test_(reduce|strategy|peer_id)$')
+# libFuzzer on the frame and handshake parsers for a bounded time (needs clang; see
+# tests/cpp/fuzz_frames.cc). A finding fails CI and leaves its input in build/fuzz/.
+if command -v clang++ >/dev/null 2>&1; then
+  CC=clang CXX=clang++ cmake -S . -B build/fuzz -DKUNGFU_BUILD_PYTHON=OFF -DKUNGFU_SANITIZE=address \
+    -DKUNGFU_LIBFUZZER=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo > build-fuzz.log
+  cmake --build build/fuzz -j "$jobs" --target fuzz_frames >> build-fuzz.log \
+    || { cat build-fuzz.log; exit 1; }
+  rm -f build-fuzz.log
+  (cd build/fuzz && ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1 \
+     ./fuzz_frames -max_total_time=30 -seed=1 -timeout=10 -rss_limit_mb=4096 2>&1 | tail -n 30)
+else
+  echo "clang++ not found: the libFuzzer run of the parsers is skipped (scripts/install.sh installs clang where it can)"
+fi
 .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"

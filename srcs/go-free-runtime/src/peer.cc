@@ -446,7 +446,7 @@ Handle Peer::Consensus(const void* data, size_t bytes, bool* agreed, const OpOpt
 Handle Peer::SetStrategy(StrategyKind kind, const Tree& tree, const OpOptions& options) {
   OpOptions o = options;
   if (o.name.empty()) o.name = "kungfu::set-strategy";
-  return Run(Sig(OpKind::kSetStrategy, o), o, [this, kind, tree](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kSetStrategy, o), o, [kind, tree](Session& s, const OpContext& ctx) {
     // Agree first, validate after: every peer takes part in the consensus whatever it was
     // given, so a proposal that is malformed on some peers only fails as a disagreement on all.
     std::vector<int32_t> proposal{static_cast<int32_t>(kind)};

@@ -1,0 +1,63 @@
+// libFuzzer target for the two parsers that take bytes from strangers: the frame reader of a
+// transport's incoming stream, and the handshake (a hello, then a proof). Built only with clang:
+//
+//   CC=clang CXX=clang++ cmake -S . -B build/fuzz -DKUNGFU_BUILD_PYTHON=OFF \
+//       -DKUNGFU_SANITIZE=address -DKUNGFU_LIBFUZZER=ON && cmake --build build/fuzz -t fuzz_frames
+//   build/fuzz/fuzz_frames -max_total_time=60
+//
+// The first input byte picks the parser; the rest is what the stranger sends. Crashes, leaks,
+// sanitizer reports and hangs (-timeout) are findings; a refusal or a failed transport is not.
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kungfu/transport.h"
+#include "net.h"
+
+namespace {
+
+void Feed(int fd, const uint8_t* data, size_t size) {
+  while (size > 0) {
+    ssize_t k = send(fd, data, size, MSG_NOSIGNAL);
+    if (k <= 0) return;  // the parser stopped reading: fine
+    data += k;
+    size -= static_cast<size_t>(k);
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 1) return 0;
+  const bool handshake = data[0] & 1;
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return 0;
+  kungfu::net::SetTimeouts(sv[1], 200);
+  if (handshake) {
+    Feed(sv[1], data + 1, size - 1);
+    shutdown(sv[1], SHUT_WR);
+    kungfu::Transport::Hello hello;
+    if (kungfu::Transport::ReadHello(sv[0], &hello).ok()) {
+      kungfu::Transport::Challenge(sv[0], hello, "token");
+    }
+    close(sv[0]);
+  } else {
+    kungfu::TransportOptions o;
+    o.peer_timeout_ms = 200;
+    o.max_unclaimed_bytes = 1 << 16;
+    kungfu::Transport t(0, {{"127.0.0.1", 1}, {"127.0.0.1", 2}}, 0, o);
+    t.BeginOp("op", 0, kungfu::OpSig{kungfu::OpKind::kAllReduce});
+    char buffer[256];
+    auto posted = t.Post(1, {"op", 0, 0}, kungfu::MsgExpect{kungfu::DType::kUInt8, 256, 256}, buffer);
+    if (!t.AttachIncoming(1, sv[0]).ok()) close(sv[0]);
+    Feed(sv[1], data + 1, size - 1);
+    shutdown(sv[1], SHUT_WR);
+    t.Wait(posted, kungfu::Clock::now() + std::chrono::milliseconds(5));
+    t.EndOp("op", 0);
+    t.Close();
+  }
+  close(sv[1]);
+  return 0;
+}
