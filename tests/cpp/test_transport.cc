@@ -64,24 +64,6 @@ int ConnectTcp(const kungfu::PeerID& to) {
   return fd;
 }
 
-// The abstract Unix socket a peer also listens on ("kungfu-host:port").
-int ConnectUnix(const kungfu::PeerID& to) {
-  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-  struct sockaddr_un a;
-  std::memset(&a, 0, sizeof(a));
-  a.sun_family = AF_UNIX;
-  const std::string name = "kungfu-" + to.ToString();
-  std::memcpy(a.sun_path + 1, name.data(), name.size());
-  socklen_t len = static_cast<socklen_t>(offsetof(struct sockaddr_un, sun_path) + 1 + name.size());
-  if (connect(fd, reinterpret_cast<struct sockaddr*>(&a), len) != 0) {
-    close(fd);
-    return -1;
-  }
-  struct timeval tv = {5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  return fd;
-}
-
 bool SendAll(int fd, const void* p, size_t n) {
   const char* c = static_cast<const char*>(p);
   while (n > 0) {
@@ -298,7 +280,7 @@ TEST(StrangersAreRefusedAndTheClusterGoesOn) {
       {"impersonating a connected peer", false, p1 + ">" + p0, 0, kungfu::net::kProto, Code::kInvalidArgument, "job token"},
   };
   for (const Attempt& a : attempts) {
-    int fd = a.unix_socket ? ConnectUnix(peers[0]) : ConnectTcp(peers[0]);
+    int fd = a.unix_socket ? kftest::ConnectUnix(peers[0]) : ConnectTcp(peers[0]);
     if (!CHECK_MSG(fd >= 0, std::string(a.what) + ": cannot connect")) continue;
     SendHello(fd, a.name, a.version, a.proto);
     Reply r = ReadReply(fd);

@@ -258,8 +258,10 @@ int main(int argc, char** argv) { return ::kftest::RunAll(argc > 1 ? argv[1] : n
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <memory>
 
 #include "kungfu/peer.h"
@@ -289,6 +291,25 @@ inline std::vector<uint16_t> FreePorts(const std::vector<std::string>& hosts) {
   }
   for (int fd : fds) close(fd);
   return ports;
+}
+
+// Connects to the abstract Unix socket a peer also listens on ("kungfu-host:port"), as a
+// stranger on its host would; -1 if it cannot. Reads time out after 5 s.
+inline int ConnectUnix(const kungfu::PeerID& to) {
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  struct sockaddr_un a;
+  std::memset(&a, 0, sizeof(a));
+  a.sun_family = AF_UNIX;
+  const std::string name = "kungfu-" + to.ToString();
+  std::memcpy(a.sun_path + 1, name.data(), name.size());
+  socklen_t len = static_cast<socklen_t>(offsetof(struct sockaddr_un, sun_path) + 1 + name.size());
+  if (connect(fd, reinterpret_cast<struct sockaddr*>(&a), len) != 0) {
+    close(fd);
+    return -1;
+  }
+  struct timeval tv = {5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  return fd;
 }
 
 // Runs fn(rank) for every rank on its own thread and joins them.
