@@ -16,6 +16,8 @@ worker (see kungfu/policy/_actions.py for the agreement rule). Nothing here impo
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -48,6 +50,27 @@ class TrainingState:
     rank: int = 0
     metrics: Dict[str, float] = field(default_factory=dict)  # gns, grad_variance, step_time, ...
     logs: Dict[str, Any] = field(default_factory=dict)  # Keras's logs of the last batch/epoch
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_state(cls: type, hook: str) -> bool:
+    try:
+        params = inspect.signature(getattr(cls, hook)).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
+                                                    p.VAR_POSITIONAL)]
+    return len(positional) > 1  # self, and the state
+
+
+def call_hook(policy: "BasePolicy", hook: str, state: "TrainingState") -> None:
+    """policy.<hook>(state); or policy.<hook>() for a hook written without the state argument,
+    as the KungFu talk writes them (`def after_step(self):`)."""
+    fn = getattr(policy, hook)
+    if _takes_state(type(policy), hook):
+        fn(state)
+    else:
+        fn()
 
 
 class BasePolicy:

@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from kungfu import _elastic, _peer
-from kungfu.policy import HOOKS, BasePolicy, TrainingState, _actions
+from kungfu.policy import HOOKS, BasePolicy, TrainingState, _actions, call_hook
 from kungfu.store import ClusterConfig, StoreError
 from kungfu.tensorflow import _monitor
 
@@ -129,7 +129,7 @@ class Hook(keras.callbacks.Callback):
         if not _actions.in_round():
             _actions.open_round()
         for p in self.policies:
-            getattr(p, hook)(self.state)
+            call_hook(p, hook, self.state)
 
     def _agree_and_apply(self) -> None:
         self._check_pending_resize()

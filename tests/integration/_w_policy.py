@@ -157,3 +157,41 @@ def custom_loop(samples: int):
     hook.after_train()
     return {"shapes": shapes, "served": [i.tolist() for i in data.served], "seen": seen,
             "batch": hook.state.local_batch_size}
+
+
+def seed_form_policy():
+    """A policy written as the KungFu talk prints it: hooks without the state argument (beside
+    one with it), driven by kf.Hook in a custom loop. Returns how often each hook ran."""
+    kf, tf, keras = _setup()
+
+    class Seed(kf.BasePolicy):
+        def __init__(self):
+            self.calls = {"before_epoch": 0, "after_step": 0, "after_epoch": 0}
+
+        def before_epoch(self):
+            self.calls["before_epoch"] += 1
+
+        def after_step(self):
+            self.calls["after_step"] += 1
+
+        def after_epoch(self, state):
+            self.calls["after_epoch"] += state.epoch + 1
+
+    x = np.arange(24, dtype=np.float32).reshape(12, 2)
+    data = kf.ElasticData(x, x[:, :1], batch_size=3)
+    w = tf.Variable([[0.0], [0.0]])
+    opt = kf.Optimizer(keras.optimizers.SGD(1e-4))
+    policy = Seed()
+    hook = kf.Hook(policy, data=data, optimizer=opt)
+    hook.before_train()
+    for _ in range(2):
+        hook.before_epoch()
+        for xb, yb, wb in data.epoch_batches():
+            hook.before_step()
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(wb[:, None] * (xb @ w - yb) ** 2)
+            opt.apply_gradients([(tape.gradient(loss, w), w)])
+            hook.after_step({"loss": float(loss)})
+        hook.after_epoch()
+    hook.after_train()
+    return policy.calls

@@ -122,3 +122,11 @@ def test_hook_in_a_custom_loop(spawn):
     for epoch_start, epoch_end in ((0, 4), (4, 4 + 3)):
         got = sorted(i for r in results for s in r["served"][epoch_start:epoch_end] for i in s)
         assert got == list(range(30))
+
+
+@pytest.mark.timeout(120)
+def test_policy_hooks_without_the_state_argument(spawn):
+    # The seed's form (`def after_step(self):`) failed with "takes 1 positional argument".
+    for calls in spawn(2, w.seed_form_policy, env=ENV, timeout=90):
+        # 12 samples, 3 per worker per step at np=2: 2 steps per epoch, 2 epochs.
+        assert calls == {"before_epoch": 2, "after_step": 4, "after_epoch": 1 + 2}
