@@ -19,11 +19,15 @@ def test_same_token_connects(spawn):
 
 
 def test_different_tokens_are_refused_at_once(spawn):
+    # The worker that checks the other's proof first fails at once, naming the token; the other
+    # may find it gone by then and fails when its connect timeout ends (under kungfu-run the
+    # launcher stops the job at the first failure). Neither ever connects.
     start = time.time()
-    run = spawn.run(2, _sum, env={"KUNGFU_CONNECT_TIMEOUT": "30s"},
+    run = spawn.run(2, _sum, env={"KUNGFU_CONNECT_TIMEOUT": "8s"},
                     rank_env={0: {"KUNGFU_JOB_TOKEN": "token-of-job-a"},
                               1: {"KUNGFU_JOB_TOKEN": "token-of-job-b"}}, timeout=40)
-    assert time.time() - start < 15  # not the 30 s connect timeout
     for r in run.outcomes:
         assert r.status == "error", r
-        assert r.error_type == "InvalidArgumentError" and "token" in r.error_message, r
+    first = min(run.outcomes, key=lambda r: r.error_time)
+    assert first.error_time - start < 6, first  # well before the 8 s connect timeout
+    assert first.error_type == "InvalidArgumentError" and "token" in first.error_message, first
