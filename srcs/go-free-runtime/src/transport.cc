@@ -405,7 +405,13 @@ Status Transport::ConnectAll(TimePoint deadline) {
     }
   }
   std::lock_guard<std::mutex> lk(mu_);
-  if (!heartbeat_.joinable() && !closed_) heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+  if (!heartbeat_.joinable() && !closed_) {
+    try {
+      heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+    } catch (const std::exception& e) {
+      return ResourceExhausted(std::string("cannot start the heartbeat thread: ") + e.what());
+    }
+  }
   return Status::OK();
 }
 
@@ -415,9 +421,13 @@ Status Transport::AttachIncoming(int src, int fd) {
   if (src < 0 || src >= size() || src == rank_) return InvalidArgument("bad source rank");
   if (in_fds_[src] >= 0) return InvalidArgument("already connected");
   net::SetTimeouts(fd, options_.peer_timeout_ms);
+  try {
+    readers_.emplace_back([this, src, fd] { ReaderLoop(src, fd); });
+  } catch (const std::exception& e) {  // out of threads: an error for this peer, not an abort
+    return ResourceExhausted(std::string("cannot start a reader thread: ") + e.what());
+  }
   in_fds_[src] = fd;
   ++incoming_count_;
-  readers_.emplace_back([this, src, fd] { ReaderLoop(src, fd); });
   incoming_cv_.notify_all();
   return Status::OK();
 }
