@@ -215,15 +215,19 @@ def lonely_op(per_op_timeout):
 # -- (e) strangers -----------------------------------------------------------------------------
 
 MAGIC = 0x3155464B
-# magic, proto, type, dtype, version, seq, tag, total_count, payload_len, name_len, flags
-_FRAME = struct.Struct("<IHBBQQQQQII")
-assert _FRAME.size == 56
+PROTO = 3  # net.h kProto
+# magic, proto, type, dtype, version, seq, tag, total_count, payload_len, name_len, flags, sig,
+# digest (net.h Frame)
+_FRAME = struct.Struct("<IHBBQQQQQIIQQ")
+assert _FRAME.size == 72
 
 
-def _hello(src: str, dst: str, version: int = 0, proto: int = 1, name_len=None) -> bytes:
+def _hello(src: str, dst: str, version: int = 0, proto: int = PROTO, name_len=None) -> bytes:
+    """Step 1 of the handshake as a real dialer sends it: the name and a 32-byte nonce."""
     name = f"{src}>{dst}".encode()
-    return _FRAME.pack(MAGIC, proto, 1, 0, version, 0, 0, 0, 0,
-                       len(name) if name_len is None else name_len, 0) + name
+    nonce = os.urandom(32)
+    return _FRAME.pack(MAGIC, proto, 1, 0, version, 0, 0, 0, len(nonce),
+                       len(name) if name_len is None else name_len, 0, 0, 0) + name + nonce
 
 
 def _probe(target: str, payload: bytes, unix: bool = False, wait: float = 6.0):
@@ -258,12 +262,21 @@ def _probe(target: str, payload: bytes, unix: bool = False, wait: float = 6.0):
 
 
 def _reply_code(reply: bytes):
-    if len(reply) < _FRAME.size:
-        return None
-    f = _FRAME.unpack(reply[:_FRAME.size])
-    if f[0] != MAGIC or f[2] != 2:
-        return None
-    return f[10]  # flags: the status code of the verdict
+    """The status code of the last handshake reply in `reply` (0: accepted so far), or None."""
+    code = None
+    while len(reply) >= _FRAME.size:
+        f = _FRAME.unpack(reply[:_FRAME.size])
+        if f[0] != MAGIC or f[2] != 2:
+            return None
+        code = f[10]  # flags: the status code of the verdict
+        reply = reply[_FRAME.size + f[9] + f[8]:]
+    return code
+
+
+def _bogus_proof() -> bytes:
+    """Step 3 from a dialer that does not know the job token."""
+    proof = os.urandom(32)
+    return _FRAME.pack(MAGIC, PROTO, 10, 0, 0, 0, 0, 0, len(proof), 0, 0, 0, 0) + proof
 
 
 def strangers():
@@ -298,12 +311,12 @@ def strangers():
         ("garbage-short-then-silent", b"GET / HTTP/1.0\r\n", False),
         ("connect-and-close", b"", False),
         ("hello-from-stranger", _hello("10.1.2.3:4000", target), False),
-        ("hello-impersonating-a-peer", _hello(left if n > 2 else me, target), False),
+        ("hello-impersonating-a-peer", _hello(left if n > 2 else me, target) + _bogus_proof(), False),
         ("hello-to-wrong-destination", _hello(me, "127.0.0.1:1"), False),
         ("hello-wrong-cluster-version", _hello(me, target, version=7), False),
         ("hello-wrong-protocol", _hello(me, target, proto=99), False),
         ("hello-huge-name", _hello(me, target, name_len=1 << 30), False),
-        ("hello-without-separator", _FRAME.pack(MAGIC, 1, 1, 0, 0, 0, 0, 0, 0, 5, 0) + b"abcde",
+        ("hello-without-separator", _FRAME.pack(MAGIC, PROTO, 1, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0) + b"abcde",
          False),
         ("garbage-unix-socket", garbage, True),
         ("hello-from-stranger-unix", _hello("10.1.2.3:4000", target), True),

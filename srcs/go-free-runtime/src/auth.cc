@@ -1,7 +1,10 @@
 #include "auth.h"
 
+#include <fcntl.h>
 #include <sys/random.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -123,18 +126,28 @@ bool Equal(const Digest& a, const Digest& b) {
   return diff == 0;
 }
 
-Digest Nonce() {
-  Digest d{};
+bool Nonce(Digest* out) {
   size_t got = 0;
-  while (got < d.size()) {
-    ssize_t r = getrandom(d.data() + got, d.size() - got, 0);
+  while (got < out->size()) {
+    ssize_t r = getrandom(out->data() + got, out->size() - got, 0);
     if (r < 0) {
       if (errno == EINTR) continue;
-      break;  // cannot happen on Linux >= 3.17 once the pool is initialised
+      break;  // ENOSYS (an old kernel or a seccomp filter): try the device
     }
     got += static_cast<size_t>(r);
   }
-  return d;
+  if (got == out->size()) return true;
+  int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  got = 0;
+  while (got < out->size()) {
+    ssize_t r = read(fd, out->data() + got, out->size() - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    got += static_cast<size_t>(r);
+  }
+  close(fd);
+  return got == out->size();
 }
 
 std::string Hex(const Digest& d) {

@@ -27,8 +27,9 @@ class Sha256 {
 Digest HmacSha256(const std::string& key, const std::string& message);
 // Compares without an early exit, so the time taken says nothing about where they differ.
 bool Equal(const Digest& a, const Digest& b);
-// 32 bytes from the kernel's random source (getrandom).
-Digest Nonce();
+// 32 bytes from the kernel's random source (getrandom, else /dev/urandom); false if neither
+// gives them.
+bool Nonce(Digest* out);
 std::string Hex(const Digest& d);
 
 }  // namespace kungfu::auth

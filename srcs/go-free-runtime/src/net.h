@@ -31,7 +31,9 @@ struct Frame {
 static_assert(sizeof(Frame) == 72, "frame header must be packed");
 
 constexpr uint32_t kMagic = 0x3155464b;  // "KFU1"
-constexpr uint16_t kProto = 2;  // 2: signatures in frames, token-proving handshake
+// 2: signatures in frames, token-proving handshake; 3: its transcript covers the protocol and
+// length-prefixes the name, and the dialer may refuse at step 3.
+constexpr uint16_t kProto = 3;
 constexpr uint32_t kMaxNameLen = 4096;
 constexpr uint64_t kMaxPayload = uint64_t(1) << 40;
 
@@ -44,7 +46,7 @@ enum FrameType : uint8_t {
   kBye = 6,
   kRequest = 7,  // asks for a stored blob; answered by kData or kMissing with the same key
   kMissing = 8,
-  kAuth = 10,  // the dialer's proof of the job token (handshake step 3)
+  kAuth = 10,  // the dialer's proof of the job token, or its refusal (handshake step 3)
   kSig = 9,  // no payload: the sender's signature of op (name, seq), from a peer waiting on us
 };
 

@@ -384,7 +384,7 @@ Status Transport::ConnectAll(TimePoint deadline) {
       last = net::Dial(peers_[dst], local, &fd);
       if (last.ok()) {
         net::SetTimeouts(fd, options_.peer_timeout_ms);
-        last = DialHandshake(fd, self.ToString() + ">" + peers_[dst].ToString());
+        last = DialHandshake(fd, dst);
         if (last.ok()) {
           std::lock_guard<std::mutex> lk(out_[dst]->mu);
           out_[dst]->fd = fd;
@@ -392,9 +392,9 @@ Status Transport::ConnectAll(TimePoint deadline) {
           break;
         }
         close(fd);
-        if (last.code() == Code::kInvalidArgument) {
-          return last.WithContext("peer " + Describe(dst) + " rejected this peer");
-        }
+        // Refused for good (a wrong token, destination or protocol; a malformed reply): retrying
+        // cannot help, and the message names the peer and the cause.
+        if (last.code() == Code::kInvalidArgument) return last;
       }
       if (Clock::now() >= deadline) {
         return DeadlineExceeded("could not connect to peer " + Describe(dst) + " in time: " +
@@ -969,26 +969,56 @@ void Transport::Close() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Handshake (protocol in transport.h).
+// Handshake (protocol in transport.h, above AcceptHandshake).
 
 namespace {
 
 constexpr auto kHandshakeTime = std::chrono::milliseconds(2000);
 constexpr size_t kNonceLen = 32;
+constexpr size_t kProofLen = 32;
+const char kWrongToken[] = "wrong job token (KUNGFU_JOB_TOKEN differs)";
 
+void PutLE(std::string* s, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) s->push_back(static_cast<char>(v >> (8 * i)));
+}
+
+// What both proofs cover: every field of the hello, and both nonces (fixed length, last).
 std::string Transcript(const std::string& name, uint64_t version, const std::string& dial_nonce,
                        const std::string& accept_nonce) {
-  return name + "|" + std::to_string(version) + "|" + dial_nonce + accept_nonce;
+  std::string t = "kungfu-handshake";
+  PutLE(&t, net::kProto, 2);
+  PutLE(&t, version, 8);
+  PutLE(&t, name.size(), 4);
+  t += name;
+  t += dial_nonce;
+  t += accept_nonce;
+  return t;
 }
 
 std::string Bytes(const auth::Digest& d) { return std::string(d.begin(), d.end()); }
 
-auth::Digest Proof(const std::string& token, const char* role, const std::string& transcript) {
-  return auth::HmacSha256(token, std::string(role) + "|" + transcript);
+std::string Proof(const std::string& token, const char* role, const std::string& transcript) {
+  return Bytes(auth::HmacSha256(token, std::string(role) + "|" + transcript));
 }
 
-Status WriteFrame(int fd, uint8_t type, uint64_t version, uint32_t flags, const std::string& name,
-                  const std::string& payload) {
+// Compares a proof that arrived (any length) with the one expected, in constant time.
+bool ProofMatches(const std::string& want, const std::string& got) {
+  if (got.size() != kProofLen || want.size() != kProofLen) return false;
+  auth::Digest a, b;
+  std::memcpy(a.data(), want.data(), kProofLen);
+  std::memcpy(b.data(), got.data(), kProofLen);
+  return auth::Equal(a, b);
+}
+
+Status FreshNonce(std::string* out) {
+  auth::Digest d;
+  if (!auth::Nonce(&d)) return Internal("no random bytes for a handshake nonce");
+  *out = Bytes(d);
+  return Status::OK();
+}
+
+std::string FrameBytes(uint8_t type, uint64_t version, uint32_t flags, const std::string& name,
+                       const std::string& payload) {
   net::Frame f{};
   f.magic = net::kMagic;
   f.proto = net::kProto;
@@ -997,103 +1027,196 @@ Status WriteFrame(int fd, uint8_t type, uint64_t version, uint32_t flags, const 
   f.flags = flags;
   f.name_len = static_cast<uint32_t>(name.size());
   f.payload_len = payload.size();
-  struct iovec iov[3] = {{&f, sizeof(f)},
-                         {const_cast<char*>(name.data()), name.size()},
-                         {const_cast<char*>(payload.data()), payload.size()}};
-  return net::WriteFull(fd, iov, 3);
+  std::string out(reinterpret_cast<const char*>(&f), sizeof(f));
+  return out + name + payload;
 }
 
-// Reads one handshake frame of `type` whose name and payload are at most the limits given.
-Status ReadFrame(int fd, uint8_t type, TimePoint deadline, size_t max_payload, net::Frame* f,
-                 std::string* name, std::string* payload) {
-  KF_RETURN_IF_ERROR(net::ReadFullBy(fd, f, sizeof(*f), deadline));
-  if (f->magic != net::kMagic || f->type != type || f->name_len > net::kMaxNameLen ||
-      f->payload_len > max_payload) {
-    return InvalidArgument("not a kungfu handshake");
-  }
-  if (f->proto != net::kProto) {
-    return InvalidArgument("protocol version " + std::to_string(f->proto) + ", expected " +
-                           std::to_string(net::kProto));
-  }
-  name->assign(f->name_len, '\0');
-  KF_RETURN_IF_ERROR(net::ReadFullBy(fd, name->data(), name->size(), deadline));
-  payload->assign(f->payload_len, '\0');
-  return net::ReadFullBy(fd, payload->data(), payload->size(), deadline);
+Status WriteBytes(int fd, const std::string& bytes) {
+  struct iovec iov = {const_cast<char*>(bytes.data()), bytes.size()};
+  return net::WriteFull(fd, &iov, 1);
 }
 
-// Reads the listener's verdict (steps 2 and 4): a refusal becomes the status it carries.
-Status ReadVerdict(int fd, TimePoint deadline, size_t payload_len, std::string* payload) {
-  net::Frame reply{};
-  std::string why;
-  Status s = ReadFrame(fd, net::kHelloReply, deadline, 1 << 16, &reply, &why, payload);
-  if (!s.ok()) return Unavailable("bad handshake reply: " + s.message());
-  if (reply.flags != 0) {
-    Code c = reply.flags <= static_cast<uint32_t>(Code::kResourceExhausted) ? static_cast<Code>(reply.flags)
-                                                                             : Code::kInternal;
-    return Status(c, why);
+const char* HandshakeTypeName(uint8_t type) {
+  switch (type) {
+    case net::kHello: return "hello";
+    case net::kHelloReply: return "handshake reply";
+    case net::kAuth: return "proof";
+    default: return "frame";
   }
-  if (payload->size() != payload_len) return Unavailable("bad handshake reply: wrong length");
+}
+
+// Why a handshake frame's header is not a `type` with at most these lengths; "" if it is.
+std::string HeaderProblem(const net::Frame& f, uint8_t type, uint64_t max_name,
+                          uint64_t max_payload) {
+  if (f.magic != net::kMagic) return "not a kungfu handshake (bad magic)";
+  if (f.proto != net::kProto) {
+    return "protocol version " + std::to_string(f.proto) + ", this peer speaks " +
+           std::to_string(net::kProto);
+  }
+  if (f.type != type) {
+    return "a frame of type " + std::to_string(f.type) + " where a " + HandshakeTypeName(type) +
+           " belongs";
+  }
+  if (f.name_len > max_name) {
+    return "a name of " + std::to_string(f.name_len) + " bytes (at most " +
+           std::to_string(max_name) + ")";
+  }
+  if (f.payload_len > max_payload) {
+    return "a payload of " + std::to_string(f.payload_len) + " bytes (at most " +
+           std::to_string(max_payload) + ")";
+  }
+  return "";
+}
+
+// The dialer's side: reads the listener's reply to step 1 or 3 by `deadline`. A refusal becomes
+// the status it carries (InvalidArgument ones naming the listener: the dialer gives up); a
+// malformed or oversized reply is InvalidArgument; a stream that breaks is Unavailable (retried).
+Status ReadReply(int fd, TimePoint deadline, const std::string& who, size_t payload_len,
+                 std::string* payload) {
+  net::Frame f{};
+  Status io = net::ReadFullBy(fd, &f, sizeof(f), deadline);
+  if (!io.ok()) return Unavailable("handshake: " + io.message());
+  const std::string problem =
+      HeaderProblem(f, net::kHelloReply, net::kMaxNameLen, kNonceLen + kProofLen);
+  if (!problem.empty()) {
+    return InvalidArgument(who + " sent a malformed handshake reply: " + problem);
+  }
+  std::string why(f.name_len, '\0');
+  payload->assign(f.payload_len, '\0');
+  io = net::ReadFullBy(fd, why.data(), why.size(), deadline);
+  if (io.ok()) io = net::ReadFullBy(fd, payload->data(), payload->size(), deadline);
+  if (!io.ok()) return Unavailable("handshake: " + io.message());
+  if (f.flags != 0) {
+    if (f.flags > static_cast<uint32_t>(Code::kResourceExhausted)) {
+      return InvalidArgument(who + " sent a malformed handshake reply: status code " +
+                             std::to_string(f.flags));
+    }
+    const Code code = static_cast<Code>(f.flags);
+    if (code == Code::kInvalidArgument) return InvalidArgument(who + " refused this peer: " + why);
+    return Status(code, why);
+  }
+  if (payload->size() != payload_len) {
+    return InvalidArgument(who + " sent a malformed handshake reply: a payload of " +
+                           std::to_string(payload->size()) + " bytes, expected " +
+                           std::to_string(payload_len));
+  }
   return Status::OK();
 }
 
 }  // namespace
 
-Status Transport::DialHandshake(int fd, const std::string& name) {
+std::string Transport::HandshakeReply(const Status& verdict) {
+  // Bounded like every handshake name, so that the dialer can tell an oversized reply from ours.
+  return FrameBytes(net::kHelloReply, 0, static_cast<uint32_t>(verdict.code()),
+                    verdict.message().substr(0, net::kMaxNameLen), "");
+}
+
+Status Transport::DialHandshake(int fd, int dst) {
+  const std::string who = "peer " + Describe(dst);
+  const std::string name = peers_[rank_].ToString() + ">" + peers_[dst].ToString();
   const TimePoint deadline = Clock::now() + kHandshakeTime;
-  const std::string mine = Bytes(auth::Nonce());
-  KF_RETURN_IF_ERROR(WriteFrame(fd, net::kHello, version_, 0, name, mine));  // 1
+  std::string mine;
+  KF_RETURN_IF_ERROR(FreshNonce(&mine));
+  KF_RETURN_IF_ERROR(WriteBytes(fd, FrameBytes(net::kHello, version_, 0, name, mine)));  // 1
   std::string challenge;
-  KF_RETURN_IF_ERROR(ReadVerdict(fd, deadline, kNonceLen + 32, &challenge));  // 2
-  const std::string theirs = challenge.substr(0, kNonceLen);
-  const std::string transcript = Transcript(name, version_, mine, theirs);
-  const auth::Digest want = Proof(options_.job_token, "accept", transcript);
-  auth::Digest got;
-  std::memcpy(got.data(), challenge.data() + kNonceLen, got.size());
-  if (!auth::Equal(want, got)) {
-    return InvalidArgument("it could not prove that it knows this job's token (KUNGFU_JOB_TOKEN "
-                           "differs between the two, or it is not part of this job)");
+  KF_RETURN_IF_ERROR(ReadReply(fd, deadline, who, kNonceLen + kProofLen, &challenge));  // 2
+  const std::string transcript =
+      Transcript(name, version_, mine, challenge.substr(0, kNonceLen));
+  if (!ProofMatches(Proof(options_.job_token, "accept", transcript),
+                    challenge.substr(kNonceLen))) {  // 3, refused: tell it why, then give up
+    WriteBytes(fd, FrameBytes(net::kAuth, version_,
+                              static_cast<uint32_t>(Code::kInvalidArgument), kWrongToken, ""));
+    return InvalidArgument(who + " refused this peer: " + kWrongToken);
   }
-  KF_RETURN_IF_ERROR(WriteFrame(fd, net::kAuth, version_, 0, "",
-                                Bytes(Proof(options_.job_token, "dial", transcript))));  // 3
+  KF_RETURN_IF_ERROR(WriteBytes(
+      fd, FrameBytes(net::kAuth, version_, 0, "", Proof(options_.job_token, "dial", transcript))));
   std::string none;
-  return ReadVerdict(fd, deadline, 0, &none);  // 4
+  return ReadReply(fd, deadline, who, 0, &none);  // 4
 }
 
-Status Transport::ReadHello(int fd, Hello* hello) {
-  hello->deadline = Clock::now() + kHandshakeTime;
-  net::Frame f{};
-  std::string name;
-  KF_RETURN_IF_ERROR(ReadFrame(fd, net::kHello, hello->deadline, kNonceLen, &f, &name, &hello->nonce));
-  if (hello->nonce.size() != kNonceLen) return InvalidArgument("not a kungfu handshake");
-  size_t gt = name.find('>');
-  if (gt == std::string::npos) return InvalidArgument("malformed handshake");
-  hello->version = f.version;
-  hello->name = name;
-  hello->src = name.substr(0, gt);
-  hello->dst = name.substr(gt + 1);
-  return Status::OK();
+AcceptHandshake::AcceptHandshake(const std::string& token, Admit admit)
+    : token_(token), admit_(std::move(admit)), need_(sizeof(net::Frame)) {}
+
+size_t AcceptHandshake::want() const {
+  if (state_ == State::kDone || state_ == State::kRefused) return 0;
+  return need_ - buf_.size();
 }
 
-Status Transport::Challenge(int fd, const Hello& hello, const std::string& token) {
-  const std::string mine = Bytes(auth::Nonce());
-  const std::string transcript = Transcript(hello.name, hello.version, hello.nonce, mine);
-  KF_RETURN_IF_ERROR(WriteFrame(fd, net::kHelloReply, 0, 0, "",
-                                mine + Bytes(Proof(token, "accept", transcript))));  // 2
-  net::Frame f{};
-  std::string empty, proof;
-  Status s = ReadFrame(fd, net::kAuth, hello.deadline, 32, &f, &empty, &proof);  // 3
-  if (!s.ok()) return s.code() == Code::kInvalidArgument ? s : Unavailable(s.message());
-  auth::Digest got{};
-  if (proof.size() == got.size()) std::memcpy(got.data(), proof.data(), got.size());
-  if (proof.size() != got.size() || !auth::Equal(Proof(token, "dial", transcript), got)) {
-    return InvalidArgument("wrong job token: " + hello.src + " does not know this job's "
-                           "KUNGFU_JOB_TOKEN");
+void AcceptHandshake::Feed(const char* data, size_t n, std::string* out) {
+  while (n > 0 && want() > 0) {
+    const size_t k = std::min(n, want());
+    buf_.append(data, k);
+    data += k;
+    n -= k;
+    if (buf_.size() < need_) return;
+    if (header_done_) {
+      OnBody(out);
+    } else {
+      OnHeader(out);
+    }
   }
-  return Status::OK();
 }
 
-void Transport::WriteHelloReply(int fd, const Status& verdict) {
-  WriteFrame(fd, net::kHelloReply, 0, static_cast<uint32_t>(verdict.code()), verdict.message(), "");
+void AcceptHandshake::Refuse(const Status& why, std::string* out) {
+  state_ = State::kRefused;
+  refusal_ = why;
+  *out += Transport::HandshakeReply(why);
+}
+
+void AcceptHandshake::OnHeader(std::string* out) {
+  net::Frame f;
+  std::memcpy(&f, buf_.data(), sizeof(f));
+  buf_.clear();
+  std::string problem;
+  if (state_ == State::kHello) {
+    problem = HeaderProblem(f, net::kHello, net::kMaxNameLen, kNonceLen);
+    if (problem.empty() && f.payload_len != kNonceLen) problem = "a hello without a nonce";
+  } else {
+    // A proof, or the dialer's refusal of ours (a status and its message).
+    problem = f.flags == 0 ? HeaderProblem(f, net::kAuth, 0, kProofLen)
+                           : HeaderProblem(f, net::kAuth, net::kMaxNameLen, 0);
+    if (problem.empty() && f.flags == 0 && f.payload_len != kProofLen) problem = "a short proof";
+  }
+  if (!problem.empty()) return Refuse(InvalidArgument(problem), out);
+  header_done_ = true;
+  version_ = f.version;
+  flags_ = f.flags;
+  name_len_ = f.name_len;
+  need_ = f.name_len + static_cast<size_t>(f.payload_len);
+  if (need_ == 0) OnBody(out);
+}
+
+void AcceptHandshake::OnBody(std::string* out) {
+  const std::string name = buf_.substr(0, name_len_), payload = buf_.substr(name_len_);
+  buf_.clear();
+  header_done_ = false;
+  need_ = sizeof(net::Frame);
+  if (state_ == State::kHello) {  // 1 -> 2
+    const size_t gt = name.find('>');
+    if (gt == std::string::npos) {
+      return Refuse(InvalidArgument("malformed hello: no '>' in its name"), out);
+    }
+    src_name_ = name.substr(0, gt);
+    Status why;
+    src_ = admit_(src_name_, name.substr(gt + 1), version_, &why);
+    if (src_ < 0) return Refuse(why.ok() ? InvalidArgument("refused") : why, out);
+    std::string mine;
+    Status s = FreshNonce(&mine);
+    if (!s.ok()) return Refuse(s, out);
+    transcript_ = Transcript(name, version_, payload, mine);
+    *out += FrameBytes(net::kHelloReply, 0, 0, "", mine + Proof(token_, "accept", transcript_));
+    state_ = State::kProof;
+    return;
+  }
+  if (flags_ != 0) {  // 3: the dialer found our proof wrong; it has gone
+    state_ = State::kRefused;
+    refusal_ = InvalidArgument(src_name_ + " refused this peer: " + name);
+    return;
+  }
+  if (!ProofMatches(Proof(token_, "dial", transcript_), payload)) {  // 3 -> 4
+    return Refuse(InvalidArgument(kWrongToken), out);
+  }
+  state_ = State::kDone;
 }
 
 }  // namespace kungfu

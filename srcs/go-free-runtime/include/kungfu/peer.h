@@ -14,6 +14,7 @@
 //  4. The handle completes with the status; nothing ever waits past the op deadline.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -138,8 +139,10 @@ class Peer {
   Handle Run(OpSig sig, const OpOptions& options, Body body, bool collective = true);
   OpSig Sig(OpKind kind, const OpOptions& options, int op = 0, int root = -1) const;
   void AcceptLoop();
-  void HandshakeLoop();
-  void HandleIncoming(int fd);
+  int Admit(const std::string& src, const std::string& dst, uint64_t version, int* claimed,
+            Status* why);
+  void Attach(int fd, bool tcp, int src);
+  void LingerForHellos(std::chrono::milliseconds at_most);
   void Submit(std::function<void()> task);
   void WorkerLoop();
 
@@ -150,13 +153,11 @@ class Peer {
   int listen_fds_[2] = {-1, -1};
   std::thread acceptor_;
   std::atomic<bool> stopping_{false};
-  // Accepted connections wait here for one of a few handshake threads (a stranger costs no
-  // thread of its own; a flood beyond the queue is refused, and real peers retry).
+  // The acceptor thread runs every handshake itself (see AcceptLoop): a stranger costs no
+  // thread. It notes here the peers whose hellos it has answered (see LingerForHellos).
   std::mutex hs_mu_;
   std::condition_variable hs_cv_;
-  std::deque<int> hs_queue_;
-  std::vector<std::thread> hs_threads_;  // created by the acceptor, joined by Stop
-  int hs_idle_ = 0;
+  std::vector<bool> hello_answered_;
 
   std::mutex store_mu_;
   std::map<std::string, Transport::Blob> store_;

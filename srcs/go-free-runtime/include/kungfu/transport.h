@@ -203,24 +203,8 @@ class Transport {
   const PeerList& peers() const { return peers_; }
   std::string Describe(int rank) const;  // "host:port (rank r)"
 
-  // Stream handshake, the listener's side (the Peer owns the listening sockets). Each step ends
-  // within 2 s of the hello, however slowly a stranger sends.
-  //  1. The dialer sends a hello: "src>dst", its cluster version and a random nonce.
-  //  2. The listener checks destination, version and membership (a refusal is a reply carrying
-  //     the status; another cluster version is retryable), then replies with its own nonce and
-  //     HMAC-SHA256(job token, "accept" | transcript), transcript = name | version | both nonces.
-  //  3. The dialer checks that proof (a listener without the token is refused) and answers with
-  //     HMAC-SHA256(job token, "dial" | transcript).
-  //  4. The listener checks it and attaches the stream; its final reply says whether it did.
-  // No frame beyond these is parsed before step 4, and a wrong token is refused both ways.
-  struct Hello {
-    uint64_t version = 0;
-    std::string name, src, dst, nonce;
-    TimePoint deadline;
-  };
-  static Status ReadHello(int fd, Hello* hello);                                          // 1
-  static Status Challenge(int fd, const Hello& hello, const std::string& token);         // 2, 3
-  static void WriteHelloReply(int fd, const Status& verdict);                            // 4
+  // The handshake's frames, for the listener's side (AcceptHandshake) and for tests.
+  static std::string HandshakeReply(const Status& verdict);  // a refusal, or step 4's OK
 
  private:
   struct Slot;
@@ -235,7 +219,7 @@ class Transport {
     std::atomic<int> fd{-1};  // read without mu only by CutOutgoing
     TimePoint last_send;
   };
-  Status DialHandshake(int fd, const std::string& name);  // steps 1-4, the dialer's side
+  Status DialHandshake(int fd, int dst);  // steps 1-4 below, the dialer's side
   void ReaderLoop(int src, int fd);
   void ReadFrames(int src, int fd);
   void CutOutgoing(int dst);
@@ -278,6 +262,67 @@ class Transport {
   std::map<OpKey, OpRecord> ops_;  // begun operations, and those peers sent messages for
   std::unordered_map<std::string, Finished> finished_;
   uint64_t unclaimed_bytes_ = 0;
+};
+
+// Stream handshake. Every stream starts with it; no other frame is parsed before it ends, and a
+// peer without the job's token (TransportOptions::job_token; empty is a token too, so peers
+// without one talk only to peers without one) never gets a stream attached.
+//  1. The dialer sends a hello: name "src>dst", its cluster version, and a 32-byte nonce from
+//     the kernel's random source.
+//  2. The listener checks destination, cluster version and membership. It refuses with a reply
+//     carrying the status (another cluster version is Unavailable, retryable: in a resize, peers
+//     of version v+1 dial peers still in v; anything else is InvalidArgument, final) and closes.
+//     Otherwise it replies with its own nonce and HMAC-SHA256(token, "accept" | transcript),
+//     transcript = protocol | cluster version | length-prefixed name | dialer's nonce |
+//     listener's nonce.
+//  3. The dialer checks that proof in constant time. Wrong: it sends a refusal frame (kAuth with
+//     the status), closes, and gives up on that peer at once ("peer X refused this peer: wrong job
+//     token (KUNGFU_JOB_TOKEN differs)"). Right: it sends HMAC-SHA256(token, "dial" | transcript).
+//  4. The listener checks that proof in constant time, attaches the stream (AttachIncoming), and
+//     replies OK, or refuses (a wrong token; a peer already connected) and closes.
+// A reply the dialer cannot parse (bad magic, a name over kMaxNameLen, wrong lengths, an unknown
+// status) is InvalidArgument, naming the peer: it gives up at once, as on a refusal.
+// Fresh nonces on both sides make every proof good for one stream only; the role labels keep one
+// side's proof from being replayed as the other's. The listener reads nothing beyond the frame of
+// the current step, and its peer (Peer::AcceptLoop) gives the whole handshake 2 s from accept.
+//
+// AcceptHandshake is the listener's side as a state machine without I/O: fed the bytes that
+// arrive, it says how many more it wants and what to send, so one thread runs many handshakes
+// at once and a stranger costs no thread.
+class AcceptHandshake {
+ public:
+  // Checks a hello's claims; returns the dialer's rank, or -1 with the refusal in *why.
+  using Admit = std::function<int(const std::string& src, const std::string& dst,
+                                  uint64_t version, Status* why)>;
+  AcceptHandshake(const std::string& token, Admit admit);
+
+  enum class State { kHello, kProof, kDone, kRefused };
+  State state() const { return state_; }
+  // How many bytes to read next (at most what the current frame has left); 0 once it is over.
+  size_t want() const;
+  // Takes bytes read (at most want()); appends any reply to *out.
+  void Feed(const char* data, size_t n, std::string* out);
+  int src() const { return src_; }                 // kDone: the dialer's rank
+  const Status& refusal() const { return refusal_; }  // kRefused: why
+
+ private:
+  void Refuse(const Status& why, std::string* out);
+  void OnHeader(std::string* out);
+  void OnBody(std::string* out);
+
+  const std::string token_;
+  Admit admit_;
+  State state_ = State::kHello;
+  bool header_done_ = false;  // of the current step's frame
+  std::string buf_;           // what has arrived of the current piece (header, then body)
+  size_t need_;               // the current piece's size
+  uint32_t flags_ = 0;
+  uint32_t name_len_ = 0;
+  uint64_t version_ = 0;
+  std::string transcript_;
+  std::string src_name_;      // the hello's "src"
+  int src_ = -1;
+  Status refusal_;
 };
 
 }  // namespace kungfu
