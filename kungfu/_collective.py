@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
@@ -42,12 +44,30 @@ def _strategy_code(strategy: Optional[str]) -> int:
         raise InvalidArgumentError(str(e)) from None
 
 
+# The longest deadline an operation may be given: the runtime adds it to the clock in
+# nanoseconds, so much larger values would wrap around into the past.
+_MAX_TIMEOUT_S = 1e9
+
+
+def _seconds(timeout) -> bool:
+    return (isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+            and math.isfinite(timeout))
+
+
 def _timeout_ms(timeout: Optional[float]) -> int:
     if timeout is None:
         return _NO_TIMEOUT
-    if timeout <= 0:
-        raise InvalidArgumentError(f"timeout must be positive, got {timeout}")
-    return int(timeout * 1000)
+    if not _seconds(timeout) or not 0 < timeout <= _MAX_TIMEOUT_S:
+        raise InvalidArgumentError(
+            f"timeout must be a number of seconds in (0, {_MAX_TIMEOUT_S:g}] or None, "
+            f"got {timeout!r}")
+    return max(1, int(timeout * 1000))
+
+
+def _root(root) -> int:
+    if not isinstance(root, numbers.Integral) or isinstance(root, bool):
+        raise InvalidArgumentError(f"root must be an int, got {type(root).__name__}")
+    return int(root)
 
 
 class _Input:
@@ -90,6 +110,11 @@ def _output(inp: "_Input", out) -> np.ndarray:
         )
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise InvalidArgumentError("out must be C-contiguous and writeable")
+    # In place is fine (the runtime knows send == recv); a partial overlap would have the
+    # operation overwrite input it has not sent yet.
+    if (np.may_share_memory(out, inp.array)
+            and out.__array_interface__["data"][0] != inp.array.__array_interface__["data"][0]):
+        raise InvalidArgumentError("out overlaps x without being x itself")
     return out
 
 
@@ -112,6 +137,9 @@ class Handle:
         A wait that times out raises OpTimeoutError but does not cancel the operation, which
         still ends by its own deadline.
         """
+        if timeout is not None and (not _seconds(timeout) or timeout < 0):
+            raise InvalidArgumentError(f"timeout must be a number of seconds >= 0 or None, "
+                                       f"got {timeout!r}")
         if not self._native.wait(-1.0 if timeout is None else float(timeout)):
             raise OpTimeoutError(f"operation still running after {timeout} s")
         raise_for_status(self._native.status())
@@ -126,16 +154,23 @@ class Handle:
 def _takes_part(kind: str, name, timeout):
     """Input this worker rejects still takes part: the operation's sequence number is taken and
     failed on every worker (the others fail at once with the reason; later operations stay
-    paired). Wraps everything up to the native call."""
+    paired). Wraps everything up to the native call.
+
+    A name that is not a str cannot say which operation to fail (failing the default name's
+    would shift that numbering instead): it is only raised here."""
+    if name is not None and not isinstance(name, str):
+        raise InvalidArgumentError(f"name must be a str or None, got {type(name).__name__}")
     try:
         yield
     except InvalidArgumentError as e:
         try:
+            ms = _timeout_ms(timeout)
+        except InvalidArgumentError:
+            ms = _NO_TIMEOUT  # the bad timeout is what was rejected: the default deadline
+        try:
             peer = _peer.get()
             if peer.size > 1:
-                ms = timeout if isinstance(timeout, (int, float)) and timeout > 0 else None
-                peer.fail(kind, name if isinstance(name, str) else "",
-                          f"rejected on rank {peer.rank}: {e}", _timeout_ms(ms))
+                peer.fail(kind, name or "", f"rejected on rank {peer.rank}: {e}", ms)
         except Exception:  # no peer to tell (it failed to start): the error below says enough
             pass
         raise
@@ -200,7 +235,7 @@ def reduce_async(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
         send = inp.array
         recv = np.empty_like(send)
         native = peer.reduce(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
-                             send.size, inp.code, ops[op], int(root), name or "",
+                             send.size, inp.code, ops[op], _root(root), name or "",
                              _strategy_code(strategy), _timeout_ms(timeout))
     return Handle(native, lambda: inp.back(recv) if peer.rank == root else None)
 
@@ -219,7 +254,7 @@ def broadcast_async(x, root: int = 0, name: Optional[str] = None, strategy: Opti
         send = inp.array
         recv = _output(inp, out)
         native = peer.broadcast(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
-                                send.size, inp.code, int(root), name or "",
+                                send.size, inp.code, _root(root), name or "",
                                 _strategy_code(strategy), _timeout_ms(timeout))
     return Handle(native, lambda: inp.back(recv))
 
@@ -271,7 +306,7 @@ def gather_async(x, root: int = 0, name: Optional[str] = None,
         inp = _Input(x)
         peer = _peer.get()
         send = inp.array
-        native = peer.gather(send.reshape(-1).view(np.uint8), send.size, inp.code, int(root),
+        native = peer.gather(send.reshape(-1).view(np.uint8), send.size, inp.code, _root(root),
                              name or "", _timeout_ms(timeout), _shape_digest(send.shape[1:]))
     return Handle(native, _gathered(native, inp, int(root)))
 

@@ -31,20 +31,49 @@ def dropped_handles(n: int, rounds: int, wait_timeout) -> dict:
     return {"dirty": dirty, "final": final.tolist()}
 
 
+def _ones() -> np.ndarray:
+    return np.ones(2, np.float32)
+
+
+def _read_only() -> np.ndarray:
+    a = _ones()
+    a.flags.writeable = False
+    return a
+
+
+# (good call on rank 0, bad call on rank 1) for each case, all under the name 'x'.
+BAD_INPUT = {
+    "op": (lambda: kf.allreduce(_ones(), name="x"),
+           lambda: kf.allreduce(_ones(), op="mean", name="x")),
+    "dtype": (lambda: kf.allreduce(_ones(), name="x"),
+              lambda: kf.allreduce(np.array(["a", "b"], dtype=object), name="x")),
+    "out": (lambda: kf.allreduce(_ones(), name="x"),
+            lambda: kf.allreduce(_ones(), name="x", out=np.ones(3, np.float32))),
+    "avg-bool": (lambda: kf.allreduce(np.ones(2, bool), op="max", name="x"),
+                 lambda: kf.allreduce(np.ones(2, bool), op="avg", name="x")),
+    "timeout": (lambda: kf.allreduce(_ones(), name="x"),
+                lambda: kf.allreduce(_ones(), name="x", timeout=-1)),
+    "reduce-root": (lambda: kf.reduce(_ones(), root=0, name="x"),
+                    lambda: kf.reduce(_ones(), root="0", name="x")),
+    "broadcast-out": (lambda: kf.broadcast(_ones(), name="x"),
+                      lambda: kf.broadcast(_ones(), name="x", out=_read_only())),
+    "allgather-type": (lambda: kf.allgather(_ones(), name="x"),
+                       lambda: kf.allgather([1.0, 2.0], name="x")),
+    "gather-root": (lambda: kf.gather(_ones(), root=0, name="x"),
+                    lambda: kf.gather(_ones(), root=0.0, name="x")),
+    "consensus-type": (lambda: kf.consensus(b"ab", name="x"),
+                       lambda: kf.consensus([1, 2], name="x")),
+}
+
+
 def bad_input_on_one_rank(bad: str) -> dict:
-    """Rank 1 passes bad input to allreduce 'x'; rank 0 a good one. Then both do good ones."""
+    """Rank 1 passes bad input to an operation named 'x'; rank 0 good input. Then both run two
+    allreduces of 'x' (numbering is per name, so they pair only if the failed one took its
+    number on both ranks)."""
     out = {}
     start = time.time()
     try:
-        if kf.rank() == 1:
-            if bad == "op":
-                kf.allreduce(np.ones(2, np.float32), op="mean", name="x")
-            elif bad == "dtype":
-                kf.allreduce(np.array(["a", "b"], dtype=object), name="x")
-            elif bad == "out":
-                kf.allreduce(np.ones(2, np.float32), name="x", out=np.ones(3, np.float32))
-        else:
-            kf.allreduce(np.ones(2, np.float32), name="x")
+        BAD_INPUT[bad][kf.rank()]()
         out["error"] = None
     except errors.InvalidArgumentError as e:
         out["error"] = str(e)
@@ -52,6 +81,28 @@ def bad_input_on_one_rank(bad: str) -> dict:
     out["after"] = [kf.allreduce(np.full(2, 10.0 ** (i + 1), np.float32), name="x").tolist()
                     for i in range(2)]
     return out
+
+
+def rejected_here() -> dict:
+    """Input that cannot name its operation, or that only concerns this worker: each raises
+    InvalidArgumentError at once (at np=1, nothing is waited for)."""
+    x = np.arange(8, dtype=np.float32)
+    cases = {
+        "name": lambda: kf.allreduce(x, name=5),
+        "timeout-inf": lambda: kf.allreduce(x, timeout=float("inf")),
+        "timeout-str": lambda: kf.allreduce(x, timeout="1"),
+        "out-overlap": lambda: kf.allreduce(x[:4], out=x[2:6]),
+        "wait-nan": lambda: kf.allreduce_async(x).wait(timeout=float("nan")),
+    }
+    got = {}
+    for case, call in cases.items():
+        try:
+            call()
+            got[case] = None
+        except errors.InvalidArgumentError as e:
+            got[case] = str(e)
+    got["in-place"] = kf.allreduce(x, out=x).tolist()
+    return got
 
 
 def zero_d() -> dict:

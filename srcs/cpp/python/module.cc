@@ -51,20 +51,46 @@ bool PythonIsUsable() {
 #endif
 }
 
-// Keeps `objects` alive until `h` completes; called with the GIL held. The release takes the GIL
-// on the completing thread (a runtime worker), or leaks the references if Python is shutting down
-// (touching Python then could crash; the process is exiting anyway).
-void PinUntilDone(const Handle& h, std::vector<py::object> objects) {
-  auto pinned = std::make_shared<std::vector<py::object>>(std::move(objects));
-  h.OnComplete([pinned](const Status&) {
-    if (PythonIsUsable()) {
-      py::gil_scoped_acquire gil;
-      pinned->clear();
-    } else {
-      for (auto& o : *pinned) o.release();
-      pinned->clear();
+// The Python objects one operation reads or writes. They are released when the operation
+// completes, on the completing thread (a runtime worker), which takes the GIL for it; or, should
+// the handle be destroyed without ever completing, when the last reference goes. While Python is
+// finalizing the references are leaked instead: taking the GIL then can end or hang the thread,
+// and the process is exiting anyway.
+class Pins {
+ public:
+  explicit Pins(std::vector<py::object> objects) : objects_(std::move(objects)) {}
+  Pins(const Pins&) = delete;
+  Pins& operator=(const Pins&) = delete;
+  ~Pins() { Release(); }
+
+  // Called at most once with objects left (the completion callback, or else the destructor).
+  void Release() {
+    if (objects_.empty()) return;
+    if (!PythonIsUsable()) {
+      for (auto& o : objects_) o.release();
+      objects_.clear();
+      return;
     }
-  });
+    py::gil_scoped_acquire gil;
+    objects_.clear();
+  }
+
+ private:
+  std::vector<py::object> objects_;
+};
+
+// Called with the GIL held, right after the operation was issued (an operation that already
+// completed runs the callback at once, here).
+void PinUntilDone(const Handle& h, std::vector<py::object> objects) {
+  auto pins = std::make_shared<Pins>(std::move(objects));
+  h.OnComplete([pins](const Status&) { pins->Release(); });
+}
+
+// A wait in seconds as the runtime's milliseconds; < 0, NaN, infinite or beyond any real wait
+// (a year): no limit.
+int64_t WaitMs(double timeout_s) {
+  if (!(timeout_s >= 0) || timeout_s > 365.0 * 24 * 3600) return -1;
+  return static_cast<int64_t>(timeout_s * 1000);
 }
 
 // A handle plus whatever its result needs (gather output, consensus flag).
@@ -75,7 +101,7 @@ struct PyHandle {
 
   bool Wait(double timeout_s) {
     py::gil_scoped_release release;
-    return handle.Wait(timeout_s < 0 ? -1 : static_cast<int64_t>(timeout_s * 1000));
+    return handle.Wait(WaitMs(timeout_s));
   }
 };
 
@@ -146,7 +172,7 @@ PYBIND11_MODULE(_kungfu, m) {
       .def("wait", &PyHandle::Wait, py::arg("timeout_s") = -1.0)
       .def("poll", [](PyHandle& h) { return h.handle.Poll(); })
       .def("status", [](PyHandle& h) { return StatusTuple(h.handle.status()); })
-      .def("agreed", [](PyHandle& h) { return h.agreed ? *h.agreed : false; })
+      .def("agreed", [](PyHandle& h) { return h.agreed && h.handle.Poll() && *h.agreed; })
       .def("gathered",
            [](PyHandle& h) -> py::object {
              if (!h.gathered || !h.handle.Poll()) return py::none();
