@@ -15,11 +15,28 @@ Protocol (cluster version v -> v+1), steps as in DESIGN.md:
    KUNGFU_RESIZE_TIMEOUT is abandoned: rank 0 writes v+2 = the old peers and training goes on.
 5. With joiners, the joiners take rank 0's training state (kf.Hook does that part: variables
    peer-to-peer from rank 0, its Hook state broadcast).
+
+Recovery (a peer of version v died or hangs; Elastic.recover, driven by kf.Hook):
+1. Every worker commits its training state in memory at each step boundary (kf.Hook) and
+   numbers the commits; synchronous training keeps the survivors at most one commit apart.
+2. A collective fails (the runtime names the dead peer, or a deadline passes). Each survivor
+   writes alive/<v>/<itself> = its last commit; a launcher that sees its worker exit non-zero
+   writes dead/<peer>.
+3. Once every peer of v is alive or dead (at once for a killed worker), or KUNGFU_RECOVERY_WINDOW
+   after the survivor checked in (a hung peer), the survivor proposes: the peers alive, in their
+   old order, and the lowest commit among them. The first proposal stored under recovered/<v>
+   wins (compare-and-swap; no leader is needed, so losing rank 0 is like losing any other), and
+   is written as the next cluster version.
+4. A worker the decision leaves out (it checked in too late, or wakes up from a hang) exits with
+   ExpelledError. The others swap in the new native peer, roll back to the agreed commit and redo
+   the steps since (kf.Hook): no sample of the epoch is lost or repeated.
 """
 from __future__ import annotations
 
+import json
 import time
 import warnings
+from dataclasses import dataclass
 from typing import List, Optional
 
 from kungfu import _env, _peer
@@ -28,6 +45,20 @@ from kungfu.store import DONE_KEY, ClusterConfig, Store, StoreError, connect
 
 class ResizeError(ValueError):
     """A resize request that cannot be satisfied (size out of range, not an elastic job)."""
+
+
+class ExpelledError(RuntimeError):
+    """The survivors of a failure left this worker out (it did not check in in time)."""
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What the survivors of a failure in version `failed` agreed on."""
+
+    failed: int
+    config: ClusterConfig  # the survivors, as the next cluster version
+    commit: int  # the commit every survivor rolls back to
+    lost: List[str]  # the peers left out
 
 
 class Elastic:
@@ -117,6 +148,83 @@ class Elastic:
         _peer.replace(self.self_spec, list(new.peers), new.version)
         self.current, self.pending = new, None
         return not _peer.detached()
+
+    # -- recovery -------------------------------------------------------------------------------
+
+    def recover(self, commit: int, cause: str) -> Recovery:
+        """After a collective of the current version failed: agrees with the other survivors
+        on who is left and on the commit to roll back to (steps 2-4 in the module's doc), and
+        swaps in the native peer of that cluster. `commit`: this worker's last commit."""
+        v = self.current.version
+        window = _env.RECOVERY_WINDOW.get()
+        deadline = time.monotonic() + max(window, self.timeout)  # the store may be down a while
+        self._retry(lambda: self.store.mark_alive(v, self.self_spec, commit), deadline,
+                    "report this worker alive")
+        decide_at = time.monotonic() + window
+        while True:
+            decision = self._retry(lambda: self._decision(v, decide_at), deadline,
+                                   "agree on the survivors")
+            if decision is not None:
+                break
+            time.sleep(0.05)
+        got = json.loads(decision)
+        new = ClusterConfig(got["version"], got["peers"])
+        lost = [p for p in self.current.peers if p not in new.peers]
+        if self.self_spec not in new.peers:
+            raise ExpelledError(
+                f"kungfu: the other workers recovered from a failure in cluster version {v} "
+                f"without this one ({self.self_spec}): it did not report back within "
+                f"{window:g}s (KUNGFU_RECOVERY_WINDOW); it leaves the job")
+        minimum = _env.MIN_SIZE.get()
+        if len(new.peers) < minimum:
+            raise RuntimeError(
+                f"kungfu: {len(new.peers)} of {len(self.current.peers)} workers are left after "
+                f"{', '.join(lost)} failed ({cause}); the job needs at least {minimum} "
+                "(kungfu-run -min-np)")
+        self._retry(lambda: self._store_config(new), deadline, "store the new configuration")
+        self.pending = None  # a resize in progress is given up: its joiners are not in `new`
+        _peer.replace(self.self_spec, list(new.peers), new.version)
+        self.current = new
+        return Recovery(v, new, int(got["commit"]), lost)
+
+    def _decision(self, v: int, decide_at: float) -> Optional[str]:
+        """The stored decision for version v, or this worker's proposal once it can make one;
+        None while it waits for peers that are neither alive nor dead."""
+        decided = self.store.recovery(v)
+        if decided is not None:
+            return decided
+        alive = self.store.alive_peers(v)
+        dead = {p for p, started in self.store.dead_peers().items() if started <= v}
+        waiting = [p for p in self.current.peers if p not in alive and p not in dead]
+        if waiting and time.monotonic() < decide_at:
+            return None
+        members = [p for p in self.current.peers if p in alive]
+        stored, _ = self.store.config()
+        proposal = json.dumps({"version": stored.version + 1, "peers": members,
+                               "commit": min(alive[p] for p in members)})
+        return self.store.decide_recovery(v, proposal)
+
+    def _store_config(self, new: ClusterConfig) -> None:
+        """Makes `new` the stored configuration (any survivor may; the first one does)."""
+        stored, _ = self.store.config()
+        if stored.version < new.version and not self.store.propose(new):
+            stored, _ = self.store.config()
+            if stored.version < new.version:
+                raise StoreError(f"version {new.version} could not be stored over "
+                                 f"{stored.version}")
+
+    @staticmethod
+    def _retry(call, deadline: float, what: str):
+        delay = 0.1
+        while True:
+            try:
+                return call()
+            except StoreError as e:
+                if time.monotonic() + delay > deadline:
+                    raise StoreError(f"kungfu: cannot {what}: the config store did not answer "
+                                     f"in time: {e}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     def finish(self) -> None:
         """Rank 0, when training ends: tells the launchers that the job is over."""

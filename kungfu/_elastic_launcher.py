@@ -13,9 +13,12 @@ version (kungfu/_elastic.py has the workers' side of a resize):
 
 A worker that exits 0, or that was left out and stopped, is expected. A joiner that fails
 before it reported ready is reported and the job goes on (its resize is abandoned). Any other
-failure stops the job, as without -w. The launcher exits once none of its workers runs, the
-latest version lists none of this host's workers that has not finished, and the job is over
-(see _job_over); a launcher whose host has no worker yet keeps watching.
+worker that fails is written to the store as dead (dead/<peer>): the others recover without it
+(kungfu/_elastic.py) and the job goes on; the launcher lists at the end what the job survived.
+The launcher exits once none of its workers runs, the latest version lists none of this host's
+workers that has not finished or died, and the job is over (see _job_over); a launcher whose
+host has no worker yet keeps watching. Its exit code is 0 if training finished, else the first
+failure's.
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ class ElasticLauncher(Launcher):
         self.leaving: Dict[int, float] = {}  # worker -> when it must be gone
         self.stopped: Set[int] = set()  # workers this launcher stopped (expected exits)
         self.store_problem: Optional[str] = None  # the store error last reported, if any
+        self.failures: List[tuple] = []  # (seconds since start, rank, spec, how, exit code)
 
     def _store_trouble(self, e: Optional[Exception]) -> None:
         """Reports a store error once per change of message, and the recovery; not every poll."""
@@ -112,6 +116,8 @@ class ElasticLauncher(Launcher):
             extra = {_env.CONFIG_SERVER.name: self.url,
                      _env.ELASTIC_HOSTS.name: self._hosts_text(),
                      _env.PORT_RANGE.name: "{}-{}".format(*self.opts.port_range)}
+            if self.opts.min_np is not None:
+                extra[_env.MIN_SIZE.name] = str(self.opts.min_np)
             if cfg.version > 0:
                 extra[_env.ELASTIC_JOINING.name] = "1"
             try:
@@ -167,6 +173,34 @@ class ElasticLauncher(Launcher):
             self._store_trouble(e)
             return True
 
+    def _report_dead(self, store, key: int, rc: int, start: float) -> None:
+        """A worker failed: the store says so at once (the others recover without it) and the
+        launcher keeps watching."""
+        run = self.running[key]
+        spec, how = run.worker.spec, _describe_exit(rc)
+        self.failures.append((time.monotonic() - start, run.worker.rank, spec, how, rc))
+        self.error(f"worker {run.worker.rank} ({spec}) {how}; the others go on without it")
+        try:
+            store.mark_dead(spec, self.version_of[key])
+        except StoreError as e:  # they leave it out when their recovery window ends
+            self._store_trouble(e)
+
+    def _left_by_recovery(self, store, key: int) -> bool:
+        """Whether the others recovered without this worker (it hung), rather than resized."""
+        try:
+            return store.recovery(self.version_of[key]) is not None
+        except StoreError:
+            return False
+
+    def _summary(self, done: bool) -> Optional[int]:
+        """The failures survived, last; the exit code if training did not finish."""
+        for t, rank, spec, how, _ in self.failures:
+            self.info(f"survived: worker {rank} ({spec}) {how} at {t:.1f}s")
+        if done or not self.failures:
+            return None
+        self.error("elastic job: training did not finish after the failures above")
+        return _exit_code(self.failures[0][4])
+
     def _run(self, start: float) -> int:
         try:
             store = self._open_store()
@@ -206,6 +240,12 @@ class ElasticLauncher(Launcher):
                                       f"the cluster any more; stopping it")
                             self.stopped.add(key)
                             run.proc.terminate()
+                            if self._left_by_recovery(store, key):
+                                self.failures.append((now - start, run.worker.rank,
+                                                      run.worker.spec, "stopped answering",
+                                                      1))
+                        elif run.returncode is None and now >= when + GRACE_SECONDS:
+                            run.proc.kill()  # a stopped (SIGSTOP) process ignores SIGTERM
                 if not self._alive() and not stopping and self._job_over(store):
                     break
                 if stopping and not self._alive():
@@ -228,18 +268,17 @@ class ElasticLauncher(Launcher):
                         self.finished[spec] = seen
                     elif key in self.stopped or stopping:
                         pass
+                    elif key in self.leaving:  # left out (a hung worker that woke up late)
+                        self.info(f"worker {run.worker.rank} ({spec}), no longer in the "
+                                  f"cluster, {_describe_exit(rc)}")
                     elif self._joiner_failed(store, key):
                         self.error(f"joining worker {run.worker.rank} ({spec}) "
                                    f"{_describe_exit(rc)} before the cluster switched to it; "
                                    "its resize will be abandoned")
                         self.finished[spec] = seen
-                    elif result is None:
-                        result = _exit_code(rc)
-                        self.error(f"worker {run.worker.rank} ({spec}) {_describe_exit(rc)}; "
-                                   f"stopping the job")
-                        stopping = True
-                        self._signal_all(signal.SIGTERM)
-                        kill_at = now + GRACE_SECONDS
+                    else:
+                        self._report_dead(store, key, rc, start)
+                        self.finished[spec] = seen
                 elif event is not None and event[0] == "signal" and not stopping:
                     result = 128 + event[1]
                     stopping = True
@@ -253,11 +292,20 @@ class ElasticLauncher(Launcher):
                 if kill_at is not None and now >= kill_at and self._alive():
                     self._signal_all(signal.SIGKILL)
                     kill_at = None
+            done = result is None and self._done(store)  # before the builtin store goes
         finally:
             if self.server is not None:
                 self.server.stop()
         self._drain()
         if result is None:
+            result = self._summary(done)
+        if result is None:
             result = 0
             self.info(f"elastic job finished in {time.monotonic() - start:.1f}s")
         return result
+
+    def _done(self, store) -> bool:
+        try:
+            return store.get(DONE_KEY)[0] is not None
+        except StoreError:
+            return False

@@ -90,6 +90,12 @@ WATCHDOG_FD = Var("KUNGFU_WATCHDOG_FD", int, None,
                   "worker then ends its process group (wrappers like bash -c included)")
 RESIZE_TIMEOUT = Var("KUNGFU_RESIZE_TIMEOUT", _positive_duration, 120.0,
                      "how long a resize waits for its joiners before it is abandoned")
+MIN_SIZE = Var("KUNGFU_MIN_SIZE", _positive_int, 1,
+               "set by kungfu-run -min-np: an elastic job that loses workers fails rather than "
+               "go on with fewer")
+RECOVERY_WINDOW = Var("KUNGFU_RECOVERY_WINDOW", _positive_duration, 5.0,
+                      "after a failure, how long the survivors wait for a peer that neither "
+                      "checked in nor was reported dead by its launcher (then it is left out)")
 
 # Tuning: users may set these.
 OP_TIMEOUT = Var("KUNGFU_OP_TIMEOUT", _positive_duration, 300.0, "deadline of one collective")
@@ -102,7 +108,7 @@ PARALLELISM = Var("KUNGFU_PARALLELISM", _positive_int, 2, "independent pipelines
 
 ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
        ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, ETCD_CACERT, ETCD_CERT, ETCD_KEY, WATCHDOG_FD,
-       RESIZE_TIMEOUT, OP_TIMEOUT, PEER_TIMEOUT,
+       RESIZE_TIMEOUT, MIN_SIZE, RECOVERY_WINDOW, OP_TIMEOUT, PEER_TIMEOUT,
        CONNECT_TIMEOUT, CHUNK_BYTES, PARALLELISM]
 
 

@@ -80,6 +80,7 @@ class Options:
     config_server: Optional[str] = None
     job_token_file: Optional[str] = None
     job_token: str = ""  # resolved by run(), never printed
+    min_np: Optional[int] = None  # -w: the fewest workers a failure may leave
 
 
 HELP = """\
@@ -113,6 +114,10 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
                       (one launcher of the job hosts it; the others use -config-server)
   -config-server URL  the job's config store: http://HOST:P (a builtin one), or etcd's gateway:
                       etcd://[USER:PASSWORD@]HOST:P, or etcds://... over TLS
+  -min-np N           -w: a worker that dies or hangs (KUNGFU_PEER_TIMEOUT) is left behind
+                      and the others go on from the step it failed in (model.fit with
+                      kf.Hook and kf.ElasticData); the job fails instead when fewer than N
+                      workers would be left (default 1)
   -job-token-file F   the job's secret, read from file F. Workers prove it to each other in
                       every handshake and the builtin config store answers only requests that
                       carry it, so no other process can join or change the job. Default:
@@ -164,17 +169,18 @@ _VALUE_FLAGS = {
     "builtin-config-port": "builtin_config_port",
     "config-server": "config_server",
     "job-token-file": "job_token_file",
+    "min-np": "min_np",
 }
 _HELP_FLAGS = {"h", "help"}
 
 
-def _parse_np(text: str) -> int:
+def _parse_np(text: str, flag: str = "np") -> int:
     try:
         n = int(text)
     except ValueError:
-        raise UsageError(f"-np needs a positive integer, got {text!r}") from None
+        raise UsageError(f"-{flag} needs a positive integer, got {text!r}") from None
     if n < 1:
-        raise UsageError(f"-np must be at least 1, got {n}")
+        raise UsageError(f"-{flag} must be at least 1, got {n}")
     return n
 
 
@@ -252,6 +258,8 @@ def parse_args(argv: Sequence[str]) -> Options:
         attr = _VALUE_FLAGS[name]
         if attr == "np":
             opts.np = _parse_np(value)
+        elif attr == "min_np":
+            opts.min_np = _parse_np(value, "min-np")
         elif attr == "port_range":
             opts.port_range = parse_port_range(value)
         elif attr == "strategy":
@@ -273,8 +281,10 @@ def parse_args(argv: Sequence[str]) -> Options:
         raise UsageError("give only one of -self and -nic")
     if opts.elastic and (opts.builtin_config_port is None) == (opts.config_server is None):
         raise UsageError("-w needs exactly one of -builtin-config-port P and -config-server URL")
-    if not opts.elastic and (opts.builtin_config_port is not None or opts.config_server):
-        raise UsageError("-builtin-config-port and -config-server are for elastic jobs (-w)")
+    if not opts.elastic and (opts.builtin_config_port is not None or opts.config_server
+                             or opts.min_np is not None):
+        raise UsageError("-builtin-config-port, -config-server and -min-np are for elastic jobs "
+                         "(-w)")
     if opts.config_server is not None and not opts.config_server.startswith(
             ("http://", "etcd://", "etcds://")):
         raise UsageError(f"-config-server must be http://HOST:P, etcd://HOST:P or etcds://HOST:P, "

@@ -43,6 +43,10 @@ READY_PREFIX = "cluster/ready/"
 FAILED_PREFIX = "cluster/failed/"  # a launcher's word that a joiner died before the switch
 SWITCHED_PREFIX = "cluster/switched/"  # rank 0's word that the workers switch to a version
 DONE_KEY = "cluster/done"  # written when training has finished (the launchers may exit)
+# Recovery from a failure in cluster version v (kungfu/_elastic.py, Elastic.recover):
+ALIVE_PREFIX = "cluster/alive/"  # alive/<v>/<peer> = the survivor's last commit
+DEAD_PREFIX = "cluster/dead/"  # dead/<peer> = the version its dead worker was started for
+RECOVERED_PREFIX = "cluster/recovered/"  # recovered/<v> = the survivors' decision (first wins)
 REQUEST_TIMEOUT = 5.0  # seconds
 MAX_VALUE_BYTES = 1 << 20  # a configuration of ~50k peers; the store holds nothing bigger
 IDLE_TIMEOUT = 10.0  # seconds a client of the builtin server may stay silent mid-request
@@ -166,6 +170,46 @@ class Store:
     def failed_peers(self, version: int) -> List[str]:
         prefix = f"{FAILED_PREFIX}{version}/"
         return sorted(k[len(prefix):] for k in self.list(prefix))
+
+    # -- recovery ---------------------------------------------------------------------------
+
+    def mark_alive(self, version: int, peer: str, commit: int) -> None:
+        self.put(f"{ALIVE_PREFIX}{version}/{peer}", str(int(commit)))
+
+    def alive_peers(self, version: int) -> Dict[str, int]:
+        """{peer: its last commit} of the survivors of a failure in `version`."""
+        prefix = f"{ALIVE_PREFIX}{version}/"
+        return {k[len(prefix):]: _int(v) for k, v in self.list(prefix).items()}
+
+    def mark_dead(self, peer: str, started_for: int) -> None:
+        self.put(f"{DEAD_PREFIX}{peer}", str(int(started_for)))
+
+    def dead_peers(self) -> Dict[str, int]:
+        """{peer: the cluster version its dead worker was started for}."""
+        return {k[len(DEAD_PREFIX):]: _int(v) for k, v in self.list(DEAD_PREFIX).items()}
+
+    def decide_recovery(self, version: int, decision: str) -> str:
+        """Stores the survivors' decision for a failure in `version` unless one is stored;
+        returns the stored one (the first writer's)."""
+        key = f"{RECOVERED_PREFIX}{version}"
+        try:
+            self.compare_and_swap(key, decision, 0)
+            return decision
+        except StaleWriteError:
+            value, _ = self.get(key)
+            if value is None:
+                raise StoreError(f"{key}: written and gone") from None
+            return value
+
+    def recovery(self, version: int) -> Optional[str]:
+        return self.get(f"{RECOVERED_PREFIX}{version}")[0]
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise StoreError(f"the store holds {text!r} where a number belongs") from None
 
 
 # -- the builtin server --------------------------------------------------------------------------

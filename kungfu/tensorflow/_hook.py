@@ -27,21 +27,34 @@ epoch, so `before_step` runs once more there without a step following.
 
 Every worker runs the same hooks at the same steps, so policies may call collectives
 (`kf.allreduce(kf.grad_noise_scale(), "avg")`) in them.
+
+Recovery (an elastic job, model.fit with kungfu's data): the Hook commits the training state in
+memory at every step boundary (after the step's decisions were applied) and at every epoch end:
+the variables it syncs to joiners (model, optimizer, monitor; their current tensors, which
+TensorFlow copies on the next write), its own state, the policies' state and the data position.
+It wraps Keras's train function: when a collective fails because a peer died or hangs (in the
+step, or in the Hook's own agreement), the survivors agree on who is left and on the commit to
+roll back to (kungfu/_elastic.py, Elastic.recover), restore it, redo the commits this worker
+had made since (at most one), and redo the failed step on the same samples, now split among
+the survivors. Keras sees one step.
 """
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import os
 import pickle
+import sys
 import time
 import warnings
-from typing import Optional
+from typing import List, Optional
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from kungfu import _elastic, _peer
+from kungfu import _elastic, _peer, errors
 from kungfu.policy import HOOKS, BasePolicy, TrainingState, _actions, call_hook
 from kungfu.store import ClusterConfig, StoreError
 from kungfu.tensorflow import _monitor
@@ -82,12 +95,44 @@ def _mismatch(ours: list, theirs: list) -> str:
     return ""
 
 
+# Failures the survivors recover from: a peer died or stopped answering (in a TensorFlow op or in a
+# collective of the Hook's own). Anything else (peers that disagree, bad input) is raised.
+RECOVERABLE = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+               errors.PeerFailedError, errors.OpTimeoutError)
+
+
+@dataclasses.dataclass
+class _Commit:
+    """The training state at a step boundary ("start", "step": after a step's decisions, or
+    "epoch": after an epoch's); `seq` numbers them the same on every worker."""
+
+    seq: int
+    kind: str
+    tensors: list
+    state: TrainingState
+    policies: list
+    data: Optional[tuple]
+
+
 def monitor_logs(optimizer) -> dict:
     """{log key: latest estimate} of the optimizer's gradient monitor ({} without one)."""
     monitor: Optional[_monitor.GradientMonitor] = getattr(optimizer, "kungfu_monitor", None)
     if monitor is None:
         return {}
     return {_monitor.LOG_KEYS[m]: monitor.value(m) for m in monitor.monitors}
+
+
+def _first_line(e: Exception) -> str:
+    """The runtime's message: a TensorFlow op error puts it after its traceback, before the
+    "[[{{node ...}}]]" line."""
+    lines = [ln.strip() for ln in getattr(e, "message", str(e)).splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith(("[[", "File ", "Graph execution",
+                                                             "Detected at node"))]
+    return lines[-1] if lines else type(e).__name__
+
+
+def _numbers(logs) -> dict:
+    return {k: float(keras.ops.convert_to_numpy(v)) for k, v in (logs or {}).items()}
 
 
 class Hook(keras.callbacks.Callback):
@@ -114,6 +159,11 @@ class Hook(keras.callbacks.Callback):
         self._epochs_total: Optional[int] = None
         self._epoch_shift = 0  # a joiner's epoch minus its Keras epoch
         self._resumed = False  # a joiner whose first Keras epoch continues the others' epoch
+        self._recovering = False  # commits and recovery on (an elastic job in model.fit)
+        self._commits: collections.deque = collections.deque(maxlen=2)
+        self._commit_seq = 0
+        self._train_fn = None  # Keras's own train function (the model's is wrapped)
+        self.recoveries: List[dict] = []  # what this worker survived (see _recover)
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -307,6 +357,7 @@ class Hook(keras.callbacks.Callback):
                     "batch_size": None if self.data is None else self.data.batch_size,
                     "policies": [p.state_dict() for p in self.policies],
                     "variables": _describe(variables),
+                    "commit_seq": self._commit_seq,  # the others commit next: the joiners too
                 })
             # After rank 0 published: a joiner that has this may request the variables.
             got = pickle.loads(self._broadcast_blob(mine, f"{prefix}/state"))
@@ -328,6 +379,7 @@ class Hook(keras.callbacks.Callback):
             return
         self.state = got["state"]
         self._epochs_total = got["epochs_total"]
+        self._commit_seq = got["commit_seq"]
         for p, st in zip(self.policies, got["policies"]):
             p.load_state_dict(st)
         if self.data is not None:
@@ -377,16 +429,106 @@ class Hook(keras.callbacks.Callback):
             except Exception:  # noqa: BLE001 - a schedule or no learning rate: leave it
                 pass
 
+    # -- recovery (kungfu/_elastic.py has the protocol) ------------------------------------------
+
+    def _commit(self, kind: str) -> None:
+        """Keeps the training state at this step boundary (and the one before)."""
+        if not self._recovering:
+            return
+        self._commit_seq += 1
+        data = None
+        if self.data is not None:
+            d = self.data
+            data = (d.epoch, d.offset, d.batch_size, d.last_length, len(d.served))
+        self._commits.append(_Commit(
+            self._commit_seq, kind, [tf.identity(v) for v in self._synced_variables()],
+            copy.deepcopy(dataclasses.replace(self.state, logs={})),
+            [p.state_dict() for p in self.policies], data))
+
+    def _restore(self, c: _Commit) -> None:
+        for v, t in zip(self._synced_variables(), c.tensors):
+            v.assign(t)
+        self.state = copy.deepcopy(c.state)
+        for p, st in zip(self.policies, c.policies):
+            p.load_state_dict(st)
+        if c.data is not None:
+            d = self.data
+            d.epoch, d.offset, d.batch_size, d.last_length, served = c.data
+            del d.served[served:]
+        self._commit_seq = c.seq
+        self._commits = collections.deque([c], maxlen=2)
+
+    def _recover(self, error: Exception) -> None:
+        """A collective failed: with the other survivors, leave the lost peers behind and roll
+        back to the commit every survivor holds; then redo this worker's commits since. Raises
+        `error` itself when recovery is off or not possible."""
+        if not self._recovering or not self._commits:
+            raise error
+        start = time.monotonic()
+        kinds = [c.kind for c in self._commits]
+        try:
+            rec = _elastic.context().recover(self._commits[-1].seq, _first_line(error))
+        except _elastic.ExpelledError as e:
+            self.detached = True
+            raise e from error
+        target = next((c for c in self._commits if c.seq == rec.commit), None)
+        if target is None:
+            raise RuntimeError(f"kungfu: the survivors roll back to commit {rec.commit}, but this "
+                               f"worker holds {[c.seq for c in self._commits]}") from error
+        redo = kinds[[c.seq for c in self._commits].index(rec.commit) + 1:]
+        self._restore(target)
+        self._refresh_sizes()
+        record = {"version": rec.failed, "lost": rec.lost, "size": len(rec.config.peers),
+                  "step": self.state.step, "seconds": round(time.monotonic() - start, 3),
+                  "cause": _first_line(error), "error": type(error).__name__}
+        self.recoveries.append(record)
+        print(f"kungfu: rank {self.state.rank}: lost {', '.join(rec.lost) or 'no peer'} "
+              f"({record['cause']}); {len(rec.config.peers)} workers go on from step "
+              f"{self.state.step} (agreed in {record['seconds']:.2f}s)", file=sys.stderr,
+              flush=True)
+        for kind in redo:  # at most one: a commit this worker made that another had not
+            if kind == "epoch":
+                self._end_epoch()
+            else:
+                self._step_start = time.perf_counter()
+                self._train_again()
+                self.after_step(None)
+
+    def _train_again(self):
+        """Runs the training step at the data's position (the step a failure undid), on a
+        dataset of that one batch; Keras's iterator is left where it is. Returns its logs."""
+        while True:
+            try:
+                return self._train_fn(iter(self.data.step_dataset()))
+            except RECOVERABLE as e:
+                self._recover(e)
+
+    def _guard(self, train_fn):
+        """Keras's train function, made to survive a lost peer (see _recover)."""
+        self._train_fn = train_fn
+
+        def train_function(iterator):
+            try:
+                return train_fn(iterator)
+            except RECOVERABLE as e:
+                self._recover(e)
+                return self._train_again()
+
+        train_function.kungfu_guarded = train_fn
+        return train_function
+
     # -- the hooks, for custom loops ----------------------------------------------------------
 
     def before_train(self) -> None:
         self._epochs_begun = 0
         if _peer.joining():
             self._join()
+            self._commit("start")
             return  # the others are in the middle of training: join them at their next step
         self._refresh_sizes()
         self._run("before_train")
         self._agree_and_apply()
+        self._commit("start")
 
     def before_epoch(self, epoch: Optional[int] = None) -> None:
         self._epochs_begun += 1
@@ -431,20 +573,39 @@ class Hook(keras.callbacks.Callback):
             logs.update(estimates)
             s.logs = logs
         self._run("after_step")
-        self._agree_and_apply()
+        try:
+            self._agree_and_apply()
+        except RECOVERABLE as e:
+            # Rolled back to before this step: train it again, then come back here.
+            self._recover(e)
+            redone = self._train_again()
+            if logs is not None:
+                logs.update(_numbers(redone))
+            self.after_step(logs)
+            return
+        self._commit("step")
 
     def after_epoch(self, logs: Optional[dict] = None) -> None:
         if logs is not None:
             logs.update(monitor_logs(self.optimizer))
             self.state.logs = logs
-        self._run("after_epoch")
-        self._agree_and_apply()
-        self.state.epoch += 1
-        if self.data is not None and self.data.attached:
-            self.data.next_epoch()
+        self._end_epoch()
         if (self._epochs_total is not None and self.state.epoch >= self._epochs_total
                 and getattr(self, "model", None) is not None):
             self.model.stop_training = True  # a joiner's Keras counts its epochs from 0
+
+    def _end_epoch(self) -> None:
+        self._run("after_epoch")
+        try:
+            self._agree_and_apply()
+        except RECOVERABLE as e:
+            self._recover(e)  # rolled back to this epoch's last step: end the epoch again
+            self._end_epoch()
+            return
+        self.state.epoch += 1
+        if self.data is not None and self.data.attached:
+            self.data.next_epoch()
+        self._commit("epoch")
 
     def after_train(self) -> None:
         self._run("after_train")
@@ -468,6 +629,11 @@ class Hook(keras.callbacks.Callback):
         if self.data is not None and int(keras.ops.convert_to_numpy(spe)) != 1:
             raise ValueError("kf.Hook with kungfu data needs steps_per_execution=1")
         self._epochs_total = (self.params or {}).get("epochs")
+        fn = getattr(self.model, "train_function", None)
+        if _elastic.context().enabled and self.data is not None and fn is not None:
+            fn = getattr(fn, "kungfu_guarded", fn)  # a second fit: wrap Keras's own again
+            self.model.train_function = self._guard(fn)
+            self._recovering = True
         if _peer.joining():
             self._rehearse()
             if self.data is not None:

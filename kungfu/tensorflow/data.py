@@ -182,6 +182,16 @@ class ElasticData:
         _keep_keras_from_fixing_epoch_length()
         return ds
 
+    def step_dataset(self):
+        """This worker's batch of the step at the current position, as a dataset of one batch
+        (kf.Hook redoes a step with it after a failure); leaves the position alone."""
+        import kungfu as kf
+
+        idx, weight, _ = self.part(self.order(self.epoch), self.offset, kf.rank(), kf.size())
+        w = np.full(len(idx), weight, dtype=np.float32)
+        batch = (self.x[idx], w) if self.y is None else (self.x[idx], self.y[idx], w)
+        return self._dataset_of(lambda: iter([batch]))
+
     def rehearsal_dataset(self):
         """One batch shaped like this data's (its first samples, all of weight 0), as a dataset
         of the same element spec as dataset(): a training step run on it traces the step function

@@ -23,6 +23,7 @@ import faulthandler  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # noqa: E402
@@ -94,6 +95,12 @@ def main():
     p.add_argument("--joiner-width", type=int, default=16,
                    help="hidden units of a joining worker's model (others: 16); another width "
                         "is a joiner whose variables differ from rank 0's")
+    p.add_argument("--kill", action="append", default=[], metavar="RANK@STEP",
+                   help="the worker of this rank (in the first cluster) kills itself with "
+                        "SIGKILL during this step, or with STEP+ right after it, once its Hook "
+                        "is done with it (repeatable)")
+    p.add_argument("--hang", default="", metavar="RANK@STEP",
+                   help="the worker of this rank stops itself (SIGSTOP) during this step")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -113,7 +120,25 @@ def main():
     me = os.environ.get("KUNGFU_SELF_SPEC", "single").replace(":", "_")
     out = open(os.path.join(args.out, f"{me}.jsonl"), "a")
 
+    def faults(spec_list):
+        """{step: signal} for this worker, from RANK@STEP specs (first cluster only)."""
+        if os.environ.get("KUNGFU_ELASTIC_JOINING") == "1":
+            return {}
+        out = {}
+        for spec, sig in spec_list:
+            rank, _, step = spec.partition("@")
+            if spec and int(rank) == kf.rank():
+                out[(int(step.rstrip("+")), step.endswith("+"))] = sig
+        return out
+
+    my_faults = faults([(k, signal.SIGKILL) for k in args.kill] + [(args.hang, signal.SIGSTOP)])
+
     class Record(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            sig = my_faults.pop((hook.state.step + 1, False), None)
+            if sig is not None:  # during the step: a moment after it started
+                threading.Timer(0.005, os.kill, (os.getpid(), sig)).start()
+
         def on_train_batch_end(self, batch, logs=None):
             st = hook.state
             digest = hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights()))
@@ -126,13 +151,17 @@ def main():
                                   "gns": kf.grad_noise_scale(), "rehearsed": hook.rehearsed,
                                   "traces": traces(model.train_function)}) + "\n")
             out.flush()
+            sig = my_faults.pop((st.step, True), None)
+            if sig is not None:
+                os.kill(os.getpid(), sig)
             time.sleep(args.step_sleep)
             if args.max_steps and st.step >= args.max_steps:
                 model.stop_training = True
 
     hook = kf.Hook(policy, data=data)
     model.fit(data.dataset(), epochs=1000, verbose=0, callbacks=[hook, Record()])
-    out.write(json.dumps({"done": True, "step": hook.state.step, "size": kf.size()}) + "\n")
+    out.write(json.dumps({"done": True, "step": hook.state.step, "size": kf.size(),
+                          "recoveries": hook.recoveries}) + "\n")
     out.close()
 
 

@@ -24,7 +24,7 @@ SAMPLES = 240
 
 
 def run_elastic(tmp_path, np_: int, slots: int, *args: str, timeout: float = 240,
-                env_extra=None):
+                env_extra=None, launcher_args=()):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
@@ -33,7 +33,8 @@ def run_elastic(tmp_path, np_: int, slots: int, *args: str, timeout: float = 240
     out.mkdir()
     cmd = [sys.executable, "-m", "kungfu.cmd", "-w", "-np", str(np_), "-H", f"127.0.0.1:{slots}",
            "-builtin-config-port", str(free_ports(1)[0]), "-port-range", free_port_range(slots),
-           "-timeout", f"{int(timeout) - 10}s", sys.executable, str(HERE / "elastic_train.py"),
+           "-timeout", f"{int(timeout) - 10}s", *launcher_args,
+           sys.executable, str(HERE / "elastic_train.py"),
            "--out", str(out), "--samples", str(SAMPLES), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO),
                        timeout=timeout, check=False)

@@ -1,0 +1,100 @@
+"""Recovery: workers of an elastic job killed (SIGKILL) or stopped (SIGSTOP) in model.fit; the
+survivors go on. Real processes under kungfu-run -w, elastic_train.py (next to this file) with a
+fixed size; every worker records each step it trained.
+
+Each run checks what a user is promised: the job finishes with exit code 0 and says what it
+survived, every sample of every epoch is trained exactly once (the failed step's batch is redone
+by the survivors), the survivors' weights are bit-identical after every step, and each survivor
+recovered once, without the lost peer.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from conftest import steps_of  # noqa: E402
+from test_elastic import SAMPLES, run_elastic  # noqa: E402
+
+# 240 samples, batch 8: 10 steps per epoch at 3 workers, 8 per epoch at 4 (the last one short).
+STEPS = 24
+
+
+def _recovered(tmp_path, np_: int, *faults: str, env=None, expect_lost: int = 1):
+    r, records = run_elastic(tmp_path, np_, np_, "--schedule", str(np_), "--tail", "1000",
+                             "--max-steps", str(STEPS), "--step-sleep", "0.02", *faults,
+                             env_extra=env)
+    log = r.stdout[-3000:] + r.stderr[-6000:]
+    assert r.returncode == 0, log
+    assert "survived" in r.stderr or expect_lost == 0, log
+    steps = steps_of(records)
+    assert sorted(steps) == list(range(1, STEPS + 1)), log
+    for step, rows in steps.items():
+        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
+    by_epoch = defaultdict(list)
+    for rows in steps.values():
+        for row in rows:
+            by_epoch[row["epoch"]].extend(row["served"])
+    last = max(by_epoch)
+    for epoch, served in by_epoch.items():
+        assert len(served) == len(set(served)), f"epoch {epoch}: a sample trained twice"
+        if epoch != last:
+            assert sorted(served) == list(range(SAMPLES)), f"epoch {epoch}: samples lost"
+    finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
+    assert len(finals) == np_ - expect_lost, log
+    for f in finals:
+        assert f["size"] == np_ - expect_lost and f["step"] == STEPS, f
+        [rec] = f["recoveries"]
+        assert len(rec["lost"]) == expect_lost and rec["size"] == np_ - expect_lost, rec
+    sizes = [len(rows) for rows in steps.values()]
+    assert sizes[0] == np_ and sizes[-1] == np_ - expect_lost, sizes
+    return r, records, finals
+
+
+@pytest.mark.timeout(200)
+def test_a_middle_rank_killed_during_a_step(tmp_path):
+    _, records, finals = _recovered(tmp_path, 3, "--kill", "1@6")
+    lost = finals[0]["recoveries"][0]["lost"][0]
+    rows = records[lost.replace(":", "_")]
+    assert rows[0]["rank"] == 1 and rows[-1]["step"] in (5, 6), rows[-1]  # killed in step 6
+
+
+@pytest.mark.timeout(200)
+def test_rank_0_killed_between_steps(tmp_path):
+    # The survivors fail in the next step's gradient allreduce (inside Keras's train function)
+    # and redo it; rank 1 becomes rank 0 and writes that training is done.
+    r, records, finals = _recovered(tmp_path, 3, "--kill", "0@5+")
+    assert "elastic job finished" in r.stderr
+    assert all("allreduce" in f["recoveries"][0]["cause"] for f in finals), finals
+
+
+@pytest.mark.timeout(200)
+def test_the_last_rank_killed_at_the_end_of_an_epoch(tmp_path):
+    # Step 10 ends epoch 0: the survivors fail in the epoch's own agreement and end it again.
+    _, records, _ = _recovered(tmp_path, 3, "--kill", "2@10+")
+    steps = steps_of(records)
+    assert {row["epoch"] for row in steps[10]} == {0} and {row["epoch"] for row in steps[11]} == {1}
+
+
+@pytest.mark.timeout(200)
+def test_two_workers_killed_at_once(tmp_path):
+    _recovered(tmp_path, 4, "--kill", "1@4+", "--kill", "3@4+", expect_lost=2)
+
+
+@pytest.mark.timeout(200)
+def test_a_stopped_worker_is_left_out(tmp_path):
+    r, _, finals = _recovered(tmp_path, 3, "--hang", "2@5",
+                              env={"KUNGFU_PEER_TIMEOUT": "2s", "KUNGFU_RECOVERY_WINDOW": "1s"})
+    assert "not in the cluster any more; stopping it" in r.stderr
+    assert all("timeout" in f["recoveries"][0]["cause"] for f in finals), finals
+
+
+@pytest.mark.timeout(200)
+def test_too_few_survivors_end_the_job_with_a_clear_error(tmp_path):
+    r, _ = run_elastic(tmp_path, 3, 3, "--schedule", "3", "--tail", "1000", "--max-steps",
+                       str(STEPS), "--kill", "1@5+", env_extra=None, launcher_args=("-min-np", "3"))
+    assert r.returncode != 0
+    assert "the job needs at least 3" in r.stderr, r.stderr[-4000:]
+    assert "training did not finish" in r.stderr, r.stderr[-4000:]
