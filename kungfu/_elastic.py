@@ -59,6 +59,8 @@ class Recovery:
     config: ClusterConfig  # the survivors, as the next cluster version
     commit: int  # the commit every survivor rolls back to
     lost: List[str]  # the peers left out
+    agreed_at: float  # time.time() when this worker had the decision
+    rebuilt_at: float  # ... and its native peer of the new version
 
 
 class Elastic:
@@ -167,6 +169,7 @@ class Elastic:
             if decision is not None:
                 break
             time.sleep(0.05)
+        agreed_at = time.time()
         got = json.loads(decision)
         new = ClusterConfig(got["version"], got["peers"])
         lost = [p for p in self.current.peers if p not in new.peers]
@@ -185,7 +188,7 @@ class Elastic:
         self.pending = None  # a resize in progress is given up: its joiners are not in `new`
         _peer.replace(self.self_spec, list(new.peers), new.version)
         self.current = new
-        return Recovery(v, new, int(got["commit"]), lost)
+        return Recovery(v, new, int(got["commit"]), lost, agreed_at, time.time())
 
     def _decision(self, v: int, decide_at: float) -> Optional[str]:
         """The stored decision for version v, or this worker's proposal once it can make one;

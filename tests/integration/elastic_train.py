@@ -133,11 +133,16 @@ def main():
 
     my_faults = faults([(k, signal.SIGKILL) for k in args.kill] + [(args.hang, signal.SIGSTOP)])
 
+    def fault(sig):
+        out.write(json.dumps({"fault": int(sig), "at": time.time()}) + "\n")
+        out.flush()
+        os.kill(os.getpid(), sig)
+
     class Record(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             sig = my_faults.pop((hook.state.step + 1, False), None)
             if sig is not None:  # during the step: a moment after it started
-                threading.Timer(0.005, os.kill, (os.getpid(), sig)).start()
+                threading.Timer(0.005, fault, (sig,)).start()
 
         def on_train_batch_end(self, batch, logs=None):
             st = hook.state
@@ -153,7 +158,7 @@ def main():
             out.flush()
             sig = my_faults.pop((st.step, True), None)
             if sig is not None:
-                os.kill(os.getpid(), sig)
+                fault(sig)
             time.sleep(args.step_sleep)
             if args.max_steps and st.step >= args.max_steps:
                 model.stop_training = True
