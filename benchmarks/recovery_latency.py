@@ -67,7 +67,7 @@ def run(arm: str, np_: int, args) -> dict:
     [fault_at] = [row["at"] for row in rows if "fault" in row]
     recs = [rec for row in rows if "done" in row for rec in row["recoveries"]]
     if len(recs) != np_ - 1 or any("step_done_at" not in rec for rec in recs):
-        raise RuntimeError(f"{arm}: expected one recovery in the train function per survivor, "
+        raise RuntimeError(f"{arm}: expected one recovery and a redone step per survivor, "
                            f"got {recs}")
 
     def slowest(key, since):

@@ -479,7 +479,7 @@ class Hook(keras.callbacks.Callback):
         self._restore(target)
         self._refresh_sizes()
         # Times (time.time()) for benchmarks/recovery_latency.py; "step_done_at" is added when
-        # the failed step was redone.
+        # a step was first trained again (_train_again).
         record = {"version": rec.failed, "lost": rec.lost, "size": len(rec.config.peers),
                   "step": self.state.step, "cause": _first_line(error),
                   "failed_at": failed_at, "agreed_at": rec.agreed_at,
@@ -502,7 +502,9 @@ class Hook(keras.callbacks.Callback):
         dataset of that one batch; Keras's iterator is left where it is. Returns its logs."""
         while True:
             try:
-                return self._train_fn(iter(self.data.step_dataset()))
+                logs = self._train_fn(iter(self.data.step_dataset()))
+                self.recoveries[-1].setdefault("step_done_at", time.time())
+                return logs
             except RECOVERABLE as e:
                 self._recover(e)
 
@@ -515,9 +517,7 @@ class Hook(keras.callbacks.Callback):
                 return train_fn(iterator)
             except RECOVERABLE as e:
                 self._recover(e)
-                logs = self._train_again()
-                self.recoveries[-1]["step_done_at"] = time.time()
-                return logs
+                return self._train_again()
 
         train_function.kungfu_guarded = train_fn
         return train_function
