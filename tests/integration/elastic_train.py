@@ -73,6 +73,7 @@ class Schedule(kf.BasePolicy):
 
 def traces(train_function):
     """How often Keras's compiled step function was traced (its tf.functions' counts)."""
+    train_function = getattr(train_function, "kungfu_guarded", train_function)  # kf.Hook's wrap
     counts = [c.cell_contents.experimental_get_tracing_count()
               for c in (train_function.__closure__ or ())
               if hasattr(c.cell_contents, "experimental_get_tracing_count")]

@@ -96,7 +96,7 @@ def test_elastic_grow_to_second_host_and_shrink(hosts, tmp_path, monkeypatch):
     on_a1 = records[name[a1]]
     assert "done" not in on_a1[-1] and [r["step"] for r in on_a1] == trained_b
     on_a0 = records[name[a0]]
-    assert on_a0[-1] == {"done": True, "step": last, "size": 1}, on_a0[-1]
+    assert on_a0[-1] == {"done": True, "step": last, "size": 1, "recoveries": []}, on_a0[-1]
     assert [r["step"] for r in on_a0[:-1]] == list(steps)
     # Training did something: the loss fell.
     losses = [steps[s][0]["loss"] for s in steps]
