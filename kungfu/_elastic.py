@@ -30,6 +30,11 @@ Recovery (a peer of version v died or hangs; Elastic.recover, driven by kf.Hook)
 4. A worker the decision leaves out (it checked in too late, or wakes up from a hang) exits with
    ExpelledError. The others swap in the new native peer, roll back to the agreed commit and redo
    the steps since (kf.Hook): no sample of the epoch is lost or repeated.
+5. Replacement: at the next step boundary the new rank 0 asks for a resize back to the size
+   before the failure, through the resize protocol above (the plan takes the first slots of
+   the job's hosts, so the freed slots are filled again; their launchers start the joiners).
+   Each failure counts against KUNGFU_MAX_RESTARTS (kungfu-run -max-restarts); one beyond it,
+   or fewer survivors than KUNGFU_MIN_SIZE, ends the job with an error naming the limit.
 """
 from __future__ import annotations
 
@@ -184,6 +189,12 @@ class Elastic:
                 f"kungfu: {len(new.peers)} of {len(self.current.peers)} workers are left after "
                 f"{', '.join(lost)} failed ({cause}); the job needs at least {minimum} "
                 "(kungfu-run -min-np)")
+        budget = _env.MAX_RESTARTS.get()
+        failures = self._retry(self.store.recoveries, deadline, "count the failures")
+        if failures > budget:
+            raise RuntimeError(
+                f"kungfu: {', '.join(lost)} failed ({cause}): that is failure {failures} of this "
+                f"job, and it survives at most {budget} (kungfu-run -max-restarts)")
         self._retry(lambda: self._store_config(new), deadline, "store the new configuration")
         self.pending = None  # a resize in progress is given up: its joiners are not in `new`
         _peer.replace(self.self_spec, list(new.peers), new.version)

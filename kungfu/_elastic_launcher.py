@@ -64,7 +64,8 @@ class ElasticLauncher(Launcher):
         self.leaving: Dict[int, float] = {}  # worker -> when it must be gone
         self.stopped: Set[int] = set()  # workers this launcher stopped (expected exits)
         self.store_problem: Optional[str] = None  # the store error last reported, if any
-        self.failures: List[tuple] = []  # (seconds since start, rank, spec, how, exit code)
+        # [seconds since start, rank, spec, how, exit code, version that replaced it or None]
+        self.failures: List[list] = []
 
     def _store_trouble(self, e: Optional[Exception]) -> None:
         """Reports a store error once per change of message, and the recovery; not every poll."""
@@ -118,6 +119,10 @@ class ElasticLauncher(Launcher):
                      _env.PORT_RANGE.name: "{}-{}".format(*self.opts.port_range)}
             if self.opts.min_np is not None:
                 extra[_env.MIN_SIZE.name] = str(self.opts.min_np)
+            if self.opts.max_restarts is not None:
+                extra[_env.MAX_RESTARTS.name] = str(self.opts.max_restarts)
+            if self.opts.replace is not None:
+                extra[_env.REPLACE.name] = "1" if self.opts.replace else "0"
             if cfg.version > 0:
                 extra[_env.ELASTIC_JOINING.name] = "1"
             try:
@@ -130,7 +135,11 @@ class ElasticLauncher(Launcher):
             self.by_spec[w.spec] = key
             self.version_of[key] = cfg.version
             self._watch(run, key)
-            self.info(f"version {cfg.version}: started worker {w.rank} ({w.spec})")
+            lost = [f for f in self.failures if f[2] == w.spec and f[5] is None]
+            if lost:
+                lost[0][5] = cfg.version  # replaced
+            self.info(f"version {cfg.version}: started worker {w.rank} ({w.spec})"
+                      + (" in place of the lost one" if lost else ""))
         now = time.monotonic()
         for spec, key in self.by_spec.items():
             if spec not in wanted and key not in self.leaving:
@@ -178,7 +187,7 @@ class ElasticLauncher(Launcher):
         launcher keeps watching."""
         run = self.running[key]
         spec, how = run.worker.spec, _describe_exit(rc)
-        self.failures.append((time.monotonic() - start, run.worker.rank, spec, how, rc))
+        self.failures.append([time.monotonic() - start, run.worker.rank, spec, how, rc, None])
         self.error(f"worker {run.worker.rank} ({spec}) {how}; the others go on without it")
         try:
             store.mark_dead(spec, self.version_of[key])
@@ -194,8 +203,9 @@ class ElasticLauncher(Launcher):
 
     def _summary(self, done: bool) -> Optional[int]:
         """The failures survived, last; the exit code if training did not finish."""
-        for t, rank, spec, how, _ in self.failures:
-            self.info(f"survived: worker {rank} ({spec}) {how} at {t:.1f}s")
+        for t, rank, spec, how, _, version in self.failures:
+            by = "not replaced" if version is None else f"replaced in version {version}"
+            self.info(f"survived: worker {rank} ({spec}) {how} at {t:.1f}s; {by}")
         if done or not self.failures:
             return None
         self.error("elastic job: training did not finish after the failures above")
@@ -241,9 +251,9 @@ class ElasticLauncher(Launcher):
                             self.stopped.add(key)
                             run.proc.terminate()
                             if self._left_by_recovery(store, key):
-                                self.failures.append((now - start, run.worker.rank,
+                                self.failures.append([now - start, run.worker.rank,
                                                       run.worker.spec, "stopped answering",
-                                                      1))
+                                                      1, None])
                         elif run.returncode is None and now >= when + GRACE_SECONDS:
                             run.proc.kill()  # a stopped (SIGSTOP) process ignores SIGTERM
                 if not self._alive() and not stopping and self._job_over(store):

@@ -93,6 +93,12 @@ RESIZE_TIMEOUT = Var("KUNGFU_RESIZE_TIMEOUT", _positive_duration, 120.0,
 MIN_SIZE = Var("KUNGFU_MIN_SIZE", _positive_int, 1,
                "set by kungfu-run -min-np: an elastic job that loses workers fails rather than "
                "go on with fewer")
+MAX_RESTARTS = Var("KUNGFU_MAX_RESTARTS", int, 3,
+                   "set by kungfu-run -max-restarts: how many failures an elastic job survives; "
+                   "after each, new workers replace the lost ones")
+REPLACE = Var("KUNGFU_REPLACE", _bool, True,
+              "set by kungfu-run -replace: after a failure, start new workers in place of the "
+              "lost ones")
 RECOVERY_WINDOW = Var("KUNGFU_RECOVERY_WINDOW", _positive_duration, 5.0,
                       "after a failure, how long the survivors wait for a peer that neither "
                       "checked in nor was reported dead by its launcher (then it is left out)")
@@ -108,7 +114,7 @@ PARALLELISM = Var("KUNGFU_PARALLELISM", _positive_int, 2, "independent pipelines
 
 ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
        ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, ETCD_CACERT, ETCD_CERT, ETCD_KEY, WATCHDOG_FD,
-       RESIZE_TIMEOUT, MIN_SIZE, RECOVERY_WINDOW, OP_TIMEOUT, PEER_TIMEOUT,
+       RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT, PEER_TIMEOUT,
        CONNECT_TIMEOUT, CHUNK_BYTES, PARALLELISM]
 
 

@@ -81,6 +81,8 @@ class Options:
     job_token_file: Optional[str] = None
     job_token: str = ""  # resolved by run(), never printed
     min_np: Optional[int] = None  # -w: the fewest workers a failure may leave
+    max_restarts: Optional[int] = None  # -w: how many failures the job survives
+    replace: Optional[bool] = None  # -w: start new workers in place of lost ones
 
 
 HELP = """\
@@ -118,6 +120,9 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
                       and the others go on from the step it failed in (model.fit with
                       kf.Hook and kf.ElasticData); the job fails instead when fewer than N
                       workers would be left (default 1)
+  -max-restarts K     -w: how many failures the job survives (default 3); one more ends it
+  -replace=false      -w: go on with the survivors; by default new workers are started in
+                      the freed slots after a failure and join as in a resize
   -job-token-file F   the job's secret, read from file F. Workers prove it to each other in
                       every handshake and the builtin config store answers only requests that
                       carry it, so no other process can join or change the job. Default:
@@ -170,6 +175,7 @@ _VALUE_FLAGS = {
     "config-server": "config_server",
     "job-token-file": "job_token_file",
     "min-np": "min_np",
+    "max-restarts": "max_restarts",
 }
 _HELP_FLAGS = {"h", "help"}
 
@@ -246,6 +252,9 @@ def parse_args(argv: Sequence[str]) -> Options:
         if name == "w":
             opts.elastic = _parse_bool(name, inline) if eq else True
             continue
+        if name == "replace":
+            opts.replace = _parse_bool(name, inline) if eq else True
+            continue
         if name not in _VALUE_FLAGS:
             raise UsageError(f"unknown flag {arg.split('=', 1)[0]!r} (see {PROG} -help)")
         if eq:
@@ -260,6 +269,10 @@ def parse_args(argv: Sequence[str]) -> Options:
             opts.np = _parse_np(value)
         elif attr == "min_np":
             opts.min_np = _parse_np(value, "min-np")
+        elif attr == "max_restarts":
+            if not value.isdigit():
+                raise UsageError(f"-max-restarts needs a number >= 0, got {value!r}")
+            opts.max_restarts = int(value)
         elif attr == "port_range":
             opts.port_range = parse_port_range(value)
         elif attr == "strategy":
@@ -282,9 +295,10 @@ def parse_args(argv: Sequence[str]) -> Options:
     if opts.elastic and (opts.builtin_config_port is None) == (opts.config_server is None):
         raise UsageError("-w needs exactly one of -builtin-config-port P and -config-server URL")
     if not opts.elastic and (opts.builtin_config_port is not None or opts.config_server
-                             or opts.min_np is not None):
-        raise UsageError("-builtin-config-port, -config-server and -min-np are for elastic jobs "
-                         "(-w)")
+                             or opts.min_np is not None or opts.max_restarts is not None
+                             or opts.replace is not None):
+        raise UsageError("-builtin-config-port, -config-server, -min-np, -max-restarts and "
+                         "-replace are for elastic jobs (-w)")
     if opts.config_server is not None and not opts.config_server.startswith(
             ("http://", "etcd://", "etcds://")):
         raise UsageError(f"-config-server must be http://HOST:P, etcd://HOST:P or etcds://HOST:P, "

@@ -204,6 +204,10 @@ class Store:
     def recovery(self, version: int) -> Optional[str]:
         return self.get(f"{RECOVERED_PREFIX}{version}")[0]
 
+    def recoveries(self) -> int:
+        """How many failures the job has recovered from (or is recovering from)."""
+        return len(self.list(RECOVERED_PREFIX))
+
 
 def _int(text: str) -> int:
     try:

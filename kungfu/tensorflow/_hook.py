@@ -54,7 +54,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kungfu import _elastic, _peer, errors
+from kungfu import _elastic, _env, _peer, errors
 from kungfu.policy import HOOKS, BasePolicy, TrainingState, _actions, call_hook
 from kungfu.store import ClusterConfig, StoreError
 from kungfu.tensorflow import _monitor
@@ -164,6 +164,7 @@ class Hook(keras.callbacks.Callback):
         self._commit_seq = 0
         self._train_fn = None  # Keras's own train function (the model's is wrapped)
         self.recoveries: List[dict] = []  # what this worker survived (see _recover)
+        self._replace_to: Optional[int] = None  # the size to restore after a recovery
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -183,6 +184,7 @@ class Hook(keras.callbacks.Callback):
 
     def _agree_and_apply(self) -> None:
         self._check_pending_resize()
+        self._request_replacement()
         decisions = _actions.close_round()
         # One name for every round: the k-th round of a worker meets the k-th of the others
         # (the runtime numbers successive uses of a name; a new cluster version starts over).
@@ -246,6 +248,16 @@ class Hook(keras.callbacks.Callback):
                                          "why": f"new worker {', '.join(failed)} failed"})
         elif ctx.overdue():
             _actions._record("elastic", {"abandon": ctx.pending.version})
+
+    def _request_replacement(self) -> None:
+        """Rank 0, after a recovery: asks for new workers in place of the lost ones (a resize
+        back to the size before the failure; see kungfu/_elastic.py)."""
+        import kungfu as kf
+
+        n, self._replace_to = self._replace_to, None
+        if n is None or kf.rank() != 0 or n <= kf.size():
+            return
+        _actions._record("resize", min(n, _elastic.context().max_size()))
 
     def _apply_resize(self, n: int) -> None:
         import kungfu as kf
@@ -485,6 +497,8 @@ class Hook(keras.callbacks.Callback):
                   "failed_at": failed_at, "agreed_at": rec.agreed_at,
                   "rebuilt_at": rec.rebuilt_at, "restored_at": time.time()}
         self.recoveries.append(record)
+        if _env.REPLACE.get():
+            self._replace_to = len(rec.config.peers) + len(rec.lost)
         print(f"kungfu: rank {self.state.rank}: lost {', '.join(rec.lost) or 'no peer'} "
               f"({record['cause']}); {len(rec.config.peers)} workers go on from step "
               f"{self.state.step} (recovered in {record['restored_at'] - failed_at:.2f}s)",

@@ -24,9 +24,11 @@ STEPS = 24
 
 def _recovered(tmp_path, np_: int, *faults: str, env=None, expect_lost: int = 1,
                steps_after: bool = True):
+    """A run that goes on with the survivors (-replace=false; test_lost_workers_are_replaced
+    has replacement)."""
     r, records = run_elastic(tmp_path, np_, np_, "--schedule", str(np_), "--tail", "1000",
                              "--max-steps", str(STEPS), "--step-sleep", "0.02", *faults,
-                             env_extra=env)
+                             env_extra=env, launcher_args=("-replace=false",))
     log = r.stdout[-3000:] + r.stderr[-6000:]
     assert r.returncode == 0, log
     assert "survived" in r.stderr or expect_lost == 0, log
@@ -104,10 +106,53 @@ def test_a_stopped_worker_is_left_out(tmp_path):
 @pytest.mark.timeout(200)
 def test_too_few_survivors_end_the_job_with_a_clear_error(tmp_path):
     r, _ = run_elastic(tmp_path, 3, 3, "--schedule", "3", "--tail", "1000", "--max-steps",
-                       str(STEPS), "--kill", "1@5+", env_extra=None, launcher_args=("-min-np", "3"))
+                       str(STEPS), "--kill", "1@5+", launcher_args=("-min-np", "3"))
     assert r.returncode != 0
-    assert "the job needs at least 3" in r.stderr, r.stderr[-4000:]
+    assert "the job needs at least 3 (kungfu-run -min-np)" in r.stderr, r.stderr[-4000:]
     assert "training did not finish" in r.stderr, r.stderr[-4000:]
+
+
+@pytest.mark.timeout(200)
+def test_a_failure_beyond_the_restart_budget_ends_the_job(tmp_path):
+    r, _ = run_elastic(tmp_path, 3, 3, "--schedule", "3", "--tail", "1000", "--max-steps",
+                       str(STEPS), "--kill", "1@5+", launcher_args=("-max-restarts", "0"))
+    assert r.returncode == 137, r.stderr[-4000:]  # the first failure's exit code (SIGKILL)
+    assert "survives at most 0 (kungfu-run -max-restarts)" in r.stderr, r.stderr[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_lost_workers_are_replaced(tmp_path):
+    # The default: after the recovery rank 0 asks for the size before the failure; the
+    # launcher starts a new worker in the freed slot, which joins as in a resize. Steps are
+    # slowed down so that it has time to start (TensorFlow's import) before training ends.
+    r, records = run_elastic(tmp_path, 3, 3, "--schedule", "3", "--tail", "100000",
+                             "--max-steps", "100", "--step-sleep", "0.25", "--kill", "1@5+")
+    log = r.stdout[-3000:] + r.stderr[-6000:]
+    assert r.returncode == 0, log
+    assert "in place of the lost one" in r.stderr and "replaced in version 2" in r.stderr, log
+    steps = steps_of(records)
+    sizes = []
+    for rows in steps.values():
+        if not sizes or sizes[-1] != len(rows):
+            sizes.append(len(rows))
+    assert sizes == [3, 2, 3], sizes
+    for step, rows in steps.items():
+        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
+    by_epoch = defaultdict(list)
+    for rows in steps.values():
+        for row in rows:
+            by_epoch[row["epoch"]].extend(row["served"])
+    for epoch, served in by_epoch.items():
+        assert len(served) == len(set(served)), f"epoch {epoch}"
+        if epoch != max(by_epoch):
+            assert sorted(served) == list(range(SAMPLES)), f"epoch {epoch}"
+    finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
+    assert len(finals) == 3 and {f["size"] for f in finals} == {3}, finals
+    # The replacement (same slot, so the same record file as the lost worker) rehearsed.
+    lost = next(rows for rows in records.values() if any("fault" in row for row in rows))
+    after = lost[[i for i, row in enumerate(lost) if "fault" in row][0] + 1:]
+    trained = [row for row in after if "done" not in row]
+    assert trained and all(row["rehearsed"] for row in trained), trained[:2]
 
 
 def test_a_commit_restores_weights_optimizer_state_and_position():

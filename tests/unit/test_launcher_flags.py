@@ -387,3 +387,28 @@ def test_the_earliest_failure_is_blamed_whatever_order_exits_are_reported_in():
     assert launcher._first_failure(rank0) == ("exit", 1, 1, 10.00)
     rest = [launcher.events.get_nowait() for _ in range(2)]
     assert ("signal", 15) in rest and rank0 in rest  # nothing is lost
+
+
+def test_failure_flags_of_elastic_jobs():
+    opts = L.parse_args(["-w", "-builtin-config-port", "9", "-min-np", "2", "-max-restarts", "0",
+                         "-replace=false", "prog"])
+    assert (opts.min_np, opts.max_restarts, opts.replace) == (2, 0, False)
+    opts = L.parse_args(["-w", "-builtin-config-port", "9", "prog"])
+    assert (opts.min_np, opts.max_restarts, opts.replace) == (None, None, None)  # env defaults
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-min-np", "0"], "-min-np must be at least 1"),
+    (["-min-np", "x"], "-min-np needs a positive integer"),
+    (["-max-restarts", "-1"], "-max-restarts needs a number >= 0"),
+    (["-replace=maybe"], "replace"),
+])
+def test_failure_flags_reject(args, message):
+    with pytest.raises(L.UsageError, match=message):
+        L.parse_args(["-w", "-builtin-config-port", "9", *args, "prog"])
+
+
+def test_failure_flags_need_an_elastic_job():
+    for flag in (["-min-np", "2"], ["-max-restarts", "1"], ["-replace"]):
+        with pytest.raises(L.UsageError, match="for elastic jobs"):
+            L.parse_args(["-np", "2", *flag, "prog"])
