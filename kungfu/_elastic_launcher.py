@@ -281,6 +281,9 @@ class ElasticLauncher(Launcher):
                     elif key in self.leaving:  # left out (a hung worker that woke up late)
                         self.info(f"worker {run.worker.rank} ({spec}), no longer in the "
                                   f"cluster, {_describe_exit(rc)}")
+                        if self._left_by_recovery(store, key):
+                            self.failures.append([now - start, run.worker.rank, spec,
+                                                  "stopped answering", rc, None])
                     elif self._joiner_failed(store, key):
                         self.error(f"joining worker {run.worker.rank} ({spec}) "
                                    f"{_describe_exit(rc)} before the cluster switched to it; "

@@ -23,6 +23,7 @@ import faulthandler  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
+import subprocess  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
@@ -102,6 +103,9 @@ def main():
                         "is done with it (repeatable)")
     p.add_argument("--hang", default="", metavar="RANK@STEP",
                    help="the worker of this rank stops itself (SIGSTOP) during this step")
+    p.add_argument("--wake-after", type=float, default=0.0,
+                   help="with --hang: the stopped worker is continued (SIGCONT) this many "
+                        "seconds later")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -137,6 +141,8 @@ def main():
     def fault(sig):
         out.write(json.dumps({"fault": int(sig), "at": time.time()}) + "\n")
         out.flush()
+        if sig == signal.SIGSTOP and args.wake_after:
+            subprocess.Popen(["sh", "-c", f"sleep {args.wake_after}; kill -CONT {os.getpid()}"])
         os.kill(os.getpid(), sig)
 
     class Record(keras.callbacks.Callback):

@@ -104,6 +104,17 @@ def test_a_stopped_worker_is_left_out(tmp_path):
 
 
 @pytest.mark.timeout(200)
+def test_a_stopped_worker_that_wakes_up_leaves_with_a_clear_error(tmp_path):
+    # Continued 5 s after it stopped: the others recovered without it (peer timeout 2 s, window
+    # 1 s) and the launcher gives it 10 s to leave; its next collective fails, it checks in,
+    # finds the decision without it and exits.
+    r, records, _ = _recovered(tmp_path, 3, "--hang", "2@5", "--wake-after", "5",
+                               env={"KUNGFU_PEER_TIMEOUT": "2s", "KUNGFU_RECOVERY_WINDOW": "1s"})
+    assert "without this one" in r.stderr and "ExpelledError" in r.stderr, r.stderr[-4000:]
+    assert "no longer in the cluster, exited with code 1" in r.stderr, r.stderr[-4000:]
+
+
+@pytest.mark.timeout(200)
 def test_too_few_survivors_end_the_job_with_a_clear_error(tmp_path):
     r, _ = run_elastic(tmp_path, 3, 3, "--schedule", "3", "--tail", "1000", "--max-steps",
                        str(STEPS), "--kill", "1@5+", launcher_args=("-min-np", "3"))
