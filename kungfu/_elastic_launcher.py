@@ -66,6 +66,8 @@ class ElasticLauncher(Launcher):
         self.store_problem: Optional[str] = None  # the store error last reported, if any
         # [seconds since start, rank, spec, how, exit code, version that replaced it or None]
         self.failures: List[list] = []
+        self.done_seen = False  # rank 0 wrote DONE_KEY (see _done)
+        self.completed: Set[str] = set()  # local peers whose worker exited 0 (not left out)
 
     def _store_trouble(self, e: Optional[Exception]) -> None:
         """Reports a store error once per change of message, and the recovery; not every poll."""
@@ -160,7 +162,7 @@ class ElasticLauncher(Launcher):
         if all(p.rpartition(":")[0] in self.here for p in latest.peers):
             return True
         try:
-            return store.get(DONE_KEY)[0] is not None
+            return self._done(store, strict=True)
         except StoreError:
             return True
 
@@ -276,6 +278,7 @@ class ElasticLauncher(Launcher):
                         pass  # left out by a version: a later one may want this peer again
                     elif rc == 0:
                         self.finished[spec] = seen
+                        self.completed.add(spec)
                     elif key in self.stopped or stopping:
                         pass
                     elif key in self.leaving:  # left out (a hung worker that woke up late)
@@ -317,8 +320,17 @@ class ElasticLauncher(Launcher):
             self.info(f"elastic job finished in {time.monotonic() - start:.1f}s")
         return result
 
-    def _done(self, store) -> bool:
+    def _done(self, store, strict: bool = False) -> bool:
+        """Whether training finished (rank 0 wrote DONE_KEY). Once seen it is remembered: the
+        store may be gone by the time this launcher exits (its host's launcher exited). Without
+        an answer: whether a worker of this host finished training (exit 0), unless `strict`
+        (then the StoreError)."""
+        if self.done_seen:
+            return True
         try:
-            return store.get(DONE_KEY)[0] is not None
+            self.done_seen = store.get(DONE_KEY)[0] is not None
         except StoreError:
-            return False
+            if strict:
+                raise
+            return bool(self.completed)
+        return self.done_seen

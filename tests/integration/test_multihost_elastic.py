@@ -101,3 +101,40 @@ def test_elastic_grow_to_second_host_and_shrink(hosts, tmp_path, monkeypatch):
     # Training did something: the loss fell.
     losses = [steps[s][0]["loss"] for s in steps]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+
+
+@pytest.mark.timeout(200)
+def test_a_host_that_loses_all_its_workers(hosts, tmp_path, monkeypatch):
+    """-np 4 over a:2,b:2; both of b's workers (ranks 2 and 3) are killed after step 5. The
+    workers on a recover without them and go on; b's launcher, which keeps watching, starts
+    replacements in the freed slots, which join. Both launchers exit 0 listing what the job
+    survived."""
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "3")
+    out = tmp_path / "records"
+    out.mkdir()
+    a, b = hosts.ip
+    common = ["-w", "-np", "4", "-H", f"{a}:2,{b}:2", "-port-range", f"{PORTS[0]}-{PORTS[1]}",
+              "-timeout", f"{JOB_TIMEOUT + 40}s"]
+    worker = [PY, str(SCRIPT), "--schedule", "4", "--tail", "100000", "--max-steps", "90",
+              "--step-sleep", "0.25", "--kill", "2@5+", "--kill", "3@5+", "--out", str(out)]
+    results = run_on_both(hosts, [
+        [*common, "-self", a, "-builtin-config-port", str(STORE_PORT), *worker],
+        [*common, "-self", b, "-config-server", f"http://{a}:{STORE_PORT}", *worker],
+    ], timeout=JOB_TIMEOUT + 55)
+    (rc_a, _, err_a), (rc_b, _, err_b) = results
+    records = {f.stem: [json.loads(line) for line in f.read_text().splitlines()]
+               for f in out.glob("*.jsonl")}
+    report = f"launcher a: exit {rc_a}\n{err_a[-4000:]}\nlauncher b: exit {rc_b}\n{err_b[-4000:]}"
+    assert rc_a == 0 and rc_b == 0, report
+    assert err_b.count("in place of the lost one") == 2, report
+    assert err_b.count("survived: worker") == 2, report
+    steps = steps_of(records)
+    sizes = []
+    for rows in steps.values():
+        if not sizes or sizes[-1] != len(rows):
+            sizes.append(len(rows))
+    assert sizes == [4, 2, 4], sizes
+    for step, rows in steps.items():
+        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
+    finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
+    assert len(finals) == 4 and {f["size"] for f in finals} == {4}, finals
