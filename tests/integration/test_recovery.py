@@ -197,3 +197,76 @@ def test_a_commit_restores_weights_optimizer_state_and_position():
     hook._restore(hook._commits[-1])
     assert all(np.array_equal(k, v.numpy()) for k, v in zip(kept, variables))
     assert hook.state.step == 3 and data.offset == 24 and len(data.served) == 3
+
+
+@pytest.mark.timeout(240)
+def test_an_etcd_job_survives_the_loss_of_a_launcher(tmp_path):
+    """Two launchers (hosts 127.0.0.1 and 127.0.0.2, two workers each) share an etcd store.
+    Launcher a is killed with SIGKILL after step 5: its workers end with it (the watchdog pipe)
+    and nobody reports them dead, so b's workers leave them out when KUNGFU_RECOVERY_WINDOW
+    ends, and finish training on their own."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from conftest import free_port_range
+    from etcd_server import ETCD, Etcd
+    from test_elastic import HERE, REPO
+
+    if ETCD is None:
+        pytest.skip("etcd is not on PATH (scripts/install.sh installs etcd-server)")
+    etcd = Etcd(str(tmp_path))
+    out = tmp_path / "records"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
+    env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3", KUNGFU_JOB_TOKEN="etcd-test")
+    common = ["-w", "-np", "4", "-H", "127.0.0.1:2,127.0.0.2:2", "-port-range",
+              free_port_range(2), "-config-server", f"etcd://{etcd.host_port}",
+              "-replace=false", "-timeout", "150s"]
+    worker = ["env", "KUNGFU_RECOVERY_WINDOW=1s", sys.executable,
+              str(HERE / "elastic_train.py"), "--out", str(out), "--samples", str(SAMPLES),
+              "--schedule", "4", "--tail", "100000", "--max-steps", "40", "--step-sleep", "0.1"]
+    launchers = []
+    try:
+        etcd.wait_ready()
+        for host in ("127.0.0.1", "127.0.0.2"):
+            launchers.append(subprocess.Popen(
+                [sys.executable, "-m", "kungfu.cmd", *common, "-self", host, *worker],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                cwd=str(REPO)))
+        a, b = launchers
+        mine = out / "127.0.0.1_{}.jsonl".format(common[6].split("-")[0])
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and a.poll() is None:
+            rows = mine.read_text().splitlines() if mine.exists() else []
+            if len(rows) >= 5:
+                break
+            time.sleep(0.05)
+        assert a.poll() is None, a.communicate()[1][-3000:]
+        a.kill()
+        _, err_b = b.communicate(timeout=150)
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+        etcd.stop()
+    assert b.returncode == 0, err_b[-5000:]
+    records = {f.stem: [json.loads(line) for line in f.read_text().splitlines()]
+               for f in out.glob("*.jsonl")}
+    steps = steps_of(records)
+    assert sorted(steps) == list(range(1, 41))
+    sizes = []
+    for rows in steps.values():
+        if not sizes or sizes[-1] != len(rows):
+            sizes.append(len(rows))
+    assert sizes == [4, 2], sizes
+    for step, rows in steps.items():
+        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
+    finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
+    assert len(finals) == 2, err_b[-3000:]
+    for f in finals:
+        [rec] = f["recoveries"]
+        assert sorted(p.split(":")[0] for p in rec["lost"]) == ["127.0.0.1"] * 2, rec
