@@ -37,6 +37,10 @@ step, or in the Hook's own agreement), the survivors agree on who is left and on
 roll back to (kungfu/_elastic.py, Elastic.recover), restore it, redo the commits this worker
 had made since (at most one), and redo the failed step on the same samples, now split among
 the survivors. Keras sees one step.
+
+With `checkpoint="path"`, rank 0 also writes the commit to that file (every `checkpoint_every`
+steps and at each epoch's end, atomically), and training that starts with the file there resumes
+from it, at any cluster size (docs/elastic.md, "The loss of the whole job").
 """
 from __future__ import annotations
 
@@ -142,8 +146,17 @@ class Hook(keras.callbacks.Callback):
     model's optimizer is used)."""
 
     def __init__(self, *policies: BasePolicy, data=None, optimizer=None, name: str = "kungfu/hook",
-                 exit_on_detach: bool = True):
+                 exit_on_detach: bool = True, checkpoint: Optional[str] = None,
+                 checkpoint_every: int = 100):
         super().__init__()
+        if checkpoint is not None and (isinstance(checkpoint_every, bool) or not isinstance(
+                checkpoint_every, int) or checkpoint_every < 1):
+            raise ValueError(f"checkpoint_every must be a positive number of steps, got "
+                             f"{checkpoint_every!r}")
+        # A file rank 0 keeps the last commit in (every `checkpoint_every` steps and at each
+        # epoch's end); training that starts with it there resumes from it (see _resume).
+        self.checkpoint = None if checkpoint is None else os.fspath(checkpoint)
+        self.checkpoint_every = checkpoint_every
         for p in policies:
             if not isinstance(p, BasePolicy):
                 raise TypeError(f"kf.Hook takes kf.BasePolicy instances, got {type(p).__name__}")
@@ -443,9 +456,11 @@ class Hook(keras.callbacks.Callback):
 
     # -- recovery (kungfu/_elastic.py has the protocol) ------------------------------------------
 
-    def _commit(self, kind: str) -> None:
-        """Keeps the training state at this step boundary (and the one before)."""
-        if not self._recovering:
+    def _commit(self, kind: str, durable: bool = True) -> None:
+        """Keeps the training state at this step boundary (and the one before); rank 0 also
+        writes it to the checkpoint file, when there is one, every checkpoint_every steps and
+        at each epoch's end."""
+        if not self._recovering and self.checkpoint is None:
             return
         self._commit_seq += 1
         data = None
@@ -456,6 +471,71 @@ class Hook(keras.callbacks.Callback):
             self._commit_seq, kind, [tf.identity(v) for v in self._synced_variables()],
             copy.deepcopy(dataclasses.replace(self.state, logs={})),
             [p.state_dict() for p in self.policies], data))
+        if self.state.rank == 0 and self._checkpoint_due(kind, durable):
+            self._save_checkpoint(self._commits[-1])
+
+    def _checkpoint_due(self, kind: str, durable: bool) -> bool:
+        if self.checkpoint is None or not durable:
+            return False
+        if kind == "epoch":
+            return True
+        # Not at an epoch's last step: the epoch's own commit follows at once.
+        at_end = self.data is not None and self.data.offset >= len(self.data)
+        return kind == "step" and self.state.step % self.checkpoint_every == 0 and not at_end
+
+    def _save_checkpoint(self, c: _Commit) -> None:
+        """Writes commit `c` to the checkpoint file atomically (a temporary file, flushed to
+        disk, renamed over the old one): a crash leaves the previous checkpoint whole."""
+        payload = pickle.dumps({
+            "format": 1, "arrays": [t.numpy() for t in c.tensors],
+            "variables": _describe(self._synced_variables()), "state": c.state,
+            "policies": c.policies, "data": None if c.data is None else c.data[:4],
+            "epochs_total": self._epochs_total})
+        tmp = f"{self.checkpoint}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.checkpoint)
+
+    def _resume(self) -> bool:
+        """At the start of training, when the checkpoint file exists: rank 0 reads it and every
+        worker takes its state (variables, Hook and policy state, data position), whatever the
+        cluster size was when it was written. Returns whether it did."""
+        import kungfu as kf
+
+        blob = b""
+        if kf.rank() == 0 and os.path.exists(self.checkpoint):
+            with open(self.checkpoint, "rb") as f:
+                blob = f.read()
+        if kf.size() > 1:
+            blob = self._broadcast_blob(blob, "kungfu/checkpoint")
+        if not blob:
+            return False
+        got = pickle.loads(blob)
+        variables = self._synced_variables()
+        problem = _mismatch(variables, got["variables"])
+        if problem:
+            raise ValueError(f"{problem.replace('rank 0', 'the checkpoint')} "
+                             f"({self.checkpoint})".replace("this joiner", "this model"))
+        for v, a in zip(variables, got["arrays"]):
+            v.assign(a)
+        self.state = got["state"]
+        for p, st in zip(self.policies, got["policies"]):
+            p.load_state_dict(st)
+        if self.data is not None and got["data"] is not None:
+            d = self.data
+            d.epoch, d.offset, d.batch_size, d.last_length = got["data"]
+        # Keras counts epochs from 0 again: its first is the checkpoint's epoch, continued
+        # (mid-epoch) or begun (written at an epoch's end).
+        self._resumed = self.state.step_in_epoch > 0
+        self._epoch_shift = self.state.epoch
+        if self._epochs_total is None:
+            self._epochs_total = got["epochs_total"]
+        print(f"kungfu: resumed from {self.checkpoint} at step {self.state.step} (epoch "
+              f"{self.state.epoch}, {self.state.samples_in_epoch} samples into it)",
+              file=sys.stderr, flush=True)
+        return True
 
     def _restore(self, c: _Commit) -> None:
         for v, t in zip(self._synced_variables(), c.tensors):
@@ -544,8 +624,10 @@ class Hook(keras.callbacks.Callback):
             self._join()
             self._commit("start")
             return  # the others are in the middle of training: join them at their next step
+        resumed = self.checkpoint is not None and self._resume()
         self._refresh_sizes()
-        self._run("before_train")
+        if not resumed:
+            self._run("before_train")
         self._agree_and_apply()
         self._commit("start")
 
@@ -621,10 +703,14 @@ class Hook(keras.callbacks.Callback):
             self._recover(e)  # rolled back to this epoch's last step: end the epoch again
             self._end_epoch()
             return
+        # An epoch that model.fit cut short (stop_training) still ends here; it is not written
+        # to the checkpoint as ended.
+        whole = self.data is None or self.data.offset >= len(self.data)
         self.state.epoch += 1
+        self.state.step_in_epoch = self.state.samples_in_epoch = 0
         if self.data is not None and self.data.attached:
             self.data.next_epoch()
-        self._commit("epoch")
+        self._commit("epoch", durable=whole)
 
     def after_train(self) -> None:
         self._run("after_train")
@@ -669,6 +755,8 @@ class Hook(keras.callbacks.Callback):
         if self.data is not None:
             self.data.attach()  # tf.data reads ahead: make each batch wait for its step
         self.before_train()
+        if self._resumed and self.data is not None:
+            self.data.attach()  # counts epochs from the checkpoint's position
 
     def on_epoch_begin(self, epoch, logs=None):
         self.before_epoch(epoch)

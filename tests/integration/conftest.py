@@ -50,7 +50,7 @@ def steps_of(records):
     by_step: Dict[int, list] = {}
     for rows in records.values():
         for row in rows:
-            if "done" not in row and "fault" not in row:
+            if "done" not in row and "fault" not in row and "begin" not in row:
                 by_step.setdefault(row["step"], []).append(row)
     return dict(sorted(by_step.items()))
 

@@ -106,6 +106,8 @@ def main():
     p.add_argument("--wake-after", type=float, default=0.0,
                    help="with --hang: the stopped worker is continued (SIGCONT) this many "
                         "seconds later")
+    p.add_argument("--checkpoint", help="kf.Hook's checkpoint file (resumes from it if there)")
+    p.add_argument("--checkpoint-every", type=int, default=4)
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -145,7 +147,15 @@ def main():
             subprocess.Popen(["sh", "-c", f"sleep {args.wake_after}; kill -CONT {os.getpid()}"])
         os.kill(os.getpid(), sig)
 
+    def weights_digest():
+        return hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights())).hexdigest()
+
     class Record(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):  # after kf.Hook's, which may have resumed
+            if args.checkpoint:
+                out.write(json.dumps({"begin": weights_digest(), "step": hook.state.step}) + "\n")
+                out.flush()
+
         def on_train_batch_begin(self, batch, logs=None):
             sig = my_faults.pop((hook.state.step + 1, False), None)
             if sig is not None:  # during the step: a moment after it started
@@ -153,11 +163,10 @@ def main():
 
         def on_train_batch_end(self, batch, logs=None):
             st = hook.state
-            digest = hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights()))
             served = data.served[-1].tolist() if data.served else []
             out.write(json.dumps({"step": st.step, "epoch": st.epoch, "size": kf.size(),
                                   "rank": kf.rank(), "served": served,
-                                  "loss": float(logs["loss"]), "digest": digest.hexdigest(),
+                                  "loss": float(logs["loss"]), "digest": weights_digest(),
                                   "errors": policy.errors,
                                   "monitor_n": float(opt.kungfu_monitor.stats.numpy()[4]),
                                   "gns": kf.grad_noise_scale(), "rehearsed": hook.rehearsed,
@@ -170,7 +179,8 @@ def main():
             if args.max_steps and st.step >= args.max_steps:
                 model.stop_training = True
 
-    hook = kf.Hook(policy, data=data)
+    hook = kf.Hook(policy, data=data, checkpoint=args.checkpoint,
+                   checkpoint_every=args.checkpoint_every)
     model.fit(data.dataset(), epochs=1000, verbose=0, callbacks=[hook, Record()])
     out.write(json.dumps({"done": True, "step": hook.state.step, "size": kf.size(),
                           "recoveries": hook.recoveries}) + "\n")

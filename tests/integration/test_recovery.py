@@ -270,3 +270,37 @@ def test_an_etcd_job_survives_the_loss_of_a_launcher(tmp_path):
     for f in finals:
         [rec] = f["recoveries"]
         assert sorted(p.split(":")[0] for p in rec["lost"]) == ["127.0.0.1"] * 2, rec
+
+
+@pytest.mark.timeout(300)
+def test_a_job_resumes_from_its_checkpoint_at_another_size(tmp_path):
+    """The loss of the whole job: kf.Hook(checkpoint=...) has rank 0 write the commit to a file
+    (here every 3 steps). A first job of 2 workers stops after step 6 (mid-epoch); a second
+    job of 3 resumes from the file: it goes on at step 7 in the same epoch, from the sample the
+    first one stopped at, with its weights."""
+    ckpt = tmp_path / "ckpt" / "train.ckpt"
+    ckpt.parent.mkdir()
+    common = ["--tail", "100000", "--checkpoint", str(ckpt), "--checkpoint-every", "3"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    r1, first = run_elastic(tmp_path / "a", 2, 2, "--schedule", "2", "--max-steps", "6", *common)
+    assert r1.returncode == 0, r1.stderr[-4000:]
+    assert ckpt.exists() and [p.name for p in ckpt.parent.iterdir()] == ["train.ckpt"]
+    r2, second = run_elastic(tmp_path / "b", 3, 3, "--schedule", "3", "--max-steps", "20",
+                             *common)
+    assert r2.returncode == 0, r2.stderr[-4000:]
+    assert "resumed from" in r2.stderr and "at step 6 (epoch 0, 96 samples into it)" in r2.stderr
+    s1, s2 = steps_of(first), steps_of(second)
+    assert sorted(s1) == list(range(1, 7)) and sorted(s2) == list(range(7, 21)), (s1, s2)
+    assert all(len(rows) == 2 for rows in s1.values()) and all(len(rows) == 3
+                                                               for rows in s2.values())
+    served = defaultdict(list)
+    for steps in (s1, s2):
+        for rows in steps.values():
+            for row in rows:
+                served[row["epoch"]].append(row["served"])
+    epoch0 = [i for part in served[0] for i in part]
+    assert sorted(epoch0) == list(range(SAMPLES)), "epoch 0 across both jobs"
+    # The second job starts from the first one's weights, on every worker.
+    begins = {row["begin"] for rows in second.values() for row in rows if "begin" in row}
+    assert begins == {s1[6][0]["digest"]}, (begins, s1[6][0]["digest"])
