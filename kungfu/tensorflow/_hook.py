@@ -85,17 +85,18 @@ def _describe(variables: list) -> list:
              tf.as_dtype(v.dtype).name) for v in variables]
 
 
-def _mismatch(ours: list, theirs: list) -> str:
-    """Why a joiner's variables cannot take rank 0's (described by _describe); "" if they can
-    (the same model and optimizer, built the same way)."""
+def _mismatch(ours: list, theirs: list, here: str = "this joiner",
+              there: str = "rank 0") -> str:
+    """Why `here`'s variables cannot take those of `there` (described by _describe); "" if
+    they can (the same model and optimizer, built the same way)."""
     mine = _describe(ours)
     if len(mine) != len(theirs):
-        return (f"kungfu: this joiner has {len(mine)} variables to sync, rank 0 has "
-                f"{len(theirs)}: build the same model and optimizer on every worker")
+        return (f"kungfu: {here} has {len(mine)} variables to sync, {there} has "
+                f"{len(theirs)}: build the same model and optimizer")
     for (name, shape, dtype), (rname, rshape, rdtype) in zip(mine, theirs):
         if (shape, dtype) != (rshape, rdtype):
-            return (f"kungfu: variable {name} is {dtype}{list(shape)} on this joiner, but "
-                    f"rank 0's ({rname}) is {rdtype}{list(rshape)}")
+            return (f"kungfu: variable {name} is {dtype}{list(shape)} in {here}, but "
+                    f"{there}'s ({rname}) is {rdtype}{list(rshape)}")
     return ""
 
 
@@ -402,14 +403,21 @@ class Hook(keras.callbacks.Callback):
                     _collective.drop(name)
         if kf.rank() == 0:
             return
-        self.state = got["state"]
         self._epochs_total = got["epochs_total"]
         self._commit_seq = got["commit_seq"]
-        for p, st in zip(self.policies, got["policies"]):
+        self._take(got["state"], got["policies"], None if self.data is None else (
+            got["state"].epoch, got["state"].samples_in_epoch, got["batch_size"],
+            self.data.last_length))
+
+    def _take(self, state: TrainingState, policies: list, position: Optional[tuple]) -> None:
+        """Takes a training state: the Hook's, the policies', and the data position (epoch,
+        offset, batch size, last length; None: leave it)."""
+        self.state = copy.deepcopy(state)
+        for p, st in zip(self.policies, policies):
             p.load_state_dict(st)
-        if self.data is not None:
-            self.data.set_batch_size(got["batch_size"])
-            self.data.epoch, self.data.offset = self.state.epoch, self.state.samples_in_epoch
+        if self.data is not None and position is not None:
+            d = self.data
+            d.epoch, d.offset, d.batch_size, d.last_length = position
 
     def _join(self) -> None:
         """A worker joining a running elastic job: connect, then take the others' state."""
@@ -514,18 +522,13 @@ class Hook(keras.callbacks.Callback):
             return False
         got = pickle.loads(blob)
         variables = self._synced_variables()
-        problem = _mismatch(variables, got["variables"])
+        problem = _mismatch(variables, got["variables"], "this model",
+                            f"the checkpoint {self.checkpoint}")
         if problem:
-            raise ValueError(f"{problem.replace('rank 0', 'the checkpoint')} "
-                             f"({self.checkpoint})".replace("this joiner", "this model"))
+            raise ValueError(problem)
         for v, a in zip(variables, got["arrays"]):
             v.assign(a)
-        self.state = got["state"]
-        for p, st in zip(self.policies, got["policies"]):
-            p.load_state_dict(st)
-        if self.data is not None and got["data"] is not None:
-            d = self.data
-            d.epoch, d.offset, d.batch_size, d.last_length = got["data"]
+        self._take(got["state"], got["policies"], got["data"])
         # Keras counts epochs from 0 again: its first is the checkpoint's epoch, continued
         # (mid-epoch) or begun (written at an epoch's end).
         self._resumed = self.state.step_in_epoch > 0
@@ -540,13 +543,9 @@ class Hook(keras.callbacks.Callback):
     def _restore(self, c: _Commit) -> None:
         for v, t in zip(self._synced_variables(), c.tensors):
             v.assign(t)
-        self.state = copy.deepcopy(c.state)
-        for p, st in zip(self.policies, c.policies):
-            p.load_state_dict(st)
+        self._take(c.state, c.policies, None if c.data is None else c.data[:4])
         if c.data is not None:
-            d = self.data
-            d.epoch, d.offset, d.batch_size, d.last_length, served = c.data
-            del d.served[served:]
+            del self.data.served[c.data[4]:]
         self._commit_seq = c.seq
         self._commits = collections.deque([c], maxlen=2)
 

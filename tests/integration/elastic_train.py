@@ -167,6 +167,8 @@ def main():
             out.write(json.dumps({"step": st.step, "epoch": st.epoch, "size": kf.size(),
                                   "rank": kf.rank(), "served": served,
                                   "loss": float(logs["loss"]), "digest": weights_digest(),
+                                  # the step's slice of the epoch's order: [start, length]
+                                  "slice": [data.offset - data.last_length, data.last_length],
                                   "errors": policy.errors,
                                   "monitor_n": float(opt.kungfu_monitor.stats.numpy()[4]),
                                   "gns": kf.grad_noise_scale(), "rehearsed": hook.rehearsed,

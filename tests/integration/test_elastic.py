@@ -137,7 +137,7 @@ def test_a_joiner_whose_model_differs_fails_everyone_at_once(tmp_path):
     r, records = run_elastic(tmp_path, 1, 2, "--schedule", "2", "--joiner-width", "17",
                              timeout=150, env_extra={"KUNGFU_OP_TIMEOUT": "60s"})
     assert r.returncode != 0
-    assert "float32[8, 17] on this joiner, but rank 0's" in r.stderr, r.stderr[-5000:]
+    assert "float32[8, 17] in this joiner, but rank 0's" in r.stderr, r.stderr[-5000:]
     assert "a joiner's variables do not match rank 0's" in r.stderr, r.stderr[-5000:]
     assert "DeadlineExceeded" not in r.stderr and "before the deadline" not in r.stderr
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 import pytest
 
 pytest.importorskip("tensorflow")
@@ -20,6 +21,30 @@ from test_elastic import SAMPLES, run_elastic  # noqa: E402
 
 # 240 samples, batch 8: 10 steps per epoch at 3 workers, 8 per epoch at 4 (the last one short).
 STEPS = 24
+
+
+def _check_epochs(steps):
+    """Every sample of every epoch trained exactly once: the steps' slices of the epoch's order
+    follow each other from 0 to the end, and in each step the workers trained the parts of its
+    slice split among them (how many they were is read from the parts: a record is written
+    after kf.Hook, which may just have switched). A worker lost in a step may have trained its
+    part without recording it (it died between its step and its record): then the others
+    trained that step at the old size and recorded only their parts."""
+    ends = defaultdict(int)  # epoch -> end of its last step's slice
+    for step, rows in steps.items():
+        epoch, (start, length) = rows[0]["epoch"], rows[0]["slice"]
+        assert all((r["epoch"], r["slice"]) == (epoch, [start, length]) for r in rows), rows
+        assert start == ends[epoch], f"step {step}: slice {start} after {ends[epoch]}"
+        ends[epoch] = start + length
+        piece = np.random.default_rng([2, epoch]).permutation(SAMPLES)[start:start + length]
+        served = [sorted(r["served"]) for r in rows]
+        trained = [m for m in served if m]  # a worker with an empty part trains no sample
+        assert len({str(m) for m in trained}) == len(trained), f"step {step}: a part twice"
+        splits = [n for n in range(len(rows), 9) if all(
+            any(sorted(p.tolist()) == mine for p in np.array_split(piece, n)) for mine in served)]
+        assert splits, f"step {step}: the parts are no split of the step's slice: {served}"
+    for epoch in list(ends)[:-1]:
+        assert ends[epoch] == SAMPLES, f"epoch {epoch} ended at sample {ends[epoch]}"
 
 
 def _recovered(tmp_path, np_: int, *faults: str, env=None, expect_lost: int = 1,
@@ -36,15 +61,7 @@ def _recovered(tmp_path, np_: int, *faults: str, env=None, expect_lost: int = 1,
     assert sorted(steps) == list(range(1, STEPS + 1)), log
     for step, rows in steps.items():
         assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
-    by_epoch = defaultdict(list)
-    for rows in steps.values():
-        for row in rows:
-            by_epoch[row["epoch"]].extend(row["served"])
-    last = max(by_epoch)
-    for epoch, served in by_epoch.items():
-        assert len(served) == len(set(served)), f"epoch {epoch}: a sample trained twice"
-        if epoch != last:
-            assert sorted(served) == list(range(SAMPLES)), f"epoch {epoch}: samples lost"
+    _check_epochs(steps)
     finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
     assert len(finals) == np_ - expect_lost, log
     for f in finals:
@@ -149,14 +166,7 @@ def test_lost_workers_are_replaced(tmp_path):
     assert sizes == [3, 2, 3], sizes
     for step, rows in steps.items():
         assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
-    by_epoch = defaultdict(list)
-    for rows in steps.values():
-        for row in rows:
-            by_epoch[row["epoch"]].extend(row["served"])
-    for epoch, served in by_epoch.items():
-        assert len(served) == len(set(served)), f"epoch {epoch}"
-        if epoch != max(by_epoch):
-            assert sorted(served) == list(range(SAMPLES)), f"epoch {epoch}"
+    _check_epochs(steps)
     finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
     assert len(finals) == 3 and {f["size"] for f in finals} == {3}, finals
     # The replacement (same slot, so the same record file as the lost worker) rehearsed.
@@ -304,3 +314,30 @@ def test_a_job_resumes_from_its_checkpoint_at_another_size(tmp_path):
     # The second job starts from the first one's weights, on every worker.
     begins = {row["begin"] for rows in second.values() for row in rows if "begin" in row}
     assert begins == {s1[6][0]["digest"]}, (begins, s1[6][0]["digest"])
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
+    import keras
+    import numpy as np
+
+    import kungfu as kf
+
+    def hook_for(width):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(width)])
+        model.compile(optimizer=kf.Optimizer(keras.optimizers.SGD(0.1)), loss="mse",
+                      jit_compile=False)
+        model.fit(np.zeros((8, 4), np.float32), np.zeros((8, width), np.float32), verbose=0)
+        hook = kf.Hook(checkpoint=tmp_path / "c.ckpt", checkpoint_every=1)
+        hook.set_model(model)
+        return hook
+
+    writer = hook_for(2)
+    writer.state.step = 1
+    writer._commit("step")
+    assert (tmp_path / "c.ckpt").exists() and len(list(tmp_path.iterdir())) == 1
+    with pytest.raises(ValueError, match=r"float32\[4, 3\] in this model, but the checkpoint "):
+        hook_for(3)._resume()
+    resumed = hook_for(2)
+    assert resumed._resume() and resumed.state.step == 1
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        kf.Hook(checkpoint="x", checkpoint_every=0)
