@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from kungfu import _env, _peer
+from kungfu._hosts import parse_hosts, parse_port_range, plan_workers
 from kungfu.store import DONE_KEY, ClusterConfig, Store, StoreError, connect
 
 
@@ -89,13 +90,9 @@ class Elastic:
         return self.store is not None and self.hosts is not None
 
     def max_size(self) -> int:
-        from kungfu._launcher import parse_hosts
-
         return sum(h.slots for h in parse_hosts(self.hosts))
 
     def plan(self, n: int) -> List[str]:
-        from kungfu._launcher import parse_hosts, parse_port_range, plan_workers
-
         ports = parse_port_range(self.port_range)
         return [w.spec for w in plan_workers(n, parse_hosts(self.hosts), ports)]
 

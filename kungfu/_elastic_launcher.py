@@ -29,16 +29,14 @@ import time
 from typing import Dict, List, Optional, Sequence, Set
 
 from kungfu import _env
+from kungfu._hosts import HostSpec, Worker, _is_loopback
 from kungfu._launcher import (
     GRACE_SECONDS,
     EXIT_TIMEOUT,
-    HostSpec,
     Launcher,
     Options,
-    Worker,
     _describe_exit,
     _exit_code,
-    _is_loopback,
     _plural,
 )
 from kungfu.store import DONE_KEY, ClusterConfig, ConfigServer, StoreError, connect

@@ -11,7 +11,6 @@ or TensorFlow.
 """
 from __future__ import annotations
 
-import ipaddress
 import os
 import queue
 import re
@@ -28,6 +27,17 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Dict, List, Optional, Sequence, Tuple
 
 from kungfu import _env
+from kungfu._hosts import (  # noqa: F401 - part of the launcher's interface too
+    HostSpec,
+    UsageError,
+    Worker,
+    _is_ipv4,
+    _is_loopback,
+    _valid_host,
+    parse_hosts,
+    parse_port_range,
+    plan_workers,
+)
 
 PROG = "kungfu-run"
 
@@ -52,14 +62,6 @@ STRATEGIES = (
 # After SIGTERM, how long a worker may take to exit before it gets SIGKILL.
 GRACE_SECONDS = 5.0
 BLAME_WINDOW = 0.1  # seconds of exits compared to find the worker that failed first
-
-
-class UsageError(Exception):
-    """A bad command line; the message becomes the one-line error."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
 
 
 @dataclass
@@ -188,18 +190,6 @@ def _parse_np(text: str, flag: str = "np") -> int:
     if n < 1:
         raise UsageError(f"-{flag} must be at least 1, got {n}")
     return n
-
-
-def parse_port_range(text: str) -> Tuple[int, int]:
-    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", text)
-    if not m:
-        raise UsageError(f"-port-range must look like 10000-11000, got {text!r}")
-    begin, end = int(m.group(1)), int(m.group(2))
-    if not (1 <= begin <= end <= 65535):
-        raise UsageError(
-            f"-port-range {text!r} is invalid: need 1 <= first <= last <= 65535"
-        )
-    return begin, end
 
 
 def parse_strategy(text: str) -> str:
@@ -333,95 +323,6 @@ def job_token(opts: Options, alone: bool) -> str:
 # ---------------------------------------------------------------------------------------------
 # Hosts, peers, ports
 
-_HOSTNAME_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
-
-
-def _is_ipv4(text: str) -> bool:
-    try:
-        ipaddress.IPv4Address(text)
-        return True
-    except ValueError:
-        return False
-
-
-def _valid_host(text: str) -> bool:
-    if _is_ipv4(text):
-        return True
-    if re.fullmatch(r"[\d.]+", text):  # looks numeric but is not a valid address
-        return False
-    if len(text) > 253:
-        return False
-    return all(_HOSTNAME_LABEL.fullmatch(label) for label in text.split("."))
-
-
-@dataclass(frozen=True)
-class HostSpec:
-    host: str
-    slots: int
-
-
-def parse_hosts(text: str) -> List[HostSpec]:
-    """'a:2,b,c:4' -> [HostSpec('a', 2), HostSpec('b', 1), HostSpec('c', 4)]."""
-    hosts: List[HostSpec] = []
-    seen = set()
-    for entry in text.split(","):
-        entry = entry.strip()
-        if not entry:
-            raise UsageError(f"-H {text!r} has an empty entry")
-        host, colon, slots_text = entry.partition(":")
-        if colon:
-            if not re.fullmatch(r"\d+", slots_text):
-                raise UsageError(f"-H entry {entry!r}: slots must be a positive integer")
-            slots = int(slots_text)
-            if slots < 1:
-                raise UsageError(f"-H entry {entry!r}: slots must be at least 1")
-        else:
-            slots = 1
-        if not _valid_host(host):
-            raise UsageError(
-                f"-H entry {entry!r}: {host!r} is not an IPv4 address or a host name"
-            )
-        if host in seen:
-            raise UsageError(f"-H names host {host!r} more than once")
-        seen.add(host)
-        hosts.append(HostSpec(host, slots))
-    return hosts
-
-
-@dataclass(frozen=True)
-class Worker:
-    rank: int
-    host: str
-    port: int
-    local_rank: int
-
-    @property
-    def spec(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-def plan_workers(np: int, hosts: Sequence[HostSpec], port_range: Tuple[int, int]) -> List[Worker]:
-    """Every worker of the job, in rank order: host-major in -H order."""
-    total = sum(h.slots for h in hosts)
-    if np > total:
-        raise UsageError(f"-np {np} is more than the {total} slots of -H")
-    begin, end = port_range
-    nports = end - begin + 1
-    for h in hosts:
-        if h.slots > nports:
-            raise UsageError(
-                f"-port-range {begin}-{end} has {nports} ports, fewer than the "
-                f"{h.slots} slots of host {h.host}"
-            )
-    workers: List[Worker] = []
-    for h in hosts:
-        for slot in range(h.slots):
-            if len(workers) == np:
-                return workers
-            workers.append(Worker(len(workers), h.host, begin + slot, slot))
-    return workers
-
-
 def nic_ipv4(iface: str) -> str:
     """The first IPv4 address of a network interface."""
     try:
@@ -460,12 +361,6 @@ def _nic_ipv4_ip_command(iface: str) -> Optional[str]:
         return None
     m = re.search(r"\binet (\d+\.\d+\.\d+\.\d+)/", out)
     return m.group(1) if m else None
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    return _is_ipv4(host) and ipaddress.IPv4Address(host).is_loopback
 
 
 def _resolve(host: str) -> Optional[str]:
