@@ -85,6 +85,11 @@ def test_a_middle_rank_killed_during_a_step(tmp_path):
 
 
 @pytest.mark.timeout(200)
+def test_a_worker_killed_in_the_first_step(tmp_path):
+    _recovered(tmp_path, 3, "--kill", "2@1")  # rolled back to the commit before any step
+
+
+@pytest.mark.timeout(200)
 def test_rank_0_killed_between_steps(tmp_path):
     # The survivors fail in the next step's gradient allreduce (inside Keras's train function)
     # and redo it; rank 1 becomes rank 0 and writes that training is done.
