@@ -3,11 +3,12 @@
     model.fit(data.dataset(), callbacks=[kf.Hook(MyPolicy(), data=data)])
 
     hook = kf.Hook(MyPolicy(), optimizer=opt, data=data)       # a custom loop
+    step = hook.guard(train_step)              # survives a lost peer in an elastic job
     hook.before_train()
     for epoch in range(E):
         hook.before_epoch()
         for x, y, w in data.epoch_batches():   # or any loop; state.local_batch_size is the size
-            hook.before_step(); loss = train_step(x, y, w); hook.after_step({"loss": loss})
+            hook.before_step(); loss = step(x, y, w); hook.after_step({"loss": loss})
         hook.after_epoch()
     hook.after_train()
 
@@ -28,7 +29,8 @@ epoch, so `before_step` runs once more there without a step following.
 Every worker runs the same hooks at the same steps, so policies may call collectives
 (`kf.allreduce(kf.grad_noise_scale(), "avg")`) in them.
 
-Recovery (an elastic job, model.fit with kungfu's data): the Hook commits the training state in
+Recovery (an elastic job with kungfu's data: model.fit, or a custom loop's step wrapped by
+`guard`): the Hook commits the training state in
 memory at every step boundary (after the step's decisions were applied) and at every epoch end:
 the variables it syncs to joiners (model, optimizer, monitor; their current tensors, which
 TensorFlow copies on the next write), its own state, the policies' state and the data position.
@@ -113,6 +115,7 @@ class _Commit:
 
     seq: int
     kind: str
+    variables: list  # what was kept (a custom loop's optimizer knows its own after a step)
     tensors: list
     state: TrainingState
     policies: list
@@ -354,6 +357,16 @@ class Hook(keras.callbacks.Callback):
             variables += [monitor.values[m] for m in monitor.monitors]
         return variables
 
+    def _state_variables(self) -> list:
+        """What a commit holds: the synced variables, and in a custom loop (no Keras model) also
+        the variables the optimizer trains (it knows them once it has applied a step)."""
+        variables = self._synced_variables()
+        if getattr(self, "model", None) is None and self.optimizer is not None:
+            mine = {id(v) for v in variables}
+            variables += [v for v in getattr(self.optimizer, "_trainable_variables", [])
+                          if id(v) not in mine]
+        return variables
+
     def _sync(self, joining: bool) -> None:
         """After a switch with joiners: rank 0's training state on the joiners. The variables
         (model, optimizer, monitor) go straight from rank 0 to each joiner: rank 0 lends them to
@@ -475,8 +488,9 @@ class Hook(keras.callbacks.Callback):
         if self.data is not None:
             d = self.data
             data = (d.epoch, d.offset, d.batch_size, d.last_length, len(d.served))
+        variables = self._state_variables()
         self._commits.append(_Commit(
-            self._commit_seq, kind, [tf.identity(v) for v in self._synced_variables()],
+            self._commit_seq, kind, variables, [tf.identity(v) for v in variables],
             copy.deepcopy(dataclasses.replace(self.state, logs={})),
             [p.state_dict() for p in self.policies], data))
         if self.state.rank == 0 and self._checkpoint_due(kind, durable):
@@ -496,7 +510,7 @@ class Hook(keras.callbacks.Callback):
         disk, renamed over the old one): a crash leaves the previous checkpoint whole."""
         payload = pickle.dumps({
             "format": 1, "arrays": [t.numpy() for t in c.tensors],
-            "variables": _describe(self._synced_variables()), "state": c.state,
+            "variables": _describe(c.variables), "state": c.state,
             "policies": c.policies, "data": None if c.data is None else c.data[:4],
             "epochs_total": self._epochs_total})
         tmp = f"{self.checkpoint}.tmp{os.getpid()}"
@@ -521,7 +535,7 @@ class Hook(keras.callbacks.Callback):
         if not blob:
             return False
         got = pickle.loads(blob)
-        variables = self._synced_variables()
+        variables = self._state_variables()
         problem = _mismatch(variables, got["variables"], "this model",
                             f"the checkpoint {self.checkpoint}")
         if problem:
@@ -541,7 +555,7 @@ class Hook(keras.callbacks.Callback):
         return True
 
     def _restore(self, c: _Commit) -> None:
-        for v, t in zip(self._synced_variables(), c.tensors):
+        for v, t in zip(c.variables, c.tensors):
             v.assign(t)
         self._take(c.state, c.policies, None if c.data is None else c.data[:4])
         if c.data is not None:
@@ -591,29 +605,51 @@ class Hook(keras.callbacks.Callback):
                 self.after_step(None)
 
     def _train_again(self):
-        """Runs the training step at the data's position (the step a failure undid), on a
-        dataset of that one batch; Keras's iterator is left where it is. Returns its logs."""
+        """Runs the training step at the data's position (the step a failure undid) again;
+        returns what it returns. In model.fit on a dataset of that one batch (Keras's iterator
+        is left where it is); in a custom loop on that batch, moving the position past it (as
+        epoch_batches() does when it hands a batch out)."""
         while True:
             try:
-                logs = self._train_fn(iter(self.data.step_dataset()))
+                if self.model is not None:
+                    logs = self._train_fn(iter(self.data.step_dataset()))
+                else:
+                    batch = self.data.step_batch()
+                    self.data.commit()
+                    logs = self._train_fn(*batch)
                 self.recoveries[-1].setdefault("step_done_at", time.time())
                 return logs
             except RECOVERABLE as e:
                 self._recover(e)
 
     def _guard(self, train_fn):
-        """Keras's train function, made to survive a lost peer (see _recover)."""
+        """`train_fn` made to survive a lost peer (see _recover)."""
         self._train_fn = train_fn
 
-        def train_function(iterator):
+        def train_function(*args, **kwargs):
             try:
-                return train_fn(iterator)
+                return train_fn(*args, **kwargs)
             except RECOVERABLE as e:
                 self._recover(e)
                 return self._train_again()
 
         train_function.kungfu_guarded = train_fn
         return train_function
+
+    def guard(self, train_step):
+        """For a custom loop: `train_step` made to survive a lost peer. Call the result on the
+        batches of `data.epoch_batches()` (train_step(x, y, sample_weight), or (x, w) without
+        y) between before_step and after_step. In an elastic job, when a peer dies or hangs, it
+        rolls back with the other survivors and runs train_step again on the same samples split
+        among them (its return value is that run's). Outside an elastic job it changes
+        nothing."""
+        if self.data is None:
+            raise ValueError("kf.Hook.guard needs kungfu's data: kf.Hook(..., data=kf.ElasticData"
+                             "(...)), and batches from data.epoch_batches()")
+        if not _elastic.context().enabled:
+            return train_step
+        self._recovering = True
+        return self._guard(train_step)
 
     # -- the hooks, for custom loops ----------------------------------------------------------
 
@@ -704,11 +740,15 @@ class Hook(keras.callbacks.Callback):
             return
         # An epoch that model.fit cut short (stop_training) still ends here; it is not written
         # to the checkpoint as ended.
-        whole = self.data is None or self.data.offset >= len(self.data)
+        # In a custom loop epoch_batches() moves the data to the next epoch itself, when its
+        # batches run out (offset 0 here); a rollback may have put it back at the end.
+        d = self.data
+        at_end = d is not None and d.offset >= len(d)
+        whole = d is None or at_end or (not d.attached and d.offset == 0)
         self.state.epoch += 1
         self.state.step_in_epoch = self.state.samples_in_epoch = 0
-        if self.data is not None and self.data.attached:
-            self.data.next_epoch()
+        if d is not None and (d.attached or at_end):
+            d.next_epoch()
         self._commit("epoch", durable=whole)
 
     def after_train(self) -> None:

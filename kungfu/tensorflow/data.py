@@ -156,21 +156,17 @@ class ElasticData:
         and the position is moved by the Hook (commit, next_epoch) as steps are trained: tf.data
         may run a generator ahead, or start one that Keras then drops, and neither may move the
         position."""
-        import kungfu as kf
-
         step = 0
         while True:
             self._wait_for(step)
             if self._closed:
                 return
-            order = self.order(self.epoch)
-            if self.offset >= len(order):
+            if self.offset >= len(self.x):
                 break
-            idx, weight, length = self.part(order, self.offset, kf.rank(), kf.size())
+            batch = self.step_batch()
             if not self._attached:
                 self.commit()
-            w = np.full(len(idx), weight, dtype=np.float32)
-            yield (self.x[idx], w) if self.y is None else (self.x[idx], self.y[idx], w)
+            yield batch
             step += 1
         if not self._attached:
             self.next_epoch()
@@ -182,14 +178,18 @@ class ElasticData:
         _keep_keras_from_fixing_epoch_length()
         return ds
 
-    def step_dataset(self):
-        """This worker's batch of the step at the current position, as a dataset of one batch
-        (kf.Hook redoes a step with it after a failure); leaves the position alone."""
+    def step_batch(self):
+        """This worker's (x, y, sample_weight) batch of the step at the current position (kf.Hook
+        redoes a step with it after a failure); leaves the position alone."""
         import kungfu as kf
 
         idx, weight, _ = self.part(self.order(self.epoch), self.offset, kf.rank(), kf.size())
         w = np.full(len(idx), weight, dtype=np.float32)
-        batch = (self.x[idx], w) if self.y is None else (self.x[idx], self.y[idx], w)
+        return (self.x[idx], w) if self.y is None else (self.x[idx], self.y[idx], w)
+
+    def step_dataset(self):
+        """step_batch() as a dataset of that one batch."""
+        batch = self.step_batch()
         return self._dataset_of(lambda: iter([batch]))
 
     def rehearsal_dataset(self):

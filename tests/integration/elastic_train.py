@@ -74,11 +74,44 @@ class Schedule(kf.BasePolicy):
 
 def traces(train_function):
     """How often Keras's compiled step function was traced (its tf.functions' counts)."""
+    if train_function is None:  # a custom loop
+        return None
     train_function = getattr(train_function, "kungfu_guarded", train_function)  # kf.Hook's wrap
     counts = [c.cell_contents.experimental_get_tracing_count()
               for c in (train_function.__closure__ or ())
               if hasattr(c.cell_contents, "experimental_get_tracing_count")]
     return sum(counts) if counts else None
+
+
+def custom_loop(model, opt, data, hook, record):
+    """What model.fit does with the callbacks, written out as a user's loop would."""
+    mse = keras.losses.MeanSquaredError()
+
+    @tf.function
+    def train_step(x, y, w):
+        with tf.GradientTape() as tape:
+            loss = mse(y, model(x, training=True), sample_weight=w)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    step = hook.guard(train_step)
+    hook.before_train()
+    record.on_train_begin()
+    for epoch in range(1000):
+        hook.before_epoch(epoch)
+        for x, y, w in data.epoch_batches():
+            record.on_train_batch_begin(0)
+            hook.before_step()
+            logs = {"loss": float(step(x, y, w))}
+            hook.after_step(logs)
+            record.on_train_batch_end(0, logs)
+            if model.stop_training:
+                break
+        hook.after_epoch()
+        if model.stop_training:
+            break
+    hook.after_train()
 
 
 def main():
@@ -108,6 +141,10 @@ def main():
                         "seconds later")
     p.add_argument("--checkpoint", help="kf.Hook's checkpoint file (resumes from it if there)")
     p.add_argument("--checkpoint-every", type=int, default=4)
+    p.add_argument("--custom-loop", action="store_true",
+                   help="train in a GradientTape loop over data.epoch_batches() (kf.Hook's "
+                        "methods called by hand, the step wrapped by hook.guard) instead of "
+                        "model.fit")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -183,7 +220,10 @@ def main():
 
     hook = kf.Hook(policy, data=data, checkpoint=args.checkpoint,
                    checkpoint_every=args.checkpoint_every)
-    model.fit(data.dataset(), epochs=1000, verbose=0, callbacks=[hook, Record()])
+    if args.custom_loop:
+        custom_loop(model, opt, data, hook, Record())
+    else:
+        model.fit(data.dataset(), epochs=1000, verbose=0, callbacks=[hook, Record()])
     out.write(json.dumps({"done": True, "step": hook.state.step, "size": kf.size(),
                           "recoveries": hook.recoveries}) + "\n")
     out.close()

@@ -48,7 +48,7 @@ def _check_epochs(steps):
 
 
 def _recovered(tmp_path, np_: int, *faults: str, env=None, expect_lost: int = 1,
-               steps_after: bool = True):
+               steps_after: bool = True, steps_before: bool = True):
     """A run that goes on with the survivors (-replace=false; test_lost_workers_are_replaced
     has replacement)."""
     r, records = run_elastic(tmp_path, np_, np_, "--schedule", str(np_), "--tail", "1000",
@@ -69,7 +69,7 @@ def _recovered(tmp_path, np_: int, *faults: str, env=None, expect_lost: int = 1,
         [rec] = f["recoveries"]
         assert len(rec["lost"]) == expect_lost and rec["size"] == np_ - expect_lost, rec
     sizes = [len(rows) for rows in steps.values()]
-    assert sizes[0] == np_, sizes
+    assert sizes[0] == (np_ if steps_before else np_ - expect_lost), sizes
     if steps_after:  # the survivors trained on after the loss
         assert sizes[-1] == np_ - expect_lost, sizes
     return r, records, finals
@@ -86,7 +86,8 @@ def test_a_middle_rank_killed_during_a_step(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_a_worker_killed_in_the_first_step(tmp_path):
-    _recovered(tmp_path, 3, "--kill", "2@1")  # rolled back to the commit before any step
+    # Rolled back to the commit before any step: step 1 is trained by the two survivors.
+    _recovered(tmp_path, 3, "--kill", "2@1", steps_before=False)
 
 
 @pytest.mark.timeout(200)
@@ -96,6 +97,13 @@ def test_rank_0_killed_between_steps(tmp_path):
     r, records, finals = _recovered(tmp_path, 3, "--kill", "0@5+")
     assert "elastic job finished" in r.stderr
     assert all("allreduce" in f["recoveries"][0]["cause"] for f in finals), finals
+
+
+@pytest.mark.parametrize("fault", ["1@5+", "1@7"], ids=["between-steps", "during-a-step"])
+@pytest.mark.timeout(200)
+def test_a_custom_loop_survives_with_hook_guard(tmp_path, fault):
+    # A GradientTape loop over data.epoch_batches() with the step wrapped by hook.guard.
+    _recovered(tmp_path, 3, "--kill", fault, "--custom-loop")
 
 
 @pytest.mark.timeout(200)
