@@ -593,7 +593,8 @@ class Hook(keras.callbacks.Callback):
         if _env.REPLACE.get():
             self._replace_to = len(rec.config.peers) + len(rec.lost)
         print(f"kungfu: rank {self.state.rank}: lost {', '.join(rec.lost) or 'no peer'} "
-              f"({record['cause']}); {len(rec.config.peers)} workers go on from step "
+              f"({record['cause']}); {len(rec.config.peers)} "
+              f"{'worker goes' if len(rec.config.peers) == 1 else 'workers go'} on from step "
               f"{self.state.step} (recovered in {record['restored_at'] - failed_at:.2f}s)",
               file=sys.stderr, flush=True)
         for kind in redo:  # at most one: a commit this worker made that another had not

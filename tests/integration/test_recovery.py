@@ -145,6 +145,29 @@ def test_a_stopped_worker_that_wakes_up_leaves_with_a_clear_error(tmp_path):
 
 
 @pytest.mark.timeout(200)
+def test_a_worker_killed_while_a_resize_waits_for_its_joiner(tmp_path):
+    # 2 workers, rank 0 asks for 3 after step 3; rank 1 dies after step 6, while the joiner is
+    # still starting. Rank 0 goes on alone (the resize is given up, its joiner stopped), then
+    # the replacement for rank 1 joins: 2, 1, 2 workers.
+    r, records = run_elastic(tmp_path, 2, 3, "--schedule", "3", "--gap", "3", "--tail",
+                             "100000", "--max-steps", "90", "--step-sleep", "0.2",
+                             "--kill", "1@6+")
+    log = r.stderr[-5000:]
+    assert r.returncode == 0, log
+    assert "not in the cluster any more; stopping it" in r.stderr, log
+    assert "in place of the lost one" in r.stderr, log
+    steps = steps_of(records)
+    sizes = []
+    for rows in steps.values():
+        if not sizes or sizes[-1] != len(rows):
+            sizes.append(len(rows))
+    assert sizes == [2, 1, 2], sizes
+    for step, rows in steps.items():
+        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
+    _check_epochs(steps)
+
+
+@pytest.mark.timeout(200)
 def test_too_few_survivors_end_the_job_with_a_clear_error(tmp_path):
     r, _ = run_elastic(tmp_path, 3, 3, "--schedule", "3", "--tail", "1000", "--max-steps",
                        str(STEPS), "--kill", "1@5+", launcher_args=("-min-np", "3"))
