@@ -118,11 +118,22 @@ ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKE
        CONNECT_TIMEOUT, CHUNK_BYTES, PARALLELISM]
 
 
+# The variables other launchers set (torchrun, and Horovod's scripts read them too): the worker's
+# place when it starts. In an elastic job they go stale after a resize; kf.rank() and friends
+# are always current.
+STANDARD_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
 def worker_env(self_spec: str, peers: list[str], version: int, strategy: str) -> dict:
     """The identity variables kungfu-run gives one worker."""
+    rank = peers.index(self_spec)
+    host = self_spec.rsplit(":", 1)[0]
+    local = [p.rsplit(":", 1)[0] == host for p in peers]
     return {
         SELF_SPEC.name: self_spec,
         INIT_PEERS.name: ",".join(peers),
         INIT_CLUSTER_VERSION.name: str(version),
         ALLREDUCE_STRATEGY.name: strategy,
+        **dict(zip(STANDARD_RANK_VARS, map(str, (rank, len(peers), sum(local[:rank]),
+                                                  sum(local))))),
     }

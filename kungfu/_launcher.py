@@ -77,6 +77,7 @@ class Options:
     timeout: Optional[float] = None  # seconds
     command: List[str] = field(default_factory=list)
     help: bool = False
+    version: bool = False
     elastic: bool = False
     builtin_config_port: Optional[int] = None
     config_server: Optional[str] = None
@@ -130,10 +131,15 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
                       carry it, so no other process can join or change the job. Default:
                       KUNGFU_JOB_TOKEN if set, else a random secret for this job; a job on
                       several hosts must give every launcher the same one
+  -V, -version        print kungfu-run's version and exit
   -h, -help, --help   print this help and exit
 
+The command is run as given; a path to an existing .py file is run with the Python that runs
+kungfu-run (kungfu-run -np 4 train.py).
+
 Each worker inherits the environment of kungfu-run plus its identity
-({identity})
+({identity}; and RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE as torchrun sets them, for
+scripts that read them: in an elastic job they describe the worker's start, kf.rank() is current)
 and the job's secret (KUNGFU_JOB_TOKEN) and PYTHONUNBUFFERED=1; its stdin is /dev/null. A worker
 runs in its own process group, which kungfu-run signals as a whole. If kungfu-run dies (even by
 SIGKILL), its workers end too: each inherits a pipe (KUNGFU_WATCHDOG_FD) whose end means the
@@ -180,6 +186,17 @@ _VALUE_FLAGS = {
     "max-restarts": "max_restarts",
 }
 _HELP_FLAGS = {"h", "help"}
+_VERSION_FLAGS = {"V", "version"}
+# Other launchers' spellings (torchrun, horovodrun, mpirun) -> kungfu-run's.
+_SPELLINGS = {
+    "n": "-np N (workers in the whole job)",
+    "nproc-per-node": "-H HOST:SLOTS (workers per host) and -np N (in all)",
+    "nproc_per_node": "-H HOST:SLOTS (workers per host) and -np N (in all)",
+    "nnodes": "-H HOST:SLOTS,HOST:SLOTS,... (one entry per host)",
+    "hosts": "-H HOST:SLOTS,...",
+    "host": "-H HOST:SLOTS,...",
+    "hostfile": "-H HOST:SLOTS,... (hosts on the command line)",
+}
 
 
 def _parse_np(text: str, flag: str = "np") -> int:
@@ -245,8 +262,13 @@ def parse_args(argv: Sequence[str]) -> Options:
         if name == "replace":
             opts.replace = _parse_bool(name, inline) if eq else True
             continue
+        if name in _VERSION_FLAGS:
+            opts.version = True
+            return opts
         if name not in _VALUE_FLAGS:
-            raise UsageError(f"unknown flag {arg.split('=', 1)[0]!r} (see {PROG} -help)")
+            hint = _SPELLINGS.get(name)
+            hint = f"; did you mean {hint}?" if hint else ""
+            raise UsageError(f"unknown flag {arg.split('=', 1)[0]!r}{hint} (see {PROG} -help)")
         if eq:
             value = inline
         else:
@@ -278,6 +300,8 @@ def parse_args(argv: Sequence[str]) -> Options:
                 raise UsageError(f"flag -{name} needs a non-empty value")
             setattr(opts, attr, value)
     opts.command = args[i:]
+    if opts.command and opts.command[0].endswith(".py") and os.path.isfile(opts.command[0]):
+        opts.command = [sys.executable, *opts.command]  # a script: run with this Python
     if not opts.command:
         raise UsageError(f"no command to run (usage: {PROG} -np N [flags] [--] command args...)")
     if opts.self_host is not None and opts.nic is not None:
@@ -767,6 +791,12 @@ def run(argv: Sequence[str]) -> int:
         opts = parse_args(argv)
         if opts.help:
             sys.stdout.write(HELP)
+            sys.stdout.flush()
+            return 0
+        if opts.version:
+            from kungfu import __version__
+
+            sys.stdout.write(f"{PROG} (kungfu) {__version__}\n")
             sys.stdout.flush()
             return 0
         hosts = parse_hosts(opts.hosts) if opts.hosts is not None else [

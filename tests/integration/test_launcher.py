@@ -185,7 +185,8 @@ def test_worker_environment(script):
     path = script("""
         import os
         keys = ["KUNGFU_SELF_SPEC", "KUNGFU_INIT_PEERS", "KUNGFU_INIT_CLUSTER_VERSION",
-                "KUNGFU_ALLREDUCE_STRATEGY", "PYTHONUNBUFFERED", "KF_TEST_INHERITED"]
+                "KUNGFU_ALLREDUCE_STRATEGY", "PYTHONUNBUFFERED", "KF_TEST_INHERITED", "RANK",
+                "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"]
         print(" ".join(f"{k}={os.environ.get(k)}" for k in keys))
     """)
     env = env_with_repo(KF_TEST_INHERITED="yes", KUNGFU_SELF_SPEC="1.2.3.4:5")
@@ -197,8 +198,31 @@ def test_worker_environment(script):
     for rank, spec in enumerate(peers.split(",")):
         assert out[rank] == [
             f"KUNGFU_SELF_SPEC={spec} KUNGFU_INIT_PEERS={peers} KUNGFU_INIT_CLUSTER_VERSION=0 "
-            f"KUNGFU_ALLREDUCE_STRATEGY=RING PYTHONUNBUFFERED=1 KF_TEST_INHERITED=yes"
+            f"KUNGFU_ALLREDUCE_STRATEGY=RING PYTHONUNBUFFERED=1 KF_TEST_INHERITED=yes "
+            f"RANK={rank} WORLD_SIZE=3 LOCAL_RANK={rank % 2} LOCAL_WORLD_SIZE={2 - rank // 2}"
         ]
+
+
+def test_a_bare_py_file_runs_with_this_python(script):
+    path = script("""
+        import os, sys
+        print(sys.executable, os.environ["RANK"])
+    """)
+    r = run_launcher("-np", "2", "-port-range", free_port_range(2), "-q", path)
+    assert r.returncode == 0, r.stderr
+    out = prefixed(r.stdout)
+    assert out[0] == [f"{PY} 0"] and out[1] == [f"{PY} 1"], out
+
+
+def test_version_and_other_launchers_spellings():
+    from kungfu import __version__
+
+    r = run_launcher("--version")
+    assert r.returncode == 0 and r.stdout == f"kungfu-run (kungfu) {__version__}\n", r
+    for flag, hint in (("-n", "did you mean -np N"), ("--nproc-per-node", "did you mean -H"),
+                       ("--nnodes", "did you mean -H")):
+        r = run_launcher(flag, "2", PY, "-c", "pass")
+        assert r.returncode == 2 and hint in r.stderr, (flag, r.stderr)
 
 
 def test_output_details(script):

@@ -122,7 +122,8 @@ def test_identity_from_worker_env_round_trip():
     peers = ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.1:2"]
     env = _env.worker_env(peers[2], peers, 5, "RING")
     assert env == {"KUNGFU_SELF_SPEC": "10.0.0.1:2", "KUNGFU_INIT_PEERS": ",".join(peers),
-                   "KUNGFU_INIT_CLUSTER_VERSION": "5", "KUNGFU_ALLREDUCE_STRATEGY": "RING"}
+                   "KUNGFU_INIT_CLUSTER_VERSION": "5", "KUNGFU_ALLREDUCE_STRATEGY": "RING",
+                   "RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     ident = identity_from_env(env)
     assert (ident.rank, ident.size, ident.local_rank, ident.local_size, ident.version) == \
         (2, 3, 1, 2, 5)
