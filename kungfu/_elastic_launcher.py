@@ -65,6 +65,7 @@ class ElasticLauncher(Launcher):
         # [seconds since start, rank, spec, how, exit code, version that replaced it or None]
         self.failures: List[list] = []
         self.done_seen = False  # rank 0 wrote DONE_KEY (see _done)
+        self.unreported: List[tuple] = []  # (peer, version) of dead workers the store lacks
         self.completed: Set[str] = set()  # local peers whose worker exited 0 (not left out)
 
     def _store_trouble(self, e: Optional[Exception]) -> None:
@@ -189,10 +190,19 @@ class ElasticLauncher(Launcher):
         spec, how = run.worker.spec, _describe_exit(rc)
         self.failures.append([time.monotonic() - start, run.worker.rank, spec, how, rc, None])
         self.error(f"worker {run.worker.rank} ({spec}) {how}; the others go on without it")
-        try:
-            store.mark_dead(spec, self.version_of[key])
-        except StoreError as e:  # they leave it out when their recovery window ends
-            self._store_trouble(e)
+        self.unreported.append((spec, self.version_of[key]))
+        self._flush_dead(store)
+
+    def _flush_dead(self, store) -> None:
+        """Writes the deaths not yet in the store (it may be down for a while; the survivors
+        leave a peer nobody reported out when their recovery window ends)."""
+        while self.unreported:
+            try:
+                store.mark_dead(*self.unreported[0])
+            except StoreError as e:
+                self._store_trouble(e)
+                return
+            self.unreported.pop(0)
 
     def _left_by_recovery(self, store, key: int) -> bool:
         """Whether the others recovered without this worker (it hung), rather than resized."""
@@ -231,6 +241,7 @@ class ElasticLauncher(Launcher):
                     try:
                         cfg, _ = store.config()
                         self._store_trouble(None)
+                        self._flush_dead(store)
                     except StoreError as e:
                         self._store_trouble(e)
                         cfg = None

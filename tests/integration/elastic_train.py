@@ -145,6 +145,10 @@ def main():
                    help="train in a GradientTape loop over data.epoch_batches() (kf.Hook's "
                         "methods called by hand, the step wrapped by hook.guard) instead of "
                         "model.fit")
+    p.add_argument("--pause-pid", type=int, default=0,
+                   help="a worker that faults first stops this process (SIGSTOP) for "
+                        "--pause-seconds (the config store, to test an outage)")
+    p.add_argument("--pause-seconds", type=float, default=3.0)
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -180,6 +184,10 @@ def main():
     def fault(sig):
         out.write(json.dumps({"fault": int(sig), "at": time.time()}) + "\n")
         out.flush()
+        if args.pause_pid:
+            os.kill(args.pause_pid, signal.SIGSTOP)
+            subprocess.Popen(["sh", "-c",
+                              f"sleep {args.pause_seconds}; kill -CONT {args.pause_pid}"])
         if sig == signal.SIGSTOP and args.wake_after:
             subprocess.Popen(["sh", "-c", f"sleep {args.wake_after}; kill -CONT {os.getpid()}"])
         os.kill(os.getpid(), sig)

@@ -24,7 +24,9 @@ SAMPLES = 240
 
 
 def run_elastic(tmp_path, np_: int, slots: int, *args: str, timeout: float = 240,
-                env_extra=None, launcher_args=()):
+                env_extra=None, launcher_args=(), store=None):
+    """Runs elastic_train.py under kungfu-run -w, with the builtin store or `store` (a
+    -config-server URL); returns the launcher's result and every worker's records."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
@@ -32,7 +34,9 @@ def run_elastic(tmp_path, np_: int, slots: int, *args: str, timeout: float = 240
     out = tmp_path / "records"
     out.mkdir()
     cmd = [sys.executable, "-m", "kungfu.cmd", "-w", "-np", str(np_), "-H", f"127.0.0.1:{slots}",
-           "-builtin-config-port", str(free_ports(1)[0]), "-port-range", free_port_range(slots),
+           *(["-config-server", store] if store else
+             ["-builtin-config-port", str(free_ports(1)[0])]),
+           "-port-range", free_port_range(slots),
            "-timeout", f"{int(timeout) - 10}s", *launcher_args,
            sys.executable, str(HERE / "elastic_train.py"),
            "--out", str(out), "--samples", str(SAMPLES), *args]

@@ -246,6 +246,38 @@ def test_a_commit_restores_weights_optimizer_state_and_position():
 
 
 @pytest.mark.timeout(240)
+def test_the_store_down_for_seconds_during_a_recovery(tmp_path):
+    """The killed worker stops etcd (SIGSTOP) for 4 s as it dies: the survivors and the
+    launcher retry the store and the job goes on once it answers."""
+    from etcd_server import ETCD, Etcd
+
+    if ETCD is None:
+        pytest.skip("etcd is not on PATH (scripts/install.sh installs etcd-server)")
+    (tmp_path / "etcd").mkdir()
+    etcd = Etcd(str(tmp_path / "etcd"))
+    try:
+        etcd.wait_ready()
+        r, records = run_elastic(
+            tmp_path, 3, 3, "--schedule", "3", "--tail", "1000", "--max-steps", str(STEPS),
+            "--kill", "1@5+", "--pause-pid", str(etcd.proc.pid), "--pause-seconds", "4",
+            launcher_args=("-replace=false",), store=f"etcd://{etcd.host_port}")
+    finally:
+        etcd.proc.send_signal(__import__("signal").SIGCONT)
+        etcd.stop()
+    assert r.returncode == 0, r.stderr[-5000:]
+    steps = steps_of(records)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    for step, rows in steps.items():
+        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
+    _check_epochs(steps)
+    finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
+    assert len(finals) == 2 and all(len(f["recoveries"]) == 1 for f in finals), finals
+    for f in finals:  # the store was down during the recovery: it waited for it
+        rec = f["recoveries"][0]
+        assert rec["restored_at"] - rec["failed_at"] > 3, rec
+
+
+@pytest.mark.timeout(240)
 def test_an_etcd_job_survives_the_loss_of_a_launcher(tmp_path):
     """Two launchers (hosts 127.0.0.1 and 127.0.0.2, two workers each) share an etcd store.
     Launcher a is killed with SIGKILL after step 5: its workers end with it (the watchdog pipe)
