@@ -104,7 +104,8 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
   -nic IFACE          take this host's address from the first IPv4 address of IFACE
                       (without -self or -nic, -H must name one host or only loopback addresses,
                       and then this launcher starts every worker)
-  -port-range A-B     ports the workers of a host listen on (default {ports})
+  -port-range A-B     ports the workers of a host listen on (default {ports}; a launcher that
+                      runs the whole job moves to free ports when those are taken)
   -strategy S         default allreduce strategy, case-insensitive (default {strategy}):
 {strategies}
   -logdir DIR         also write the output of worker r to DIR/rank-r.log (DIR is created)
@@ -786,6 +787,42 @@ class Launcher:
         return result
 
 
+def _taken(hosts: Sequence[HostSpec], port_range: Tuple[int, int]) -> List[str]:
+    """host:port of the slots of `hosts` that cannot be bound now."""
+    taken = []
+    for h in hosts:
+        for port in range(port_range[0], port_range[0] + h.slots):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((h.host, port))
+                except OSError:
+                    taken.append(f"{h.host}:{port}")
+    return taken
+
+
+def _free_default_ports(opts: Options, hosts: Sequence[HostSpec]) -> Optional[str]:
+    """A job that runs on this host alone and was given no -port-range: when the default
+    ports are taken (another job, most likely), moves to a free range and says so."""
+    taken = _taken(hosts, opts.port_range)
+    if not taken:
+        return None
+    from kungfu._ports import free_port_block
+
+    slots = max(h.slots for h in hosts)
+    try:
+        base = free_port_block(slots, [h.host for h in hosts])
+    except RuntimeError as e:
+        raise UsageError(f"ports {', '.join(taken)} are taken and {e}; give -port-range") from None
+    old = "{}-{}".format(*opts.port_range)
+    opts.port_range = (base, base + slots - 1)
+    new = "{}-{}".format(*opts.port_range)
+    if not opts.quiet:
+        sys.stderr.write(f"{PROG}: {', '.join(taken[:3])}{' ...' if len(taken) > 3 else ''} "
+                         f"taken (another job on this host?); using -port-range {new} instead "
+                         f"of {old}\n")
+    return new
+
+
 def run(argv: Sequence[str]) -> int:
     try:
         opts = parse_args(argv)
@@ -807,6 +844,11 @@ def run(argv: Sequence[str]) -> int:
         mine = [w for w in peers if w.host in here]
         # Alone: this launcher starts every worker the job may have (elastic: every slot).
         alone = all(h.host in here for h in hosts) if opts.elastic else len(mine) == len(peers)
+        if opts.port_range == DEFAULT_PORT_RANGE and alone:
+            moved = _free_default_ports(opts, hosts)
+            if moved is not None:
+                peers = plan_workers(opts.np, hosts, opts.port_range)
+                mine = [w for w in peers if w.host in here]
         opts.job_token = job_token(opts, alone)
         if opts.logdir is not None:
             try:

@@ -500,3 +500,27 @@ def test_a_lost_config_store_is_reported_once(tmp_path):
     assert job.returncode == 0, err
     assert "[0] trained" in out
     assert err.count("cannot reach the config store") == 1, err
+
+
+def test_taken_default_ports_move_the_job(script):
+    """Another job on this host holds the default ports: a launcher given no -port-range that
+    runs the whole job moves to free ones and says so."""
+    import socket
+
+    path = script(ALLREDUCE)
+    held = []
+    for port in (10000, 10001):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            pass  # taken already: the same for the launcher
+        held.append(s)
+    try:
+        r = run_launcher("-np", "2", PY, path)
+    finally:
+        for s in held:
+            s.close()
+    assert r.returncode == 0, r.stderr
+    assert "taken (another job on this host?); using -port-range" in r.stderr, r.stderr
