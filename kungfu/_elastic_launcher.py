@@ -65,7 +65,8 @@ class ElasticLauncher(Launcher):
         # [seconds since start, rank, spec, how, exit code, version that replaced it or None]
         self.failures: List[list] = []
         self.done_seen = False  # rank 0 wrote DONE_KEY (see _done)
-        self.unreported: List[tuple] = []  # (peer, version) of dead workers the store lacks
+        # (peer, version) of dead workers the store lacks; version -1: a new worker replaced it
+        self.unreported: List[tuple] = []
         self.completed: Set[str] = set()  # local peers whose worker exited 0 (not left out)
 
     def _store_trouble(self, e: Optional[Exception]) -> None:
@@ -110,7 +111,7 @@ class ElasticLauncher(Launcher):
                 out.append(Worker(rank, host, int(port), 0))
         return out
 
-    def _apply(self, cfg: ClusterConfig) -> Optional[int]:
+    def _apply(self, store, cfg: ClusterConfig) -> Optional[int]:
         wanted = {w.spec for w in self._local(cfg)}
         for w in self._local(cfg):
             if w.spec in self.by_spec or self.finished.get(w.spec, -1) >= cfg.version:
@@ -139,6 +140,8 @@ class ElasticLauncher(Launcher):
             lost = [f for f in self.failures if f[2] == w.spec and f[5] is None]
             if lost:
                 lost[0][5] = cfg.version  # replaced
+                self.unreported.append((w.spec, -1))  # the new worker there is not dead
+                self._flush_dead(store)
             self.info(f"version {cfg.version}: started worker {w.rank} ({w.spec})"
                       + (" in place of the lost one" if lost else ""))
         now = time.monotonic()
@@ -249,7 +252,7 @@ class ElasticLauncher(Launcher):
                         # Every poll, not only on a new version: a peer whose old worker was
                         # still leaving when its version came is started once that one is gone.
                         seen, self.latest = cfg.version, cfg
-                        code = self._apply(cfg)
+                        code = self._apply(store, cfg)
                         if code is not None:
                             result, stopping = code, True
                             self._signal_all(signal.SIGTERM)

@@ -182,11 +182,14 @@ class Store:
         return {k[len(prefix):]: _int(v) for k, v in self.list(prefix).items()}
 
     def mark_dead(self, peer: str, started_for: int) -> None:
+        """A launcher's word that its worker for `peer`, started for that cluster version, died;
+        -1 when it starts a new worker there (the mark is about the old one)."""
         self.put(f"{DEAD_PREFIX}{peer}", str(int(started_for)))
 
     def dead_peers(self) -> Dict[str, int]:
         """{peer: the cluster version its dead worker was started for}."""
-        return {k[len(DEAD_PREFIX):]: _int(v) for k, v in self.list(DEAD_PREFIX).items()}
+        marks = {k[len(DEAD_PREFIX):]: _int(v) for k, v in self.list(DEAD_PREFIX).items()}
+        return {p: v for p, v in marks.items() if v >= 0}
 
     def decide_recovery(self, version: int, decision: str) -> str:
         """Stores the survivors' decision for a failure in `version` unless one is stored;

@@ -107,3 +107,29 @@ def test_standalone_server_process():
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+def test_recovery_keys(client):
+    """What survivors and launchers write in a recovery (kungfu/_elastic.py, Elastic.recover)."""
+    client.mark_alive(3, "h:1", 17)
+    client.mark_alive(3, "h:2", 16)
+    assert client.alive_peers(3) == {"h:1": 17, "h:2": 16} and client.alive_peers(4) == {}
+    client.mark_dead("h:3", 2)
+    assert client.dead_peers() == {"h:3": 2}
+    client.mark_dead("h:3", -1)  # a new worker started there: no longer dead
+    assert client.dead_peers() == {}
+    assert client.recoveries() == 0 and client.recovery(3) is None
+    assert client.decide_recovery(3, "first") == "first"
+    assert client.decide_recovery(3, "second") == "first"  # the first decision stands
+    assert client.recovery(3) == "first" and client.recoveries() == 1
+
+
+def test_racing_recovery_decisions_agree(client):
+    got = []
+    threads = [threading.Thread(target=lambda i=i: got.append(client.decide_recovery(9, f"d{i}")))
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and len(set(got)) == 1
