@@ -39,7 +39,14 @@ from kungfu._launcher import (
     _exit_code,
     _plural,
 )
-from kungfu.store import DONE_KEY, ClusterConfig, ConfigServer, StoreError, connect
+from kungfu.store import (
+    DONE_KEY,
+    RECOVERED_PREFIX,
+    ClusterConfig,
+    ConfigServer,
+    StoreError,
+    connect,
+)
 
 POLL_SECONDS = 0.1
 LEAVE_GRACE = 10.0  # seconds a worker left out of the latest version may take to exit
@@ -210,9 +217,10 @@ class ElasticLauncher(Launcher):
     def _left_by_recovery(self, store, key: int) -> bool:
         """Whether the others recovered without this worker (it hung), rather than resized."""
         try:
-            return store.recovery(self.version_of[key]) is not None
+            versions = [k[len(RECOVERED_PREFIX):] for k in store.list(RECOVERED_PREFIX)]
         except StoreError:
             return False
+        return any(v.isdigit() and int(v) >= self.version_of[key] for v in versions)
 
     def _summary(self, done: bool) -> Optional[int]:
         """The failures survived, last; the exit code if training did not finish."""

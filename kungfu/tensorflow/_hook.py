@@ -30,8 +30,8 @@ Every worker runs the same hooks at the same steps, so policies may call collect
 (`kf.allreduce(kf.grad_noise_scale(), "avg")`) in them.
 
 Recovery (an elastic job with kungfu's data: model.fit, or a custom loop's step wrapped by
-`guard`): the Hook commits the training state in
-memory at every step boundary (after the step's decisions were applied) and at every epoch end:
+`guard`): the Hook commits the training state in memory at every step boundary (after the
+step's decisions were applied) and at every epoch end:
 the variables it syncs to joiners (model, optimizer, monitor; their current tensors, which
 TensorFlow copies on the next write), its own state, the policies' state and the data position.
 It wraps Keras's train function: when a collective fails because a peer died or hangs (in the
@@ -140,7 +140,10 @@ def _first_line(e: Exception) -> str:
 
 
 def _numbers(logs) -> dict:
-    return {k: float(keras.ops.convert_to_numpy(v)) for k, v in (logs or {}).items()}
+    """Keras's logs of a step as numbers ({} for what a custom loop's step returned)."""
+    if not isinstance(logs, dict):
+        return {}
+    return {k: float(keras.ops.convert_to_numpy(v)) for k, v in logs.items()}
 
 
 class Hook(keras.callbacks.Callback):
@@ -176,7 +179,7 @@ class Hook(keras.callbacks.Callback):
         self._epochs_total: Optional[int] = None
         self._epoch_shift = 0  # a joiner's epoch minus its Keras epoch
         self._resumed = False  # a joiner whose first Keras epoch continues the others' epoch
-        self._recovering = False  # commits and recovery on (an elastic job in model.fit)
+        self._recovering = False  # commits and recovery on (an elastic job; see guard)
         self._commits: collections.deque = collections.deque(maxlen=2)
         self._commit_seq = 0
         self._train_fn = None  # Keras's own train function (the model's is wrapped)

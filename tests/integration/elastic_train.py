@@ -83,7 +83,7 @@ def traces(train_function):
     return sum(counts) if counts else None
 
 
-def custom_loop(model, opt, data, hook, record):
+def custom_loop(model, opt, data, hook, record, faults_, fault_):
     """What model.fit does with the callbacks, written out as a user's loop would."""
     mse = keras.losses.MeanSquaredError()
 
@@ -104,6 +104,9 @@ def custom_loop(model, opt, data, hook, record):
             record.on_train_batch_begin(0)
             hook.before_step()
             logs = {"loss": float(step(x, y, w))}
+            sig = faults_.pop((hook.state.step + 1, "-"), None)
+            if sig is not None:
+                fault_(sig)
             hook.after_step(logs)
             record.on_train_batch_end(0, logs)
             if model.stop_training:
@@ -133,7 +136,8 @@ def main():
     p.add_argument("--kill", action="append", default=[], metavar="RANK@STEP",
                    help="the worker of this rank (in the first cluster) kills itself with "
                         "SIGKILL during this step, or with STEP+ right after it, once its Hook "
-                        "is done with it (repeatable)")
+                        "is done with it, or with STEP- (--custom-loop) after its training step "
+                        "but before the Hook's (repeatable)")
     p.add_argument("--hang", default="", metavar="RANK@STEP",
                    help="the worker of this rank stops itself (SIGSTOP) during this step")
     p.add_argument("--wake-after", type=float, default=0.0,
@@ -176,7 +180,8 @@ def main():
         for spec, sig in spec_list:
             rank, _, step = spec.partition("@")
             if spec and int(rank) == kf.rank():
-                out[(int(step.rstrip("+")), step.endswith("+"))] = sig
+                mode = step[-1] if step[-1] in "+-" else ""
+                out[(int(step.rstrip("+-")), mode)] = sig
         return out
 
     my_faults = faults([(k, signal.SIGKILL) for k in args.kill] + [(args.hang, signal.SIGSTOP)])
@@ -202,7 +207,7 @@ def main():
                 out.flush()
 
         def on_train_batch_begin(self, batch, logs=None):
-            sig = my_faults.pop((hook.state.step + 1, False), None)
+            sig = my_faults.pop((hook.state.step + 1, ""), None)
             if sig is not None:  # during the step: a moment after it started
                 threading.Timer(0.005, fault, (sig,)).start()
 
@@ -219,7 +224,7 @@ def main():
                                   "gns": kf.grad_noise_scale(), "rehearsed": hook.rehearsed,
                                   "traces": traces(model.train_function)}) + "\n")
             out.flush()
-            sig = my_faults.pop((st.step, True), None)
+            sig = my_faults.pop((st.step, "+"), None)
             if sig is not None:
                 fault(sig)
             time.sleep(args.step_sleep)
@@ -229,7 +234,7 @@ def main():
     hook = kf.Hook(policy, data=data, checkpoint=args.checkpoint,
                    checkpoint_every=args.checkpoint_every)
     if args.custom_loop:
-        custom_loop(model, opt, data, hook, Record())
+        custom_loop(model, opt, data, hook, Record(), my_faults, fault)
     else:
         model.fit(data.dataset(), epochs=1000, verbose=0, callbacks=[hook, Record()])
     out.write(json.dumps({"done": True, "step": hook.state.step, "size": kf.size(),

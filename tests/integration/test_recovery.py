@@ -99,7 +99,8 @@ def test_rank_0_killed_between_steps(tmp_path):
     assert all("allreduce" in f["recoveries"][0]["cause"] for f in finals), finals
 
 
-@pytest.mark.parametrize("fault", ["1@5+", "1@7"], ids=["between-steps", "during-a-step"])
+@pytest.mark.parametrize("fault", ["1@5+", "1@7", "1@6-"],
+                         ids=["between-steps", "during-a-step", "before-the-agreement"])
 @pytest.mark.timeout(200)
 def test_a_custom_loop_survives_with_hook_guard(tmp_path, fault):
     # A GradientTape loop over data.epoch_batches() with the step wrapped by hook.guard.
