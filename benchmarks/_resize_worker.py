@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     import tensorflow as tf
 
     import kungfu as kf
-    from kungfu import _elastic, _peer
+    from kungfu import _peer, elastic as _elastic
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(max(2, args.threads))

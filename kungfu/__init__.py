@@ -24,7 +24,7 @@ from kungfu._collective import (
     reduce_async,
 )
 
-from kungfu._elastic import ResizeError, detached, resize
+from kungfu.elastic import ResizeError, detached, resize
 from kungfu.policy import (
     BasePolicy,
     TrainingState,
@@ -42,9 +42,7 @@ __version__ = "0.1.0"
 def _identity():
     from kungfu import _peer
 
-    if _peer.started():
-        return _peer.get()
-    return _peer.identity_from_env()
+    return _peer.identity()
 
 
 def rank() -> int:

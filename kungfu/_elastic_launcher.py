@@ -23,7 +23,6 @@ failure's.
 from __future__ import annotations
 
 import itertools
-import queue
 import signal
 import time
 from typing import Dict, List, Optional, Sequence, Set
@@ -32,11 +31,11 @@ from kungfu import _env
 from kungfu._hosts import HostSpec, Worker, _is_loopback
 from kungfu._launcher import (
     GRACE_SECONDS,
-    EXIT_TIMEOUT,
     Launcher,
     Options,
     _describe_exit,
     _exit_code,
+    _fmt_seconds,
     _plural,
 )
 from kungfu.store import (
@@ -48,9 +47,11 @@ from kungfu.store import (
     connect,
 )
 
-POLL_SECONDS = 0.1
 LEAVE_GRACE = 10.0  # seconds a worker left out of the latest version may take to exit
 STORE_WAIT = 60.0  # how long a launcher waits for the store to answer at start
+DEFAULT_HOST_COOLDOWN = 60.0  # seconds; kungfu-run -host-cooldown
+FAILURE_MERGE = 5.0  # seconds: a host's failures this close are one (a host lost at once)
+FAILURE_WINDOW = 600.0  # seconds: two failures of a host this close make it cool down
 
 
 class ElasticLauncher(Launcher):
@@ -75,6 +76,10 @@ class ElasticLauncher(Launcher):
         # (peer, version) of dead workers the store lacks; version -1: a new worker replaced it
         self.unreported: List[tuple] = []
         self.completed: Set[str] = set()  # local peers whose worker exited 0 (not left out)
+        self.host_failures: Dict[str, List[float]] = {}  # host -> when its workers failed
+        self.store = None  # the config store's client, once open
+        self.seen = -1  # the latest cluster version seen
+        self.done = False  # training finished (see _conclude)
 
     def _store_trouble(self, e: Optional[Exception]) -> None:
         """Reports a store error once per change of message, and the recovery; not every poll."""
@@ -193,15 +198,41 @@ class ElasticLauncher(Launcher):
             self._store_trouble(e)
             return True
 
-    def _report_dead(self, store, key: int, rc: int, start: float) -> None:
+    def _report_dead(self, store, key: int, rc: int) -> None:
         """A worker failed: the store says so at once (the others recover without it) and the
         launcher keeps watching."""
         run = self.running[key]
         spec, how = run.worker.spec, _describe_exit(rc)
-        self.failures.append([time.monotonic() - start, run.worker.rank, spec, how, rc, None])
         self.error(f"worker {run.worker.rank} ({spec}) {how}; the others go on without it")
         self.unreported.append((spec, self.version_of[key]))
         self._flush_dead(store)
+        self._failed(run, how, rc)
+
+    def _failed(self, run, how: str, rc: int) -> None:
+        """Counts a failure the job survives (listed at the end), and against its host: a host
+        that failed twice within FAILURE_WINDOW (failures FAILURE_MERGE apart or less count
+        once: a host lost at once) gets no new worker for the cool-down (-host-cooldown; the
+        workers read it from the store when they plan a resize)."""
+        now = time.monotonic()
+        self.failures.append([now - self.start, run.worker.rank, run.worker.spec, how, rc, None])
+        cooldown = self.opts.host_cooldown
+        cooldown = DEFAULT_HOST_COOLDOWN if cooldown is None else cooldown
+        host = run.worker.host
+        times = self.host_failures.setdefault(host, [])
+        if not cooldown or (times and now - times[-1] <= FAILURE_MERGE):
+            return
+        times.append(now)
+        recent = [t for t in times if now - t <= FAILURE_WINDOW]
+        if len(recent) < 2:
+            return
+        try:
+            self.store.cool_down(host, time.time() + cooldown)
+        except StoreError as e:
+            self._store_trouble(e)
+            return
+        self.info(f"host {host}: its workers failed {len(recent)} times in "
+                  f"{_fmt_seconds(round(now - recent[0], 1))}; it gets no new worker for "
+                  f"{_fmt_seconds(cooldown)}")
 
     def _flush_dead(self, store) -> None:
         """Writes the deaths not yet in the store (it may be down for a while; the survivors
@@ -232,113 +263,100 @@ class ElasticLauncher(Launcher):
         self.error("elastic job: training did not finish after the failures above")
         return _exit_code(self.failures[0][4])
 
-    def _run(self, start: float) -> int:
+    # The event loop is the launcher's (Launcher._run); elastic mode extends these points.
+
+    POLL_SECONDS = 0.1
+
+    def _begin(self) -> Optional[int]:
         try:
-            store = self._open_store()
+            self.store = self._open_store()
         except (StoreError, OSError) as e:
             self.error(f"elastic job: {e}")
             return 1
         self.info(f"elastic job: {_plural(len(self.peers), 'worker')} to start with, at most "
                   f"{sum(h.slots for h in self.hosts)}; {self.opts.command[0]} ...")
-        seen = -1
-        result: Optional[int] = None
-        stopping = False
-        kill_at: Optional[float] = None
-        deadline = None if self.opts.timeout is None else start + self.opts.timeout
+        return None
+
+    def _poll(self, now: float) -> None:
+        """Follows the stored configuration (starting this host's workers that it lists) and
+        stops the workers it left out that are still running after LEAVE_GRACE."""
+        store = self.store
         try:
-            while True:
-                now = time.monotonic()
-                if not stopping:
-                    try:
-                        cfg, _ = store.config()
-                        self._store_trouble(None)
-                        self._flush_dead(store)
-                    except StoreError as e:
-                        self._store_trouble(e)
-                        cfg = None
-                    if cfg is not None and cfg.version >= seen:
-                        # Every poll, not only on a new version: a peer whose old worker was
-                        # still leaving when its version came is started once that one is gone.
-                        seen, self.latest = cfg.version, cfg
-                        code = self._apply(store, cfg)
-                        if code is not None:
-                            result, stopping = code, True
-                            self._signal_all(signal.SIGTERM)
-                            kill_at = now + GRACE_SECONDS
-                    for key, when in list(self.leaving.items()):
-                        run = self.running[key]
-                        if run.returncode is None and now >= when and key not in self.stopped:
-                            self.info(f"worker {run.worker.rank} ({run.worker.spec}) is not in "
-                                      f"the cluster any more; stopping it")
-                            self.stopped.add(key)
-                            run.proc.terminate()
-                            if self._left_by_recovery(store, key):
-                                self.failures.append([now - start, run.worker.rank,
-                                                      run.worker.spec, "stopped answering",
-                                                      1, None])
-                        elif run.returncode is None and now >= when + GRACE_SECONDS:
-                            run.proc.kill()  # a stopped (SIGSTOP) process ignores SIGTERM
-                if not self._alive() and not stopping and self._job_over(store):
-                    break
-                if stopping and not self._alive():
-                    break
-                try:
-                    event = self.events.get(timeout=POLL_SECONDS)
-                except queue.Empty:
-                    event = None
-                now = time.monotonic()
-                if event is not None and event[0] == "exit":
-                    _, key, rc, _ = event
-                    run = self.running[key]
-                    run.returncode = rc
-                    spec = run.worker.spec
-                    if self.by_spec.get(spec) == key:
-                        del self.by_spec[spec]
-                    if rc == 0 and key in self.leaving:
-                        pass  # left out by a version: a later one may want this peer again
-                    elif rc == 0:
-                        self.finished[spec] = seen
-                        self.completed.add(spec)
-                    elif key in self.stopped or stopping:
-                        pass
-                    elif key in self.leaving:  # left out (a hung worker that woke up late)
-                        self.info(f"worker {run.worker.rank} ({spec}), no longer in the "
-                                  f"cluster, {_describe_exit(rc)}")
-                        if self._left_by_recovery(store, key):
-                            self.failures.append([now - start, run.worker.rank, spec,
-                                                  "stopped answering", rc, None])
-                    elif self._joiner_failed(store, key):
-                        self.error(f"joining worker {run.worker.rank} ({spec}) "
-                                   f"{_describe_exit(rc)} before the cluster switched to it; "
-                                   "its resize will be abandoned")
-                        self.finished[spec] = seen
-                    else:
-                        self._report_dead(store, key, rc, start)
-                        self.finished[spec] = seen
-                elif event is not None and event[0] == "signal" and not stopping:
-                    result = 128 + event[1]
-                    stopping = True
-                    self._signal_all(event[1])
-                    kill_at = now + GRACE_SECONDS
-                if deadline is not None and not stopping and now >= deadline:
-                    self.error(f"timeout: the job did not finish within {self.opts.timeout:g}s")
-                    result, stopping = EXIT_TIMEOUT, True
-                    self._signal_all(signal.SIGTERM)
-                    kill_at = now + GRACE_SECONDS
-                if kill_at is not None and now >= kill_at and self._alive():
-                    self._signal_all(signal.SIGKILL)
-                    kill_at = None
-            done = result is None and self._done(store)  # before the builtin store goes
-        finally:
-            if self.server is not None:
-                self.server.stop()
-        self._drain()
-        if result is None:
-            result = self._summary(done)
-        if result is None:
-            result = 0
-            self.info(f"elastic job finished in {time.monotonic() - start:.1f}s")
-        return result
+            cfg, _ = store.config()
+            self._store_trouble(None)
+            self._flush_dead(store)
+        except StoreError as e:
+            self._store_trouble(e)
+            cfg = None
+        if cfg is not None and cfg.version >= self.seen:
+            # Every poll, not only on a new version: a peer whose old worker was still leaving
+            # when its version came is started once that one is gone.
+            self.seen, self.latest = cfg.version, cfg
+            code = self._apply(store, cfg)
+            if code is not None:
+                self._stop(code, signal.SIGTERM, now)
+                return
+        for key, when in list(self.leaving.items()):
+            run = self.running[key]
+            if run.returncode is None and now >= when and key not in self.stopped:
+                self.info(f"worker {run.worker.rank} ({run.worker.spec}) is not in the cluster "
+                          f"any more; stopping it")
+                self.stopped.add(key)
+                run.proc.terminate()
+                if self._left_by_recovery(store, key):
+                    self._failed(run, "stopped answering", 1)
+            elif run.returncode is None and now >= when + GRACE_SECONDS:
+                run.proc.kill()  # a stopped (SIGSTOP) process ignores SIGTERM
+
+    def _over(self) -> bool:
+        if self._alive():
+            return False
+        return self.stopping or self._job_over(self.store)
+
+    def _on_exit(self, event: tuple, now: float) -> None:
+        """A worker exited: expected (finished, or left out by a version), a joiner that failed
+        before the switch (its resize is abandoned), or a failure the others recover from."""
+        _, key, rc, _ = event
+        store = self.store
+        run = self.running[key]
+        run.returncode = rc
+        spec = run.worker.spec
+        if self.by_spec.get(spec) == key:
+            del self.by_spec[spec]
+        if rc == 0 and key in self.leaving:
+            pass  # left out by a version: a later one may want this peer again
+        elif rc == 0:
+            self.finished[spec] = self.seen
+            self.completed.add(spec)
+        elif key in self.stopped or self.stopping:
+            pass
+        elif key in self.leaving:  # left out (a hung worker that woke up late)
+            self.info(f"worker {run.worker.rank} ({spec}), no longer in the cluster, "
+                      f"{_describe_exit(rc)}")
+            if self._left_by_recovery(store, key):
+                self._failed(run, "stopped answering", rc)
+        elif self._joiner_failed(store, key):
+            self.error(f"joining worker {run.worker.rank} ({spec}) {_describe_exit(rc)} before "
+                       "the cluster switched to it; its resize will be abandoned")
+            self.finished[spec] = self.seen
+        else:
+            self._report_dead(store, key, rc)
+            self.finished[spec] = self.seen
+
+    def _conclude(self) -> None:
+        # Before the builtin store goes with _close.
+        self.done = self.result is None and self._done(self.store)
+
+    def _close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    def _success(self) -> int:
+        code = self._summary(self.done)
+        if code is not None:
+            return code
+        self.info(f"elastic job finished in {time.monotonic() - self.start:.1f}s")
+        return 0
 
     def _done(self, store, strict: bool = False) -> bool:
         """Whether training finished (rank 0 wrote DONE_KEY). Once seen it is remembered: the

@@ -86,6 +86,7 @@ class Options:
     min_np: Optional[int] = None  # -w: the fewest workers a failure may leave
     max_restarts: Optional[int] = None  # -w: how many failures the job survives
     replace: Optional[bool] = None  # -w: start new workers in place of lost ones
+    host_cooldown: Optional[float] = None  # -w: seconds a host that failed twice is left out
 
 
 HELP = """\
@@ -127,6 +128,10 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
   -max-restarts K     -w: how many failures the job survives (default 3); one more ends it
   -replace=false      -w: go on with the survivors; by default new workers are started in
                       the freed slots after a failure and join as in a resize
+  -host-cooldown DURATION  -w: a host whose workers failed twice within DURATION (failures
+                      a moment apart count once) gets no new workers until DURATION after its
+                      last failure; replacements go to other hosts' free slots, or wait
+                      (default 60s; 0: never left out)
   -job-token-file F   the job's secret, read from file F. Workers prove it to each other in
                       every handshake and the builtin config store answers only requests that
                       carry it, so no other process can join or change the job. Default:
@@ -185,6 +190,7 @@ _VALUE_FLAGS = {
     "job-token-file": "job_token_file",
     "min-np": "min_np",
     "max-restarts": "max_restarts",
+    "host-cooldown": "host_cooldown",
 }
 _HELP_FLAGS = {"h", "help"}
 _VERSION_FLAGS = {"V", "version"}
@@ -217,13 +223,13 @@ def parse_strategy(text: str) -> str:
     return name
 
 
-def _parse_timeout(text: str) -> float:
+def _parse_timeout(text: str, flag: str = "timeout", zero: bool = False) -> float:
     try:
         seconds = _env.parse_duration(text)
     except ValueError as e:
-        raise UsageError(f"-timeout: {e}") from None
-    if seconds <= 0:
-        raise UsageError(f"-timeout must be positive, got {text!r}")
+        raise UsageError(f"-{flag}: {e}") from None
+    if seconds < 0 or (seconds == 0 and not zero):
+        raise UsageError(f"-{flag} must be {'>= 0' if zero else 'positive'}, got {text!r}")
     return seconds
 
 
@@ -286,6 +292,8 @@ def parse_args(argv: Sequence[str]) -> Options:
             if not value.isdigit():
                 raise UsageError(f"-max-restarts needs a number >= 0, got {value!r}")
             opts.max_restarts = int(value)
+        elif attr == "host_cooldown":
+            opts.host_cooldown = _parse_timeout(value, "host-cooldown", zero=True)
         elif attr == "port_range":
             opts.port_range = parse_port_range(value)
         elif attr == "strategy":
@@ -311,9 +319,9 @@ def parse_args(argv: Sequence[str]) -> Options:
         raise UsageError("-w needs exactly one of -builtin-config-port P and -config-server URL")
     if not opts.elastic and (opts.builtin_config_port is not None or opts.config_server
                              or opts.min_np is not None or opts.max_restarts is not None
-                             or opts.replace is not None):
-        raise UsageError("-builtin-config-port, -config-server, -min-np, -max-restarts and "
-                         "-replace are for elastic jobs (-w)")
+                             or opts.replace is not None or opts.host_cooldown is not None):
+        raise UsageError("-builtin-config-port, -config-server, -min-np, -max-restarts, "
+                         "-replace and -host-cooldown are for elastic jobs (-w)")
     if opts.config_server is not None and not opts.config_server.startswith(
             ("http://", "etcd://", "etcds://")):
         raise UsageError(f"-config-server must be http://HOST:P, etcd://HOST:P or etcds://HOST:P, "
@@ -521,6 +529,14 @@ class Launcher:
         self.events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self.running: Dict[int, _Running] = {}
         self._drained = False
+        # The event loop's state (see _run).
+        self.start = 0.0
+        self.result: Optional[int] = None  # the job's exit code, once decided
+        self.stopping = False
+        self.stop_signal = signal.SIGTERM
+        self.kill_at: Optional[float] = None
+        self.killed = False
+        self.received_signal: Optional[int] = None
         # Workers inherit the read end; only this process holds the write end, so the workers
         # see end of file when it dies, however it dies (kungfu/_watchdog.py).
         self._watchdog = os.pipe()
@@ -682,109 +698,128 @@ class Launcher:
             run.readers.append(t)
         threading.Thread(target=self._wait, args=(run, key), daemon=True).start()
 
+    # the event loop: one for every mode; elastic mode (kungfu/_elastic_launcher.py) extends it
+    # through _begin, _poll, _on_exit, _over, _conclude, _close and _success.
+
+    POLL_SECONDS = 0.5  # the longest wait for an event between two polls
+
     def _run(self, start: float) -> int:
+        self.start = start
+        code = self._begin()
+        if code is not None:
+            return code
+        deadline = None if self.opts.timeout is None else start + self.opts.timeout
+        try:
+            while True:
+                now = time.monotonic()
+                if not self.stopping:
+                    self._poll(now)
+                if self._over():
+                    break
+                waits = [self.POLL_SECONDS]
+                if deadline is not None and not self.stopping:
+                    waits.append(deadline - now)
+                if self.kill_at is not None and not self.killed:
+                    waits.append(self.kill_at - now)
+                try:
+                    event = self.events.get(timeout=max(0.0, min(waits)))
+                except queue.Empty:
+                    event = None
+                now = time.monotonic()
+                if event is not None and event[0] == "exit":
+                    self._on_exit(event, now)
+                elif event is not None and event[0] == "signal":
+                    self._on_signal_event(event[1], now)
+                if deadline is not None and not self.stopping and now >= deadline:
+                    self.error(f"timeout: the job did not finish within "
+                               f"{_fmt_seconds(self.opts.timeout)}; stopping "
+                               f"{_plural(len(self._alive()), 'worker')}")
+                    self._stop(EXIT_TIMEOUT, signal.SIGTERM, now)
+                if (self.kill_at is not None and not self.killed and now >= self.kill_at
+                        and self._alive()):
+                    alive = ", ".join(str(r.worker.rank) for r in self._alive())
+                    self.error(f"workers {alive} still running {_fmt_seconds(GRACE_SECONDS)} "
+                               f"after {signal.Signals(self.stop_signal).name}; sending SIGKILL")
+                    self._signal_all(signal.SIGKILL)
+                    self.killed = True
+            self._conclude()
+        finally:
+            self._close()
+        self._drain()
+        if self.result is not None:
+            return self.result
+        if self.received_signal is not None:
+            return 128 + self.received_signal
+        return self._success()
+
+    def _stop(self, result: Optional[int], sig: int, now: float) -> None:
+        """Ends the job: `result` is its exit code (None: decided later); the workers get `sig`,
+        and SIGKILL GRACE_SECONDS later."""
+        if result is not None:
+            self.result = result
+        self.stopping = True
+        self.stop_signal = sig
+        self._signal_all(sig)
+        self.kill_at = now + GRACE_SECONDS
+
+    def _on_signal_event(self, signum: int, now: float) -> None:
+        name = signal.Signals(signum).name
+        if not self.stopping:
+            self.received_signal = signum
+            self.info(f"received {name}; forwarding it to "
+                      f"{_plural(len(self._alive()), 'worker')}")
+            self._stop(None, signum, now)
+        elif not self.killed:
+            self.error(f"received {name} again; killing the workers")
+            self._signal_all(signal.SIGKILL)
+            self.killed = True
+
+    # What a static job does at each point of the loop.
+
+    def _begin(self) -> Optional[int]:
+        """Starts the job; an exit code if it cannot."""
         mine = self.mine
         hosts = ", ".join(dict.fromkeys(w.host for w in mine))
         self.info(
             f"starting {_plural(len(mine), 'worker')} of {len(self.peers)} on {hosts} "
             f"({_ranks(mine)}), strategy {self.opts.strategy}: {shlex.join(self.opts.command)}"
         )
-        code = self._start_all()
-        if code is not None:
-            return code
+        return self._start_all()
 
-        deadline = None if self.opts.timeout is None else start + self.opts.timeout
-        result: Optional[int] = None  # decided exit code, once known
-        stopping = False
-        stop_signal = signal.SIGTERM
-        kill_at: Optional[float] = None
-        killed = False
-        received_signal: Optional[int] = None
+    def _poll(self, now: float) -> None:
+        """Between events, while the job is not stopping."""
 
-        while self._alive():
-            now = time.monotonic()
-            waits = [0.5]
-            if deadline is not None and not stopping:
-                waits.append(deadline - now)
-            if kill_at is not None and not killed:
-                waits.append(kill_at - now)
-            try:
-                event = self.events.get(timeout=max(0.0, min(waits)))
-            except queue.Empty:
-                event = None
-            now = time.monotonic()
+    def _over(self) -> bool:
+        return not self._alive()
 
-            if (event is not None and event[0] == "exit" and event[2] != 0 and result is None
-                    and not stopping):
-                event = self._first_failure(event)
-            if event is not None and event[0] == "exit":
-                _, rank, rc, _ = event
-                run = self.running[rank]
-                run.returncode = rc
-                if rc != 0 and result is None and not stopping:
-                    result = _exit_code(rc)
-                    others = len(self._alive())
-                    tail = f"; stopping the other {_plural(others, 'local worker')}"
-                    self.error(
-                        f"worker {rank} ({run.worker.spec}) {_describe_exit(rc)}"
-                        + (tail if others else "")
-                    )
-                    stopping = True
-                    stop_signal = signal.SIGTERM
-                    self._signal_all(stop_signal)
-                    kill_at = now + GRACE_SECONDS
-                elif rc != 0 and result is None and received_signal is not None:
-                    result = _exit_code(rc)
-            elif event is not None and event[0] == "signal":
-                signum = event[1]
-                name = signal.Signals(signum).name
-                if not stopping:
-                    received_signal = signum
-                    stopping = True
-                    stop_signal = signum
-                    self.info(
-                        f"received {name}; forwarding it to {_plural(len(self._alive()), 'worker')}"
-                    )
-                    self._signal_all(signum)
-                    kill_at = now + GRACE_SECONDS
-                elif not killed:
-                    self.error(f"received {name} again; killing the workers")
-                    self._signal_all(signal.SIGKILL)
-                    killed = True
+    def _on_exit(self, event: tuple, now: float) -> None:
+        """A worker exited: the first failure stops the job (its exit code is the job's)."""
+        if event[2] != 0 and self.result is None and not self.stopping:
+            event = self._first_failure(event)
+        _, rank, rc, _ = event
+        run = self.running[rank]
+        run.returncode = rc
+        if rc != 0 and self.result is None and not self.stopping:
+            others = len(self._alive())
+            tail = f"; stopping the other {_plural(others, 'local worker')}"
+            self.error(f"worker {rank} ({run.worker.spec}) {_describe_exit(rc)}"
+                       + (tail if others else ""))
+            self._stop(_exit_code(rc), signal.SIGTERM, now)
+        elif rc != 0 and self.result is None and self.received_signal is not None:
+            self.result = _exit_code(rc)
 
-            if deadline is not None and not stopping and now >= deadline:
-                alive = _plural(len(self._alive()), "worker")
-                self.error(
-                    f"timeout: the job did not finish within "
-                    f"{_fmt_seconds(self.opts.timeout)}; stopping {alive}"
-                )
-                result = EXIT_TIMEOUT
-                stopping = True
-                stop_signal = signal.SIGTERM
-                self._signal_all(stop_signal)
-                kill_at = now + GRACE_SECONDS
+    def _conclude(self) -> None:
+        """The loop ended (before _close)."""
 
-            if kill_at is not None and not killed and now >= kill_at and self._alive():
-                alive = ", ".join(str(r.worker.rank) for r in self._alive())
-                self.error(
-                    f"workers {alive} still running {_fmt_seconds(GRACE_SECONDS)} after "
-                    f"{signal.Signals(stop_signal).name}; sending SIGKILL"
-                )
-                self._signal_all(signal.SIGKILL)
-                killed = True
+    def _close(self) -> None:
+        """After the loop, however it ended."""
 
-        self._drain()
-        if result is None:
-            if received_signal is not None:
-                result = 128 + received_signal
-            else:
-                result = 0
-                self.info(
-                    f"{'all ' if len(mine) > 1 else ''}{_plural(len(mine), 'worker')} "
-                    f"finished successfully in "
-                    f"{time.monotonic() - start:.1f}s"
-                )
-        return result
+    def _success(self) -> int:
+        """The exit code when no failure, timeout or signal decided it."""
+        n = len(self.mine)
+        self.info(f"{'all ' if n > 1 else ''}{_plural(n, 'worker')} finished successfully in "
+                  f"{time.monotonic() - self.start:.1f}s")
+        return 0
 
 
 def _taken(hosts: Sequence[HostSpec], port_range: Tuple[int, int]) -> List[str]:

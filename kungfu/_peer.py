@@ -102,6 +102,12 @@ def started() -> bool:
     return _peer is not None
 
 
+def identity():
+    """The started native peer, or this worker's identity from its environment (rank, size,
+    local rank and size) when it has not connected yet."""
+    return get() if _peer is not None else identity_from_env()
+
+
 def joining() -> bool:
     """Whether this is a worker of an elastic job that joins a running cluster and has not
     connected yet (it connects when kf.Hook syncs it, not on import)."""

@@ -43,10 +43,11 @@ READY_PREFIX = "cluster/ready/"
 FAILED_PREFIX = "cluster/failed/"  # a launcher's word that a joiner died before the switch
 SWITCHED_PREFIX = "cluster/switched/"  # rank 0's word that the workers switch to a version
 DONE_KEY = "cluster/done"  # written when training has finished (the launchers may exit)
-# Recovery from a failure in cluster version v (kungfu/_elastic.py, Elastic.recover):
+# Recovery from a failure in cluster version v (kungfu/elastic/_protocol.py, Elastic.recover):
 ALIVE_PREFIX = "cluster/alive/"  # alive/<v>/<peer> = the survivor's last commit
 DEAD_PREFIX = "cluster/dead/"  # dead/<peer> = the version its dead worker was started for
 RECOVERED_PREFIX = "cluster/recovered/"  # recovered/<v> = the survivors' decision (first wins)
+COOLDOWN_PREFIX = "cluster/cooldown/"  # cooldown/<host> = time.time() until which it gets no worker
 REQUEST_TIMEOUT = 5.0  # seconds
 MAX_VALUE_BYTES = 1 << 20  # a configuration of ~50k peers; the store holds nothing bigger
 IDLE_TIMEOUT = 10.0  # seconds a client of the builtin server may stay silent mid-request
@@ -206,6 +207,22 @@ class Store:
 
     def recovery(self, version: int) -> Optional[str]:
         return self.get(f"{RECOVERED_PREFIX}{version}")[0]
+
+    def cool_down(self, host: str, until: float) -> None:
+        """A launcher's word that `host` gets no new worker before `until` (time.time())."""
+        self.put(f"{COOLDOWN_PREFIX}{host}", repr(float(until)))
+
+    def cooling_hosts(self, now: float) -> Dict[str, float]:
+        """{host: until} of the hosts that get no new worker at time `now` (time.time())."""
+        out = {}
+        for k, v in self.list(COOLDOWN_PREFIX).items():
+            try:
+                until = float(v)
+            except ValueError:
+                continue
+            if until > now:
+                out[k[len(COOLDOWN_PREFIX):]] = until
+        return out
 
     def recoveries(self) -> int:
         """How many failures the job has recovered from (or is recovering from)."""

@@ -24,7 +24,7 @@ import numpy as np
 
 from kungfu import _peer
 
-# Decision kinds in the order they are applied ("resize" and "elastic": kungfu/_elastic.py).
+# Decision kinds in the order they are applied ("resize" and "elastic": kungfu/elastic/_protocol.py).
 KINDS = ("strategy", "batch_size", "learning_rate", "resize", "elastic")
 
 _round: Optional[Dict[str, object]] = None  # decisions of the current round, if one is open
@@ -43,6 +43,11 @@ def close_round() -> Dict[str, object]:
 
 def in_round() -> bool:
     return _round is not None
+
+
+def recorded(kind: str) -> bool:
+    """Whether the open round holds a decision of this kind."""
+    return _round is not None and kind in _round
 
 
 def _record(kind: str, value) -> bool:

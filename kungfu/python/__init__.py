@@ -33,14 +33,14 @@ def all_reduce_int_max(x: int) -> int:
 
 def detached() -> bool:
     """Whether a resize removed this worker from the cluster."""
-    from kungfu import _elastic
+    from kungfu import elastic as _elastic
 
     return _elastic.detached()
 
 
 def resize(n: int) -> bool:
     """KungFu's resize: asks for n workers (from a policy hook run by kf.Hook; see kf.resize)."""
-    from kungfu import _elastic
+    from kungfu import elastic as _elastic
 
     return _elastic.resize(n)
 

@@ -29,6 +29,10 @@ epoch, so `before_step` runs once more there without a step following.
 Every worker runs the same hooks at the same steps, so policies may call collectives
 (`kf.allreduce(kf.grad_noise_scale(), "avg")`) in them.
 
+Resize and recovery are the membership state machine's (kungfu/elastic); the Hook drives it
+and is its trainer: `self.membership`, with TensorFlow's variables bound by
+kungfu/tensorflow/_variables.py.
+
 Recovery (an elastic job with kungfu's data: model.fit, or a custom loop's step wrapped by
 `guard`): the Hook commits the training state in memory at every step boundary (after the
 step's decisions were applied) and at every epoch end:
@@ -36,9 +40,9 @@ the variables it syncs to joiners (model, optimizer, monitor; their current tens
 TensorFlow copies on the next write), its own state, the policies' state and the data position.
 It wraps Keras's train function: when a collective fails because a peer died or hangs (in the
 step, or in the Hook's own agreement), the survivors agree on who is left and on the commit to
-roll back to (kungfu/_elastic.py, Elastic.recover), restore it, redo the commits this worker
-had made since (at most one), and redo the failed step on the same samples, now split among
-the survivors. Keras sees one step.
+roll back to (Membership.recover), restore it, redo the commits this worker had made since
+(at most one), and redo the failed step on the same samples, now split among the survivors.
+Keras sees one step.
 
 With `checkpoint="path"`, rank 0 also writes the commit to that file (every `checkpoint_every`
 steps and at each epoch's end, atomically), and training that starts with the file there resumes
@@ -46,24 +50,20 @@ from it, at any cluster size (docs/elastic.md, "The loss of the whole job").
 """
 from __future__ import annotations
 
-import collections
-import copy
-import dataclasses
 import os
-import pickle
 import sys
 import time
 import warnings
 from typing import List, Optional
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from kungfu import _elastic, _env, _peer, errors
+from kungfu import _peer, elastic as _elastic, errors
+from kungfu.elastic import Membership
 from kungfu.policy import HOOKS, BasePolicy, TrainingState, _actions, call_hook
-from kungfu.store import ClusterConfig, StoreError
 from kungfu.tensorflow import _monitor
+from kungfu.tensorflow._variables import KerasVariables
 
 
 def _lower_priority() -> None:
@@ -81,45 +81,10 @@ def _lower_priority() -> None:
             pass
 
 
-def _describe(variables: list) -> list:
-    """[(name, shape, dtype name)] of variables, to compare them across workers."""
-    return [(getattr(v, "path", None) or v.name, tuple(int(d) for d in v.shape),
-             tf.as_dtype(v.dtype).name) for v in variables]
-
-
-def _mismatch(ours: list, theirs: list, here: str = "this joiner",
-              there: str = "rank 0") -> str:
-    """Why `here`'s variables cannot take those of `there` (described by _describe); "" if
-    they can (the same model and optimizer, built the same way)."""
-    mine = _describe(ours)
-    if len(mine) != len(theirs):
-        return (f"kungfu: {here} has {len(mine)} variables to sync, {there} has "
-                f"{len(theirs)}: build the same model and optimizer")
-    for (name, shape, dtype), (rname, rshape, rdtype) in zip(mine, theirs):
-        if (shape, dtype) != (rshape, rdtype):
-            return (f"kungfu: variable {name} is {dtype}{list(shape)} in {here}, but "
-                    f"{there}'s ({rname}) is {rdtype}{list(rshape)}")
-    return ""
-
-
 # Failures the survivors recover from: a peer died or stopped answering (in a TensorFlow op or in a
 # collective of the Hook's own). Anything else (peers that disagree, bad input) is raised.
 RECOVERABLE = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
                errors.PeerFailedError, errors.OpTimeoutError)
-
-
-@dataclasses.dataclass
-class _Commit:
-    """The training state at a step boundary ("start", "step": after a step's decisions, or
-    "epoch": after an epoch's); `seq` numbers them the same on every worker."""
-
-    seq: int
-    kind: str
-    variables: list  # what was kept (a custom loop's optimizer knows its own after a step)
-    tensors: list
-    state: TrainingState
-    policies: list
-    data: Optional[tuple]
 
 
 def monitor_logs(optimizer) -> dict:
@@ -128,15 +93,6 @@ def monitor_logs(optimizer) -> dict:
     if monitor is None:
         return {}
     return {_monitor.LOG_KEYS[m]: monitor.value(m) for m in monitor.monitors}
-
-
-def _first_line(e: Exception) -> str:
-    """The runtime's message: a TensorFlow op error puts it after its traceback, before the
-    "[[{{node ...}}]]" line."""
-    lines = [ln.strip() for ln in getattr(e, "message", str(e)).splitlines()]
-    lines = [ln for ln in lines if ln and not ln.startswith(("[[", "File ", "Graph execution",
-                                                             "Detected at node"))]
-    return lines[-1] if lines else type(e).__name__
 
 
 def _numbers(logs) -> dict:
@@ -162,8 +118,7 @@ class Hook(keras.callbacks.Callback):
                              f"{checkpoint_every!r}")
         # A file rank 0 keeps the last commit in (every `checkpoint_every` steps and at each
         # epoch's end); training that starts with it there resumes from it (see _resume).
-        self.checkpoint = None if checkpoint is None else os.fspath(checkpoint)
-        self.checkpoint_every = checkpoint_every
+        checkpoint = None if checkpoint is None else os.fspath(checkpoint)
         for p in policies:
             if not isinstance(p, BasePolicy):
                 raise TypeError(f"kf.Hook takes kf.BasePolicy instances, got {type(p).__name__}")
@@ -174,17 +129,15 @@ class Hook(keras.callbacks.Callback):
         self.state = TrainingState()
         self._step_start: Optional[float] = None
         self.exit_on_detach = exit_on_detach
-        self.detached = False
         self.rehearsed = False  # a joiner in model.fit: ran its step before reporting ready
-        self._epochs_total: Optional[int] = None
+        self.epochs_total: Optional[int] = None
         self._epoch_shift = 0  # a joiner's epoch minus its Keras epoch
         self._resumed = False  # a joiner whose first Keras epoch continues the others' epoch
-        self._recovering = False  # commits and recovery on (an elastic job; see guard)
-        self._commits: collections.deque = collections.deque(maxlen=2)
-        self._commit_seq = 0
         self._train_fn = None  # Keras's own train function (the model's is wrapped)
-        self.recoveries: List[dict] = []  # what this worker survived (see _recover)
-        self._replace_to: Optional[int] = None  # the size to restore after a recovery
+        # Resize, recovery, commits and the checkpoint (kungfu/elastic).
+        self.membership = Membership(self, KerasVariables(self))
+        self.membership.checkpoint = checkpoint
+        self.membership.checkpoint_every = checkpoint_every
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -203,8 +156,7 @@ class Hook(keras.callbacks.Callback):
             call_hook(p, hook, self.state)
 
     def _agree_and_apply(self) -> None:
-        self._check_pending_resize()
-        self._request_replacement()
+        self.membership.before_agree()
         decisions = _actions.close_round()
         # One name for every round: the k-th round of a worker meets the k-th of the others
         # (the runtime numbers successive uses of a name; a new cluster version starts over).
@@ -227,7 +179,7 @@ class Hook(keras.callbacks.Callback):
         monitor = getattr(self.optimizer, "kungfu_monitor", None)
         if monitor is not None:
             monitor.set_batch_size(b)
-        self._refresh_sizes()
+        self.refresh_sizes()
 
     def _apply_learning_rate(self, lr: float) -> None:
         opt = self.optimizer
@@ -241,228 +193,24 @@ class Hook(keras.callbacks.Callback):
                                f"(a schedule?): {e}") from e
         self.state.learning_rate = lr
 
-    # -- elasticity (kungfu/_elastic.py has the protocol) ----------------------------------
-
-    def _check_pending_resize(self) -> None:
-        """Rank 0, while a resize waits for its joiners: decide to switch or to give up."""
-        import kungfu as kf
-
-        ctx = _elastic.context()
-        if ctx.pending is None or kf.rank() != 0:
-            return
-        if self.data is not None and self.state.samples_in_epoch >= len(self.data):
-            return  # never after an epoch's last step: a joiner's first epoch would be empty
-        try:
-            failed = ctx.failed()
-            ready = not failed and ctx.ready()
-            if ready:
-                failed = ctx.commit_switch()
-                ready = not failed
-        except StoreError as e:
-            warnings.warn(f"kungfu: cannot read the config store: {e}")
-            failed, ready = [], False
-        if ready:
-            _actions._record("elastic", {"switch": ctx.pending.version})
-        elif failed:
-            _actions._record("elastic", {"abandon": ctx.pending.version,
-                                         "why": f"new worker {', '.join(failed)} failed"})
-        elif ctx.overdue():
-            _actions._record("elastic", {"abandon": ctx.pending.version})
-
-    def _request_replacement(self) -> None:
-        """Rank 0, after a recovery: asks for new workers in place of the lost ones (a resize
-        back to the size before the failure; see kungfu/_elastic.py)."""
-        import kungfu as kf
-
-        n, self._replace_to = self._replace_to, None
-        if n is None or kf.rank() != 0 or n <= kf.size():
-            return
-        _actions._record("resize", min(n, _elastic.context().max_size()))
+    # -- elasticity (kungfu/elastic: the membership state machine) ------------------------------
 
     def _apply_resize(self, n: int) -> None:
         import kungfu as kf
 
-        ctx = _elastic.context()
-        if ctx.pending is not None:
-            warnings.warn(f"kungfu: resize to {n} ignored: the resize to "
-                          f"{len(ctx.pending.peers)} is still in progress")
-            return
-        if n == kf.size():
-            return
-        if self.model is not None and self.data is None and n > kf.size():
+        if (self.model is not None and self.data is None and n > kf.size()
+                and _elastic.context().pending is None):
             raise RuntimeError("growing the cluster in model.fit needs kungfu's data: pass "
                                "data=kf.ElasticData(...) to kf.Hook (joiners continue from its "
                                "sample offset)")
-        # Rank 0 broadcasts what it wrote, or why it wrote nothing ("!" and the reason).
-        proposal = ""
-        if kf.rank() == 0:
-            try:
-                new = ctx.propose(n)
-                proposal = new.to_json() if new is not None else "!the stored configuration changed"
-            except StoreError as e:  # the others wait in the broadcast: tell them, go on
-                proposal = f"!{e}"
-        proposal = self._broadcast_blob(proposal.encode(), "kungfu/elastic/propose").decode()
-        if proposal.startswith("!"):
-            warnings.warn(f"kungfu: resize to {n} failed: {proposal[1:]}; training goes on with "
-                          f"{kf.size()}")
-            return
-        new = ClusterConfig.from_json(proposal)
-        if ctx.joiners(new):
-            ctx.pending, ctx.pending_since = new, time.monotonic()
-        else:
-            self._switch(new)
+        self.membership.apply_resize(n)
 
     def _apply_elastic(self, decision: dict) -> None:
-        import kungfu as kf
+        self.membership.apply_elastic(decision)
 
-        ctx = _elastic.context()
-        if ctx.pending is None:
-            return
-        if "switch" in decision:
-            self._switch(ctx.pending)
-        else:
-            ctx.abandon(kf.rank(), decision.get("why"))
+    # What the membership machine needs of its trainer (kungfu.elastic.Trainer).
 
-    def _switch(self, new: ClusterConfig) -> None:
-        ctx = _elastic.context()
-        joiners = ctx.joiners(new)
-        if not ctx.switch(new):
-            self.detached = True
-            _lower_priority()
-            if getattr(self, "model", None) is not None:
-                self.model.stop_training = True
-            return
-        if joiners:
-            self._sync(joining=False)
-        self._refresh_sizes()
-
-    def _broadcast_blob(self, blob: bytes, name: str) -> bytes:
-        """rank 0's bytes on every worker."""
-        import kungfu as kf
-
-        n = int(kf.broadcast(np.array([len(blob)], np.int64), name=f"{name}/length")[0])
-        data = np.frombuffer(blob, np.uint8) if kf.rank() == 0 else np.zeros(n, np.uint8)
-        return kf.broadcast(data, name=f"{name}/bytes").tobytes()
-
-    def _synced_variables(self) -> list:
-        from kungfu.tensorflow.initializer import _optimizer_variables
-
-        opt = self.optimizer
-        variables = []
-        if getattr(self, "model", None) is not None:
-            variables = list(self.model.weights) + _optimizer_variables(self.model)
-        elif opt is not None:
-            variables = list(opt.variables)
-        monitor = getattr(opt, "kungfu_monitor", None)
-        if monitor is not None:
-            variables += [monitor.batch_size, monitor.stats, monitor.gns_state,
-                          monitor.variance_state]
-            variables += [monitor.values[m] for m in monitor.monitors]
-        return variables
-
-    def _state_variables(self) -> list:
-        """What a commit holds: the synced variables, and in a custom loop (no Keras model) also
-        the variables the optimizer trains (it knows them once it has applied a step)."""
-        variables = self._synced_variables()
-        if getattr(self, "model", None) is None and self.optimizer is not None:
-            mine = {id(v) for v in variables}
-            variables += [v for v in getattr(self.optimizer, "_trainable_variables", [])
-                          if id(v) not in mine]
-        return variables
-
-    def _sync(self, joining: bool) -> None:
-        """After a switch with joiners: rank 0's training state on the joiners. The variables
-        (model, optimizer, monitor) go straight from rank 0 to each joiner: rank 0 lends them to
-        its store, each joiner requests them (peer-to-peer; the joiners in parallel). The
-        workers that stay keep their own and take no part in that (synchronous training keeps
-        the trainable ones and the optimizer's equal to rank 0's; non-trainable state such as
-        BatchNorm statistics stays each worker's own, as between resizes). Every worker also
-        takes rank 0's Hook state, data position and policy state (small, broadcast first: it
-        tells the joiners that the variables are published, and what they are, so that a
-        joiner whose variables differ fails, and everyone with it, before any transfer)."""
-        import kungfu as kf
-        from kungfu import _collective
-        from kungfu.tensorflow import ops
-
-        prefix = f"kungfu/elastic/{_elastic.context().current.version}"
-        variables = self._synced_variables()
-        names = [f"{prefix}/var/{i}" for i in range(len(variables))]
-        mine = b""
-        try:
-            if kf.rank() == 0:
-                for name, v in zip(names, variables):  # lent, not copied
-                    ops.save_variable(tf.convert_to_tensor(v), name=name)
-                state = dataclasses.replace(self.state, logs={})
-                mine = pickle.dumps({
-                    "state": state,
-                    "epochs_total": self._epochs_total,
-                    "batch_size": None if self.data is None else self.data.batch_size,
-                    "policies": [p.state_dict() for p in self.policies],
-                    "variables": _describe(variables),
-                    "commit_seq": self._commit_seq,  # the others commit next: the joiners too
-                })
-            # After rank 0 published: a joiner that has this may request the variables.
-            got = pickle.loads(self._broadcast_blob(mine, f"{prefix}/state"))
-            problem = _mismatch(variables, got["variables"]) if joining else ""
-            # Everyone learns whether a joiner cannot take them, and fails: none waits.
-            if kf.allreduce(int(bool(problem)), "max", name=f"{prefix}/check"):
-                raise RuntimeError(problem or "kungfu: a joiner's variables do not match rank "
-                                   "0's (its log names the first that differs): the resize "
-                                   "cannot complete")
-            if joining:
-                for name, v in zip(names, variables):
-                    v.assign(ops.request_variable(0, v.shape, v.dtype, name=name))
-            _collective.barrier(f"{prefix}/synced")  # every joiner holds its copy
-        finally:
-            if kf.rank() == 0:
-                for name in names:
-                    _collective.drop(name)
-        if kf.rank() == 0:
-            return
-        self._epochs_total = got["epochs_total"]
-        self._commit_seq = got["commit_seq"]
-        self._take(got["state"], got["policies"], None if self.data is None else (
-            got["state"].epoch, got["state"].samples_in_epoch, got["batch_size"],
-            self.data.last_length))
-
-    def _take(self, state: TrainingState, policies: list, position: Optional[tuple]) -> None:
-        """Takes a training state: the Hook's, the policies', and the data position (epoch,
-        offset, batch size, last length; None: leave it)."""
-        self.state = copy.deepcopy(state)
-        for p, st in zip(self.policies, policies):
-            p.load_state_dict(st)
-        if self.data is not None and position is not None:
-            d = self.data
-            d.epoch, d.offset, d.batch_size, d.last_length = position
-
-    def _join(self) -> None:
-        """A worker joining a running elastic job: connect, then take the others' state."""
-        if self.data is None and getattr(self, "model", None) is not None:
-            raise RuntimeError("a worker joining an elastic job continues from the others' "
-                               "sample offset: pass data=kf.ElasticData(...) to kf.Hook")
-        _elastic.context().join()
-        self._sync(joining=True)
-        self._resumed = True
-        self._epoch_shift = self.state.epoch
-        self._refresh_sizes()
-
-    def _rehearse(self) -> None:
-        """A joiner in model.fit, before it reports ready: runs one training step alone (a
-        cluster of one, on a batch of weight 0), so that tracing the step function and its
-        first run happen while the others keep training, not in the pause after the switch.
-        What the step changed is then replaced by rank 0's state (_sync)."""
-        fn = getattr(getattr(self, "model", None), "train_function", None)
-        if fn is None or self.data is None:
-            return
-        try:
-            with _peer.solo():
-                fn(iter(self.data.rehearsal_dataset()))
-            self.rehearsed = True
-        except Exception as e:  # noqa: BLE001 - the real first step then traces; say why
-            warnings.warn(f"kungfu: this joiner could not rehearse its training step ({e}); "
-                          "it is traced after the switch instead")
-
-    def _refresh_sizes(self) -> None:
+    def refresh_sizes(self) -> None:
         import kungfu as kf
 
         s = self.state
@@ -478,129 +226,64 @@ class Hook(keras.callbacks.Callback):
             except Exception:  # noqa: BLE001 - a schedule or no learning rate: leave it
                 pass
 
-    # -- recovery (kungfu/_elastic.py has the protocol) ------------------------------------------
+    def on_detached(self) -> None:
+        _lower_priority()
+        if getattr(self, "model", None) is not None:
+            self.model.stop_training = True
 
-    def _commit(self, kind: str, durable: bool = True) -> None:
-        """Keeps the training state at this step boundary (and the one before); rank 0 also
-        writes it to the checkpoint file, when there is one, every checkpoint_every steps and
-        at each epoch's end."""
-        if not self._recovering and self.checkpoint is None:
+    @property
+    def detached(self) -> bool:
+        """Whether a resize (or the survivors of a failure) left this worker out."""
+        return self.membership.detached
+
+    @property
+    def recoveries(self) -> List[dict]:
+        """The failures this worker survived: who was lost, when, and the recovery's times."""
+        return self.membership.recoveries
+
+    def _join(self) -> None:
+        """A worker joining a running elastic job: connect, then take the others' state."""
+        if self.data is None and getattr(self, "model", None) is not None:
+            raise RuntimeError("a worker joining an elastic job continues from the others' "
+                               "sample offset: pass data=kf.ElasticData(...) to kf.Hook")
+        self.membership.join()
+        self._resumed = True
+        self._epoch_shift = self.state.epoch
+
+    def _rehearse(self) -> None:
+        """A joiner in model.fit, before it reports ready: runs one training step alone (a
+        cluster of one, on a batch of weight 0), so that tracing the step function and its
+        first run happen while the others keep training, not in the pause after the switch.
+        What the step changed is then replaced by rank 0's state (Membership._sync)."""
+        fn = getattr(getattr(self, "model", None), "train_function", None)
+        if fn is None or self.data is None:
             return
-        self._commit_seq += 1
-        data = None
-        if self.data is not None:
-            d = self.data
-            data = (d.epoch, d.offset, d.batch_size, d.last_length, len(d.served))
-        variables = self._state_variables()
-        self._commits.append(_Commit(
-            self._commit_seq, kind, variables, [tf.identity(v) for v in variables],
-            copy.deepcopy(dataclasses.replace(self.state, logs={})),
-            [p.state_dict() for p in self.policies], data))
-        if self.state.rank == 0 and self._checkpoint_due(kind, durable):
-            self._save_checkpoint(self._commits[-1])
+        try:
+            with _peer.solo():
+                fn(iter(self.data.rehearsal_dataset()))
+            self.rehearsed = True
+        except Exception as e:  # noqa: BLE001 - the real first step then traces; say why
+            warnings.warn(f"kungfu: this joiner could not rehearse its training step ({e}); "
+                          "it is traced after the switch instead")
 
-    def _checkpoint_due(self, kind: str, durable: bool) -> bool:
-        if self.checkpoint is None or not durable:
-            return False
-        if kind == "epoch":
-            return True
-        # Not at an epoch's last step: the epoch's own commit follows at once.
-        at_end = self.data is not None and self.data.offset >= len(self.data)
-        return kind == "step" and self.state.step % self.checkpoint_every == 0 and not at_end
-
-    def _save_checkpoint(self, c: _Commit) -> None:
-        """Writes commit `c` to the checkpoint file atomically (a temporary file, flushed to
-        disk, renamed over the old one): a crash leaves the previous checkpoint whole."""
-        payload = pickle.dumps({
-            "format": 1, "arrays": [t.numpy() for t in c.tensors],
-            "variables": _describe(c.variables), "state": c.state,
-            "policies": c.policies, "data": None if c.data is None else c.data[:4],
-            "epochs_total": self._epochs_total})
-        tmp = f"{self.checkpoint}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.checkpoint)
+    # -- recovery (kungfu/elastic has the protocol and the commits) ------------------------------
 
     def _resume(self) -> bool:
-        """At the start of training, when the checkpoint file exists: rank 0 reads it and every
-        worker takes its state (variables, Hook and policy state, data position), whatever the
-        cluster size was when it was written. Returns whether it did."""
-        import kungfu as kf
-
-        blob = b""
-        if kf.rank() == 0 and os.path.exists(self.checkpoint):
-            with open(self.checkpoint, "rb") as f:
-                blob = f.read()
-        if kf.size() > 1:
-            blob = self._broadcast_blob(blob, "kungfu/checkpoint")
-        if not blob:
+        """At the start of training, when the checkpoint file exists: every worker takes its
+        state (Membership.resume) and Keras's first epoch continues the checkpoint's."""
+        if not self.membership.resume():
             return False
-        got = pickle.loads(blob)
-        variables = self._state_variables()
-        problem = _mismatch(variables, got["variables"], "this model",
-                            f"the checkpoint {self.checkpoint}")
-        if problem:
-            raise ValueError(problem)
-        for v, a in zip(variables, got["arrays"]):
-            v.assign(a)
-        self._take(got["state"], got["policies"], got["data"])
         # Keras counts epochs from 0 again: its first is the checkpoint's epoch, continued
         # (mid-epoch) or begun (written at an epoch's end).
         self._resumed = self.state.step_in_epoch > 0
         self._epoch_shift = self.state.epoch
-        if self._epochs_total is None:
-            self._epochs_total = got["epochs_total"]
-        print(f"kungfu: resumed from {self.checkpoint} at step {self.state.step} (epoch "
-              f"{self.state.epoch}, {self.state.samples_in_epoch} samples into it)",
-              file=sys.stderr, flush=True)
         return True
 
-    def _restore(self, c: _Commit) -> None:
-        for v, t in zip(c.variables, c.tensors):
-            v.assign(t)
-        self._take(c.state, c.policies, None if c.data is None else c.data[:4])
-        if c.data is not None:
-            del self.data.served[c.data[4]:]
-        self._commit_seq = c.seq
-        self._commits = collections.deque([c], maxlen=2)
-
     def _recover(self, error: Exception) -> None:
-        """A collective failed: with the other survivors, leave the lost peers behind and roll
-        back to the commit every survivor holds; then redo this worker's commits since. Raises
-        `error` itself when recovery is off or not possible."""
-        if not self._recovering or not self._commits:
-            raise error
-        failed_at = time.time()
-        kinds = [c.kind for c in self._commits]
-        try:
-            rec = _elastic.context().recover(self._commits[-1].seq, _first_line(error))
-        except _elastic.ExpelledError as e:
-            self.detached = True
-            raise e from error
-        target = next((c for c in self._commits if c.seq == rec.commit), None)
-        if target is None:
-            raise RuntimeError(f"kungfu: the survivors roll back to commit {rec.commit}, but this "
-                               f"worker holds {[c.seq for c in self._commits]}") from error
-        redo = kinds[[c.seq for c in self._commits].index(rec.commit) + 1:]
-        self._restore(target)
-        self._refresh_sizes()
-        # Times (time.time()) for benchmarks/recovery_latency.py; "step_done_at" is added when
-        # a step was first trained again (_train_again).
-        record = {"version": rec.failed, "lost": rec.lost, "size": len(rec.config.peers),
-                  "step": self.state.step, "cause": _first_line(error),
-                  "failed_at": failed_at, "agreed_at": rec.agreed_at,
-                  "rebuilt_at": rec.rebuilt_at, "restored_at": time.time()}
-        self.recoveries.append(record)
-        if _env.REPLACE.get():
-            self._replace_to = len(rec.config.peers) + len(rec.lost)
-        print(f"kungfu: rank {self.state.rank}: lost {', '.join(rec.lost) or 'no peer'} "
-              f"({record['cause']}); {len(rec.config.peers)} "
-              f"{'worker goes' if len(rec.config.peers) == 1 else 'workers go'} on from step "
-              f"{self.state.step} (recovered in {record['restored_at'] - failed_at:.2f}s)",
-              file=sys.stderr, flush=True)
-        for kind in redo:  # at most one: a commit this worker made that another had not
+        """A collective failed: roll back with the other survivors (Membership.recover), then
+        redo this worker's commits since. Raises `error` itself when recovery is off or not
+        possible."""
+        for kind in self.membership.recover(error):  # at most one
             if kind == "epoch":
                 self._end_epoch()
             else:
@@ -652,7 +335,7 @@ class Hook(keras.callbacks.Callback):
                              "(...)), and batches from data.epoch_batches()")
         if not _elastic.context().enabled:
             return train_step
-        self._recovering = True
+        self.membership.recovering = True
         return self._guard(train_step)
 
     # -- the hooks, for custom loops ----------------------------------------------------------
@@ -661,14 +344,14 @@ class Hook(keras.callbacks.Callback):
         self._epochs_begun = 0
         if _peer.joining():
             self._join()
-            self._commit("start")
+            self.membership.commit("start")
             return  # the others are in the middle of training: join them at their next step
-        resumed = self.checkpoint is not None and self._resume()
-        self._refresh_sizes()
+        resumed = self.membership.checkpoint is not None and self._resume()
+        self.refresh_sizes()
         if not resumed:
             self._run("before_train")
         self._agree_and_apply()
-        self._commit("start")
+        self.membership.commit("start")
 
     def before_epoch(self, epoch: Optional[int] = None) -> None:
         self._epochs_begun += 1
@@ -723,14 +406,14 @@ class Hook(keras.callbacks.Callback):
                 logs.update(_numbers(redone))
             self.after_step(logs)
             return
-        self._commit("step")
+        self.membership.commit("step")
 
     def after_epoch(self, logs: Optional[dict] = None) -> None:
         if logs is not None:
             logs.update(monitor_logs(self.optimizer))
             self.state.logs = logs
         self._end_epoch()
-        if (self._epochs_total is not None and self.state.epoch >= self._epochs_total
+        if (self.epochs_total is not None and self.state.epoch >= self.epochs_total
                 and getattr(self, "model", None) is not None):
             self.model.stop_training = True  # a joiner's Keras counts its epochs from 0
 
@@ -753,7 +436,7 @@ class Hook(keras.callbacks.Callback):
         self.state.step_in_epoch = self.state.samples_in_epoch = 0
         if d is not None and (d.attached or at_end):
             d.next_epoch()
-        self._commit("epoch", durable=whole)
+        self.membership.commit("epoch", durable=whole)
 
     def after_train(self) -> None:
         self._run("after_train")
@@ -764,14 +447,7 @@ class Hook(keras.callbacks.Callback):
             self.after_train()
             return
         _actions.close_round()
-        ctx = _elastic.context()
-        if ctx.enabled and not self.detached:
-            import kungfu as kf
-
-            if ctx.pending is not None:
-                ctx.abandon(kf.rank(), "training ended before its new workers were ready")
-            if kf.rank() == 0:
-                ctx.finish()
+        self.membership.finish()
 
     # -- Keras ----------------------------------------------------------------------------------
 
@@ -781,12 +457,12 @@ class Hook(keras.callbacks.Callback):
         spe = getattr(self.model, "steps_per_execution", 1)
         if self.data is not None and int(keras.ops.convert_to_numpy(spe)) != 1:
             raise ValueError("kf.Hook with kungfu data needs steps_per_execution=1")
-        self._epochs_total = (self.params or {}).get("epochs")
+        self.epochs_total = (self.params or {}).get("epochs")
         fn = getattr(self.model, "train_function", None)
         if _elastic.context().enabled and self.data is not None and fn is not None:
             fn = getattr(fn, "kungfu_guarded", fn)  # a second fit: wrap Keras's own again
             self.model.train_function = self._guard(fn)
-            self._recovering = True
+            self.membership.recovering = True
         if _peer.joining():
             self._rehearse()
             if self.data is not None:

@@ -55,6 +55,17 @@ def steps_of(records):
     return dict(sorted(by_step.items()))
 
 
+def sizes_of(steps) -> List[int]:
+    """The cluster sizes a run went through, by how many workers trained each step (steps_of);
+    each step's workers must end it with the same weights."""
+    sizes: List[int] = []
+    for step, rows in steps.items():
+        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
+        if not sizes or sizes[-1] != len(rows):
+            sizes.append(len(rows))
+    return sizes
+
+
 class WorkerError(AssertionError):
     """A worker raised, crashed, or did not finish in time."""
 

@@ -143,6 +143,9 @@ def main():
     p.add_argument("--wake-after", type=float, default=0.0,
                    help="with --hang: the stopped worker is continued (SIGCONT) this many "
                         "seconds later")
+    p.add_argument("--kill-while-lending", type=int, default=-1, metavar="RANK",
+                   help="the worker of this rank (in the first cluster) kills itself just after "
+                        "it lent its variables to the joiners of the first resize")
     p.add_argument("--checkpoint", help="kf.Hook's checkpoint file (resumes from it if there)")
     p.add_argument("--checkpoint-every", type=int, default=4)
     p.add_argument("--custom-loop", action="store_true",
@@ -215,6 +218,7 @@ def main():
             st = hook.state
             served = data.served[-1].tolist() if data.served else []
             out.write(json.dumps({"step": st.step, "epoch": st.epoch, "size": kf.size(),
+                                  "t": time.time(),
                                   "rank": kf.rank(), "served": served,
                                   "loss": float(logs["loss"]), "digest": weights_digest(),
                                   # the step's slice of the epoch's order: [start, length]
@@ -233,6 +237,15 @@ def main():
 
     hook = kf.Hook(policy, data=data, checkpoint=args.checkpoint,
                    checkpoint_every=args.checkpoint_every)
+    if args.kill_while_lending == kf.rank() and os.environ.get("KUNGFU_ELASTIC_JOINING") != "1":
+        binding = hook.membership.variables
+        lend = binding.lend
+
+        def lend_and_die(variables, names):
+            lend(variables, names)
+            fault(signal.SIGKILL)  # lent: the joiners are about to request them
+
+        binding.lend = lend_and_die
     if args.custom_loop:
         custom_loop(model, opt, data, hook, Record(), my_faults, fault)
     else:

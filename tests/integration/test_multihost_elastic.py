@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 # two_hosts is a fixture: importing it makes it available here.
-from conftest import steps_of  # noqa: E402
+from conftest import sizes_of, steps_of  # noqa: E402
 from test_multihost import REPO, PY, run_on_both, two_hosts  # noqa: E402,F401
 
 SCRIPT = REPO / "tests" / "integration" / "elastic_train.py"
@@ -71,14 +71,7 @@ def test_elastic_grow_to_second_host_and_shrink(hosts, tmp_path, monkeypatch):
 
     # Sizes, by the number of workers that trained each step: 1, then 3, then 1 again.
     steps = steps_of(records)
-    sizes = []
-    for rows in steps.values():
-        if not sizes or sizes[-1] != len(rows):
-            sizes.append(len(rows))
-    assert sizes == [1, 3, 1], sizes
-    # Every worker that trained a step ends it with the same weights.
-    for step, rows in steps.items():
-        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
+    assert sizes_of(steps) == [1, 3, 1], steps
 
     # b's worker trained as rank 2 of 3, then detached: it stopped before the end, with exit 0
     # (a detached worker leaves without a "done" record; its record of the step at which it
@@ -129,12 +122,6 @@ def test_a_host_that_loses_all_its_workers(hosts, tmp_path, monkeypatch):
     assert err_b.count("in place of the lost one") == 2, report
     assert err_b.count("survived: worker") == 2, report
     steps = steps_of(records)
-    sizes = []
-    for rows in steps.values():
-        if not sizes or sizes[-1] != len(rows):
-            sizes.append(len(rows))
-    assert sizes == [4, 2, 4], sizes
-    for step, rows in steps.items():
-        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
+    assert sizes_of(steps) == [4, 2, 4], steps
     finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
     assert len(finals) == 4 and {f["size"] for f in finals} == {4}, finals

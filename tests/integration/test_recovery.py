@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from conftest import steps_of  # noqa: E402
+from conftest import sizes_of, steps_of  # noqa: E402
 from test_elastic import SAMPLES, run_elastic  # noqa: E402
 
 # 240 samples, batch 8: 10 steps per epoch at 3 workers, 8 per epoch at 4 (the last one short).
@@ -158,14 +158,58 @@ def test_a_worker_killed_while_a_resize_waits_for_its_joiner(tmp_path):
     assert "not in the cluster any more; stopping it" in r.stderr, log
     assert "in place of the lost one" in r.stderr, log
     steps = steps_of(records)
-    sizes = []
-    for rows in steps.values():
-        if not sizes or sizes[-1] != len(rows):
-            sizes.append(len(rows))
-    assert sizes == [2, 1, 2], sizes
-    for step, rows in steps.items():
-        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
+    assert sizes_of(steps) == [2, 1, 2], steps
     _check_epochs(steps)
+
+
+@pytest.mark.timeout(240)
+def test_the_leader_killed_while_it_lends_variables_to_a_joiner(tmp_path):
+    # 2 workers grow to 3; rank 0 dies once it has lent its variables to the joiner. The joiner
+    # cannot finish its sync and fails; rank 1 alone recovers (it becomes rank 0), then
+    # replacements fill both lost slots, joining rank 1 (a replacement in slot 0 must not become
+    # rank 0: a joiner's state would overwrite the job's): 2, 1, 3 workers, every sample once,
+    # equal weights, and the steps go on from where they were.
+    r, records = run_elastic(tmp_path, 2, 3, "--schedule", "3", "--gap", "3", "--tail",
+                             "12", "--step-sleep", "0.05", "--kill-while-lending", "0")
+    log = r.stderr[-6000:]
+    assert r.returncode == 0, log
+    assert "survived: worker 0" in r.stderr, log
+    steps = steps_of(records)
+    assert sizes_of(steps) == [2, 1, 3], steps
+    _check_epochs(steps)
+    finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
+    assert len(finals) == 3 and {f["size"] for f in finals} == {3}, finals
+    assert len({f["step"] for f in finals}) == 1 and finals[0]["step"] == max(steps), finals
+    for rows in records.values():  # no worker's steps ever go back (a restart from 0)
+        numbers = [row["step"] for row in rows if "slice" in row]
+        assert numbers == sorted(numbers), numbers
+
+
+@pytest.mark.timeout(240)
+def test_a_host_that_fails_twice_gets_no_new_worker_while_it_cools_down(tmp_path):
+    # One host, 3 workers. Rank 2 dies at step 4 and is replaced. Rank 1 dies at step 60, well
+    # after: the host has failed twice, so it gets no new worker for the cool-down (8 s); the
+    # two survivors train on meanwhile, then the replacement joins: 3, 2, 3, 2, 3 workers.
+    cooldown = 8.0
+    r, records = run_elastic(tmp_path, 3, 3, "--schedule", "3", "--tail", "100000",
+                             "--max-steps", "200", "--step-sleep", "0.2", "--kill", "2@4+",
+                             "--kill", "1@60+", launcher_args=("-host-cooldown", "8s"))
+    log = r.stderr[-6000:]
+    assert r.returncode == 0, log
+    assert "host 127.0.0.1: its workers failed 2 times in" in r.stderr, log
+    assert "it gets no new worker for 8s" in r.stderr, log
+    steps = steps_of(records)
+    assert sizes_of(steps) == [3, 2, 3, 2, 3], steps
+    _check_epochs(steps)
+    # How long each size lasted, from its first step to the next size's first step. Both
+    # stretches of 2 workers wait for a replacement to start and join; the second also waits
+    # out the cool-down.
+    runs = []  # [size, time of its first step]
+    for rows in steps.values():
+        if not runs or runs[-1][0] != len(rows):
+            runs.append([len(rows), min(row["t"] for row in rows)])
+    first, second = runs[2][1] - runs[1][1], runs[4][1] - runs[3][1]
+    assert second - first >= cooldown - 3, (first, second)
 
 
 @pytest.mark.timeout(200)
@@ -196,13 +240,7 @@ def test_lost_workers_are_replaced(tmp_path):
     assert r.returncode == 0, log
     assert "in place of the lost one" in r.stderr and "replaced in version 2" in r.stderr, log
     steps = steps_of(records)
-    sizes = []
-    for rows in steps.values():
-        if not sizes or sizes[-1] != len(rows):
-            sizes.append(len(rows))
-    assert sizes == [3, 2, 3], sizes
-    for step, rows in steps.items():
-        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
+    assert sizes_of(steps) == [3, 2, 3], steps
     _check_epochs(steps)
     finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
     assert len(finals) == 3 and {f["size"] for f in finals} == {3}, finals
@@ -229,19 +267,19 @@ def test_a_commit_restores_weights_optimizer_state_and_position():
     data = kf.ElasticData(x, y, batch_size=8, record=True)
     hook = kf.Hook(data=data)
     hook.set_model(model)
-    hook._recovering = True
+    hook.membership.recovering = True
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # builds the optimizer's slots
     for _ in range(3):
         data.commit()
     hook.state.step = 3
-    hook._commit("step")
-    variables = hook._synced_variables()
+    hook.membership.commit("step")
+    variables = hook.membership.variables.synced()
     kept = [v.numpy().copy() for v in variables]
     model.fit(x, y, batch_size=8, epochs=2, verbose=0)
     data.commit()
     hook.state.step = 4
     assert sum(not np.array_equal(k, v.numpy()) for k, v in zip(kept, variables)) >= 4
-    hook._restore(hook._commits[-1])
+    hook.membership.restore(hook.membership.commits[-1])
     assert all(np.array_equal(k, v.numpy()) for k, v in zip(kept, variables))
     assert hook.state.step == 3 and data.offset == 24 and len(data.served) == 3
 
@@ -337,13 +375,7 @@ def test_an_etcd_job_survives_the_loss_of_a_launcher(tmp_path):
                for f in out.glob("*.jsonl")}
     steps = steps_of(records)
     assert sorted(steps) == list(range(1, 41))
-    sizes = []
-    for rows in steps.values():
-        if not sizes or sizes[-1] != len(rows):
-            sizes.append(len(rows))
-    assert sizes == [4, 2], sizes
-    for step, rows in steps.items():
-        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
+    assert sizes_of(steps) == [4, 2], steps
     finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
     assert len(finals) == 2, err_b[-3000:]
     for f in finals:
@@ -402,7 +434,7 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
 
     writer = hook_for(2)
     writer.state.step = 1
-    writer._commit("step")
+    writer.membership.commit("step")
     assert (tmp_path / "c.ckpt").exists() and len(list(tmp_path.iterdir())) == 1
     with pytest.raises(ValueError, match=r"float32\[4, 3\] in this model, but the checkpoint "):
         hook_for(3)._resume()

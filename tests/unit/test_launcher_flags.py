@@ -391,10 +391,13 @@ def test_the_earliest_failure_is_blamed_whatever_order_exits_are_reported_in():
 
 def test_failure_flags_of_elastic_jobs():
     opts = L.parse_args(["-w", "-builtin-config-port", "9", "-min-np", "2", "-max-restarts", "0",
-                         "-replace=false", "prog"])
-    assert (opts.min_np, opts.max_restarts, opts.replace) == (2, 0, False)
+                         "-replace=false", "-host-cooldown", "1m30s", "prog"])
+    assert (opts.min_np, opts.max_restarts, opts.replace, opts.host_cooldown) == (2, 0, False, 90)
+    opts = L.parse_args(["-w", "-builtin-config-port", "9", "-host-cooldown", "0", "prog"])
+    assert opts.host_cooldown == 0
     opts = L.parse_args(["-w", "-builtin-config-port", "9", "prog"])
     assert (opts.min_np, opts.max_restarts, opts.replace) == (None, None, None)  # env defaults
+    assert opts.host_cooldown is None  # the launcher's default
 
 
 @pytest.mark.parametrize("args, message", [
@@ -402,6 +405,8 @@ def test_failure_flags_of_elastic_jobs():
     (["-min-np", "x"], "-min-np needs a positive integer"),
     (["-max-restarts", "-1"], "-max-restarts needs a number >= 0"),
     (["-replace=maybe"], "replace"),
+    (["-host-cooldown", "-5"], "-host-cooldown"),
+    (["-host-cooldown", "soon"], "-host-cooldown: "),
 ])
 def test_failure_flags_reject(args, message):
     with pytest.raises(L.UsageError, match=message):
@@ -409,6 +414,7 @@ def test_failure_flags_reject(args, message):
 
 
 def test_failure_flags_need_an_elastic_job():
-    for flag in (["-min-np", "2"], ["-max-restarts", "1"], ["-replace"]):
+    for flag in (["-min-np", "2"], ["-max-restarts", "1"], ["-replace"],
+                 ["-host-cooldown", "5s"]):
         with pytest.raises(L.UsageError, match="for elastic jobs"):
             L.parse_args(["-np", "2", *flag, "prog"])

@@ -110,7 +110,7 @@ def test_standalone_server_process():
 
 
 def test_recovery_keys(client):
-    """What survivors and launchers write in a recovery (kungfu/_elastic.py, Elastic.recover)."""
+    """What survivors and launchers write in a recovery (kungfu/elastic/_protocol.py, Elastic.recover)."""
     client.mark_alive(3, "h:1", 17)
     client.mark_alive(3, "h:2", 16)
     assert client.alive_peers(3) == {"h:1": 17, "h:2": 16} and client.alive_peers(4) == {}
@@ -133,3 +133,14 @@ def test_racing_recovery_decisions_agree(client):
     for t in threads:
         t.join()
     assert len(got) == 8 and len(set(got)) == 1
+
+
+def test_cooling_hosts(client):
+    client.cool_down("a", 1000.0)
+    client.cool_down("b", 2000.0)
+    client.put(st.COOLDOWN_PREFIX + "junk", "soon")  # unreadable: ignored
+    assert client.cooling_hosts(500.0) == {"a": 1000.0, "b": 2000.0}
+    assert client.cooling_hosts(1000.0) == {"b": 2000.0}  # until is exclusive
+    assert client.cooling_hosts(2500.0) == {}
+    client.cool_down("a", 3000.0)  # a later cool-down replaces the earlier one
+    assert client.cooling_hosts(2500.0) == {"a": 3000.0}

@@ -1,10 +1,12 @@
-"""Resize, the worker's side (framework-neutral). kf.Hook drives it; see docs/elastic.md.
+"""Resize and recovery, the worker's side in the store: the steps of the protocol. The membership
+state machine (kungfu/elastic/_membership.py) runs them; see docs/elastic.md.
 
 Protocol (cluster version v -> v+1), steps as in DESIGN.md:
 1. A policy calls kf.resize(n) on some workers; the decisions are agreed like every action
-   (lowest deciding rank wins). Rank 0 writes v+1 = the first n slots of the job's hosts to the
-   store (compare-and-swap on v) and broadcasts what it wrote. The new peer list keeps the old
-   peers in their order (growing appends, shrinking drops the highest ranks), so rank 0 stays.
+   (lowest deciding rank wins). Rank 0 writes v+1 (Elastic.plan) to the store (compare-and-swap
+   on v) and broadcasts what it wrote. The new peer list keeps the old peers in their order
+   (growing appends free slots of the job's hosts, shrinking drops the highest ranks), so rank 0
+   stays.
 2. Launchers see v+1 and start the joiners; the existing workers keep training in v.
 3. A joiner imports, builds its model, enters model.fit; its Hook rehearses the training step
    alone (tracing it now, not after the switch), marks it ready in the store and connects
@@ -13,11 +15,11 @@ Protocol (cluster version v -> v+1), steps as in DESIGN.md:
    "switch" (agreed like any action) and all existing workers swap in a v+1 native peer together.
    Workers not in v+1 are detached. A resize whose joiners are not all ready within
    KUNGFU_RESIZE_TIMEOUT is abandoned: rank 0 writes v+2 = the old peers and training goes on.
-5. With joiners, the joiners take rank 0's training state (kf.Hook does that part: variables
-   peer-to-peer from rank 0, its Hook state broadcast).
+5. With joiners, the joiners take rank 0's training state (Membership._sync: variables
+   peer-to-peer from rank 0 through the framework binding, the trainer's state broadcast).
 
-Recovery (a peer of version v died or hangs; Elastic.recover, driven by kf.Hook):
-1. Every worker commits its training state in memory at each step boundary (kf.Hook) and
+Recovery (a peer of version v died or hangs; Elastic.recover, driven by Membership.recover):
+1. Every worker commits its training state in memory at each step boundary (Membership.commit) and
    numbers the commits; synchronous training keeps the survivors at most one commit apart.
 2. A collective fails (the runtime names the dead peer, or a deadline passes). Each survivor
    writes alive/<v>/<itself> = its last commit; a launcher that sees its worker exit non-zero
@@ -29,10 +31,11 @@ Recovery (a peer of version v died or hangs; Elastic.recover, driven by kf.Hook)
    is written as the next cluster version.
 4. A worker the decision leaves out (it checked in too late, or wakes up from a hang) exits with
    ExpelledError. The others swap in the new native peer, roll back to the agreed commit and redo
-   the steps since (kf.Hook): no sample of the epoch is lost or repeated.
+   the steps since (the trainer): no sample of the epoch is lost or repeated.
 5. Replacement: at the next step boundary the new rank 0 asks for a resize back to the size
-   before the failure, through the resize protocol above (the plan takes the first slots of
-   the job's hosts, so the freed slots are filled again; their launchers start the joiners).
+   before the failure, through the resize protocol above (the plan appends free slots, so the
+   freed ones are filled again, unless their host cools down after repeated failures; their
+   launchers start the joiners).
    Each failure counts against KUNGFU_MAX_RESTARTS (kungfu-run -max-restarts); one beyond it,
    or fewer survivors than KUNGFU_MIN_SIZE, ends the job with an error naming the limit.
 """
@@ -93,8 +96,24 @@ class Elastic:
         return sum(h.slots for h in parse_hosts(self.hosts))
 
     def plan(self, n: int) -> List[str]:
+        """The peers of a cluster of n workers: the current ones in their order (the first n
+        when shrinking), then free slots in -H order (host-major), skipping the hosts that cool
+        down after repeated failures; fewer than n when no other slot is free. Rank 0 is
+        always a current member: the joiners take its state (a new worker in a lower slot
+        than the members, after a failure, must not become rank 0)."""
+        current = list(self.current.peers) if self.current is not None else []
+        if n <= len(current):
+            return current[:n]
         ports = parse_port_range(self.port_range)
-        return [w.spec for w in plan_workers(n, parse_hosts(self.hosts), ports)]
+        slots = [w.spec for w in plan_workers(self.max_size(), parse_hosts(self.hosts), ports)]
+        cooling = self.store.cooling_hosts(time.time()) if self.store is not None else {}
+        free = [p for p in slots if p not in current and p.rpartition(":")[0] not in cooling]
+        return current + free[:n - len(current)]
+
+    def cooling(self) -> str:
+        """The hosts that cool down now, for messages."""
+        hosts = self.store.cooling_hosts(time.time())
+        return ", ".join(f"{h} for {until - time.time():.0f}s more" for h, until in hosts.items())
 
     def check_size(self, n) -> int:
         if not self.enabled:
@@ -109,10 +128,14 @@ class Elastic:
     # -- steps of the protocol ----------------------------------------------------------------
 
     def propose(self, n: int) -> Optional[ClusterConfig]:
-        """Rank 0: writes the configuration of n workers as the next version; None if another
-        write came first."""
+        """Rank 0: writes the configuration of n workers (fewer if only that many slots are
+        free: see plan) as the next version; None if another write came first."""
         stored, _ = self.store.config()
-        new = ClusterConfig(stored.version + 1, self.plan(n))
+        peers = self.plan(n)
+        if n > len(self.current.peers) and len(peers) == len(self.current.peers):
+            raise ResizeError(f"no free slot for a new worker: the hosts with free slots cool "
+                              f"down after repeated failures ({self.cooling()})")
+        new = ClusterConfig(stored.version + 1, peers)
         return new if self.store.propose(new) else None
 
     def joiners(self, new: ClusterConfig) -> List[str]:
@@ -280,13 +303,12 @@ def resize(n: int) -> bool:
     whether the request changes the cluster (False: n is the current size already). Bad sizes
     raise ResizeError (a ValueError) at once."""
     from kungfu.policy import _actions
-    import kungfu as kf
 
     ctx = context()
     n = ctx.check_size(n)
     if not _actions.in_round():
         raise RuntimeError("kf.resize is applied by kf.Hook: call it from a policy hook")
-    if n == kf.size() and ctx.pending is None:
+    if n == _peer.identity().size and ctx.pending is None:
         return False
     _actions._record("resize", n)
     return True

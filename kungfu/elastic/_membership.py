@@ -1,0 +1,520 @@
+"""The worker's membership state machine: resize and recovery in one place, for any framework.
+
+A trainer (kf.Hook in TensorFlow) drives it at its step boundaries and gives it two things:
+- a `Variables` binding that captures and restores the framework's variables (the only
+  framework-specific part; kungfu/tensorflow/_variables.py is TensorFlow's);
+- itself, as the `Trainer` below: its state (TrainingState), its policies and its data.
+
+States and the events that move between them (kungfu/elastic/_protocol.py has the store side):
+
+    JOINING --join()--> TRAINING                 (a worker started for a later version)
+    TRAINING --resize agreed, rank 0 writes--> PROPOSING
+    PROPOSING --joiners in the new version--> WAITING --all ready, "switch" agreed--> SWITCHING
+    PROPOSING --no joiners (a shrink)--> SWITCHING
+    PROPOSING --nothing written--> TRAINING,  WAITING --"abandon" agreed--> TRAINING
+    SWITCHING --member of the new version--> TRAINING,  --left out--> DETACHED
+    TRAINING | WAITING --a collective failed--> RECOVERING --agreed--> TRAINING
+    RECOVERING --left out (too late)--> DETACHED
+
+Commits: at every step boundary and epoch end the trainer calls `commit`; the machine keeps the
+last two (variables as the binding's snapshots, the trainer's state, its policies' state and the
+data position), numbered the same on every worker. `recover` rolls back to the one the
+survivors agreed on and returns the kinds of the commits this worker had made since, for the
+trainer to redo. With a checkpoint path, rank 0 also writes commits to that file.
+"""
+from __future__ import annotations
+
+import abc
+import collections
+import copy
+import dataclasses
+import enum
+import os
+import pickle
+import sys
+import time
+import warnings
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from kungfu import _env, _peer
+from kungfu.elastic._protocol import ExpelledError, ResizeError, context
+from kungfu.policy import TrainingState, _actions
+from kungfu.store import ClusterConfig, StoreError
+
+
+class State(enum.Enum):
+    JOINING = "joining"
+    TRAINING = "training"
+    PROPOSING = "proposing"
+    WAITING = "waiting for joiners"
+    SWITCHING = "switching"
+    RECOVERING = "recovering"
+    DETACHED = "detached"
+
+
+_MOVES = {
+    State.JOINING: {State.TRAINING},
+    State.TRAINING: {State.PROPOSING, State.RECOVERING},
+    State.PROPOSING: {State.WAITING, State.SWITCHING, State.TRAINING, State.RECOVERING},
+    State.WAITING: {State.SWITCHING, State.TRAINING, State.RECOVERING},
+    State.SWITCHING: {State.TRAINING, State.DETACHED, State.RECOVERING},
+    State.RECOVERING: {State.TRAINING, State.DETACHED},
+    State.DETACHED: set(),
+}
+
+
+class Variables(abc.ABC):
+    """What a framework binding provides: its variables, captured and restored. `synced()`
+    are those a joiner takes from rank 0 (model, optimizer, monitor); `committed()` those a
+    commit holds (the synced ones, and whatever else training changes)."""
+
+    @abc.abstractmethod
+    def synced(self) -> list: ...
+
+    def committed(self) -> list:
+        return self.synced()
+
+    @abc.abstractmethod
+    def snapshot(self, variables: list) -> list:
+        """The variables' values now, unaffected by later writes (cheap where it can be)."""
+
+    @abc.abstractmethod
+    def restore(self, variables: list, snapshot: list) -> None: ...
+
+    @abc.abstractmethod
+    def arrays(self, snapshot: list) -> List[np.ndarray]: ...
+
+    @abc.abstractmethod
+    def load(self, variables: list, arrays: Sequence[np.ndarray]) -> None: ...
+
+    @abc.abstractmethod
+    def describe(self, variables: list) -> list:
+        """[(name, shape tuple, dtype name)], to compare variables across workers."""
+
+    @abc.abstractmethod
+    def lend(self, variables: list, names: List[str]) -> None:
+        """Rank 0: makes the variables' values available to peers under these names."""
+
+    @abc.abstractmethod
+    def borrow(self, variables: list, names: List[str]) -> None:
+        """A joiner: takes rank 0's lent values into its variables."""
+
+    @abc.abstractmethod
+    def unlend(self, names: List[str]) -> None: ...
+
+
+class Trainer(abc.ABC):
+    """What the machine reads and replaces in the trainer that drives it: `state`
+    (TrainingState), `policies`, `data` (ElasticData or None), `epochs_total`."""
+
+    state: TrainingState
+    policies: list
+    data: object
+    epochs_total: Optional[int]
+
+    @abc.abstractmethod
+    def refresh_sizes(self) -> None:
+        """The cluster or the data changed: update the state's sizes."""
+
+    @abc.abstractmethod
+    def on_detached(self) -> None:
+        """This worker is no longer a member: stop training."""
+
+
+def mismatch(ours: list, theirs: list, here: str = "this joiner", there: str = "rank 0") -> str:
+    """Why `here`'s variables (described) cannot take those of `there`; "" if they can (the same
+    model and optimizer, built the same way)."""
+    if len(ours) != len(theirs):
+        return (f"kungfu: {here} has {len(ours)} variables to sync, {there} has "
+                f"{len(theirs)}: build the same model and optimizer")
+    for (name, shape, dtype), (rname, rshape, rdtype) in zip(ours, theirs):
+        if (tuple(shape), dtype) != (tuple(rshape), rdtype):
+            return (f"kungfu: variable {name} is {dtype}{list(shape)} in {here}, but "
+                    f"{there}'s ({rname}) is {rdtype}{list(rshape)}")
+    return ""
+
+
+def first_line(e: BaseException) -> str:
+    """The runtime's message: a TensorFlow op error puts it after its traceback, before the
+    "[[{{node ...}}]]" line."""
+    lines = [ln.strip() for ln in getattr(e, "message", str(e)).splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith(("[[", "File ", "Graph execution",
+                                                             "Detected at node"))]
+    return lines[-1] if lines else type(e).__name__
+
+
+def broadcast_blob(blob: bytes, name: str) -> bytes:
+    """rank 0's bytes on every worker."""
+    from kungfu import _collective
+
+    rank = _peer.identity().rank
+    n = int(_collective.broadcast(np.array([len(blob)], np.int64), name=f"{name}/length")[0])
+    data = np.frombuffer(blob, np.uint8) if rank == 0 else np.zeros(n, np.uint8)
+    return _collective.broadcast(data, name=f"{name}/bytes").tobytes()
+
+
+@dataclasses.dataclass
+class Commit:
+    """The training state at a step boundary ("start", "step": after a step's decisions, or
+    "epoch": after an epoch's); `seq` numbers them the same on every worker."""
+
+    seq: int
+    kind: str
+    variables: list  # what was kept (a custom loop's optimizer knows its own after a step)
+    snapshot: list
+    state: TrainingState
+    policies: list
+    data: Optional[tuple]  # (epoch, offset, batch size, last length, batches served)
+
+
+class Membership:
+    """This worker's membership of an elastic job, driven by a trainer (see the module doc)."""
+
+    def __init__(self, trainer: Trainer, variables: Variables):
+        self.trainer = trainer
+        self.variables = variables
+        self.state = State.JOINING if _peer.joining() else State.TRAINING
+        self.recovering = False  # commits and recovery on (an elastic job)
+        self.commits: collections.deque = collections.deque(maxlen=2)
+        self.commit_seq = 0
+        self.recoveries: List[dict] = []  # what this worker survived (see recover)
+        self.replace_to: Optional[int] = None  # the size to restore after a recovery
+        self._replace_check = 0.0  # time.monotonic() of the next check for free slots
+        self.checkpoint: Optional[str] = None
+        self.checkpoint_every = 100
+
+    def _enter(self, state: State) -> None:
+        if state is not self.state and state not in _MOVES[self.state]:
+            raise RuntimeError(f"kungfu: internal error: membership cannot go from "
+                               f"{self.state.value} to {state.value}")
+        self.state = state
+
+    @property
+    def detached(self) -> bool:
+        return self.state is State.DETACHED
+
+    @staticmethod
+    def enabled() -> bool:
+        return context().enabled
+
+    # -- resize: the decisions of a round --------------------------------------------------
+
+    def before_agree(self) -> None:
+        """In a decision round, before the agreement: rank 0 records what the protocol needs
+        decided (switch to or abandon a pending resize; a replacement after a recovery)."""
+        if _peer.identity().rank != 0:
+            return
+        self._check_pending()
+        self._request_replacement()
+
+    def _request_replacement(self) -> None:
+        """Rank 0, after a recovery with replacement on: asks for a resize back to the size
+        before the failure, once slots are free for it (the hosts of the lost workers may cool
+        down; checked at most once a second), unless a policy asks for a resize itself."""
+        n, size, ctx = self.replace_to, _peer.identity().size, context()
+        if n is None or size >= n:
+            self.replace_to = None
+            return
+        now = time.monotonic()
+        if ctx.pending is not None or _actions.recorded("resize") or now < self._replace_check:
+            return
+        self._replace_check = now + 1.0
+        try:
+            grows = len(ctx.plan(n)) > size
+        except StoreError:
+            grows = False
+        if grows:
+            _actions._record("resize", n)
+
+    def _check_pending(self) -> None:
+        ctx = context()
+        if ctx.pending is None:
+            return
+        data = self.trainer.data
+        if data is not None and self.trainer.state.samples_in_epoch >= len(data):
+            return  # never after an epoch's last step: a joiner's first epoch would be empty
+        try:
+            failed = ctx.failed()
+            ready = not failed and ctx.ready()
+            if ready:
+                failed = ctx.commit_switch()
+                ready = not failed
+        except StoreError as e:
+            warnings.warn(f"kungfu: cannot read the config store: {e}")
+            failed, ready = [], False
+        if ready:
+            _actions._record("elastic", {"switch": ctx.pending.version})
+        elif failed:
+            _actions._record("elastic", {"abandon": ctx.pending.version,
+                                         "why": f"new worker {', '.join(failed)} failed"})
+        elif ctx.overdue():
+            _actions._record("elastic", {"abandon": ctx.pending.version})
+
+    def apply_resize(self, n: int) -> None:
+        """An agreed resize to n workers: rank 0 writes the new version and broadcasts it; with
+        joiners every worker waits for them (WAITING), else switches at once."""
+        ctx = context()
+        if self.replace_to is not None and n != self.replace_to:
+            self.replace_to = None  # a policy's size wins over the replacement's
+        if ctx.pending is not None:
+            warnings.warn(f"kungfu: resize to {n} ignored: the resize to "
+                          f"{len(ctx.pending.peers)} is still in progress")
+            return
+        peer = _peer.identity()
+        if n == peer.size:
+            return
+        self._enter(State.PROPOSING)
+        # Rank 0 broadcasts what it wrote, or why it wrote nothing ("!" and the reason).
+        proposal = ""
+        if peer.rank == 0:
+            try:
+                new = ctx.propose(n)
+                proposal = new.to_json() if new is not None else "!the stored configuration changed"
+            except (StoreError, ResizeError) as e:  # the others wait in the broadcast: go on
+                proposal = f"!{e}"
+        proposal = broadcast_blob(proposal.encode(), "kungfu/elastic/propose").decode()
+        if proposal.startswith("!"):
+            self._enter(State.TRAINING)
+            warnings.warn(f"kungfu: resize to {n} failed: {proposal[1:]}; training goes on with "
+                          f"{peer.size}")
+            return
+        new = ClusterConfig.from_json(proposal)
+        if ctx.joiners(new):
+            ctx.pending, ctx.pending_since = new, time.monotonic()
+            self._enter(State.WAITING)
+        else:
+            self._switch(new)
+
+    def apply_elastic(self, decision: dict) -> None:
+        """An agreed "switch" to, or "abandon" of, the pending resize."""
+        ctx = context()
+        if ctx.pending is None:
+            return
+        if "switch" in decision:
+            self._switch(ctx.pending)
+        else:
+            ctx.abandon(_peer.identity().rank, decision.get("why"))
+            self.replace_to = None  # a replacement that could not start is not tried again
+            self._enter(State.TRAINING)
+
+    def _switch(self, new: ClusterConfig) -> None:
+        self._enter(State.SWITCHING)
+        ctx = context()
+        joiners = ctx.joiners(new)
+        if not ctx.switch(new):
+            self._enter(State.DETACHED)
+            self.trainer.on_detached()
+            return
+        if joiners:
+            self._sync(joining=False)
+        self._enter(State.TRAINING)
+        self.trainer.refresh_sizes()
+
+    def join(self) -> None:
+        """A worker joining a running job: connect, then take the others' state."""
+        context().join()
+        self._sync(joining=True)
+        self._enter(State.TRAINING)
+        self.trainer.refresh_sizes()
+
+    def _sync(self, joining: bool) -> None:
+        """After a switch with joiners: rank 0's training state on the joiners. The variables
+        go straight from rank 0 to each joiner: rank 0 lends them, each joiner requests them
+        (peer-to-peer; the joiners in parallel). The workers that stay keep their own and take
+        no part in that (synchronous training keeps the trainable ones and the optimizer's
+        equal to rank 0's; non-trainable state such as BatchNorm statistics stays each worker's
+        own, as between resizes). Every worker also takes rank 0's trainer state, data position
+        and policy state (small, broadcast first: it tells the joiners that the variables are
+        published, and what they are, so that a joiner whose variables differ fails, and
+        everyone with it, before any transfer)."""
+        from kungfu import _collective
+
+        t, binding = self.trainer, self.variables
+        rank = _peer.identity().rank
+        prefix = f"kungfu/elastic/{context().current.version}"
+        variables = binding.synced()
+        names = [f"{prefix}/var/{i}" for i in range(len(variables))]
+        mine = b""
+        try:
+            if rank == 0:
+                binding.lend(variables, names)
+                mine = pickle.dumps({
+                    "state": dataclasses.replace(t.state, logs={}),
+                    "epochs_total": t.epochs_total,
+                    "batch_size": None if t.data is None else t.data.batch_size,
+                    "policies": [p.state_dict() for p in t.policies],
+                    "variables": binding.describe(variables),
+                    "commit_seq": self.commit_seq,  # the others commit next: the joiners too
+                })
+            # After rank 0 published: a joiner that has this may request the variables.
+            got = pickle.loads(broadcast_blob(mine, f"{prefix}/state"))
+            problem = mismatch(binding.describe(variables), got["variables"]) if joining else ""
+            # Everyone learns whether a joiner cannot take them, and fails: none waits.
+            flag = np.array([int(bool(problem))], np.int32)
+            if _collective.allreduce(flag, "max", name=f"{prefix}/check")[0]:
+                raise RuntimeError(problem or "kungfu: a joiner's variables do not match rank "
+                                   "0's (its log names the first that differs): the resize "
+                                   "cannot complete")
+            if joining:
+                binding.borrow(variables, names)
+            _collective.barrier(f"{prefix}/synced")  # every joiner holds its copy
+        finally:
+            if rank == 0:
+                binding.unlend(names)
+        if rank == 0:
+            return
+        t.epochs_total = got["epochs_total"]
+        self.commit_seq = got["commit_seq"]
+        self.take(got["state"], got["policies"], None if t.data is None else (
+            got["state"].epoch, got["state"].samples_in_epoch, got["batch_size"],
+            t.data.last_length))
+
+    def take(self, state: TrainingState, policies: list, position: Optional[tuple]) -> None:
+        """Takes a training state: the trainer's, the policies', and the data position (epoch,
+        offset, batch size, last length; None: leave it)."""
+        t = self.trainer
+        t.state = copy.deepcopy(state)
+        for p, st in zip(t.policies, policies):
+            p.load_state_dict(st)
+        if t.data is not None and position is not None:
+            d = t.data
+            d.epoch, d.offset, d.batch_size, d.last_length = position
+
+    def finish(self) -> None:
+        """Training ended: a resize still waiting is given up; rank 0 tells the launchers."""
+        ctx = context()
+        if not ctx.enabled or self.detached:
+            return
+        rank = _peer.identity().rank
+        if ctx.pending is not None:
+            ctx.abandon(rank, "training ended before its new workers were ready")
+            self._enter(State.TRAINING)
+        if rank == 0:
+            ctx.finish()
+
+    # -- commits and recovery ------------------------------------------------------------------
+
+    def commit(self, kind: str, durable: bool = True) -> None:
+        """Keeps the training state at this step boundary (and the one before); rank 0 also
+        writes it to the checkpoint file, when there is one, every checkpoint_every steps and
+        at each epoch's end."""
+        if not self.recovering and self.checkpoint is None:
+            return
+        t = self.trainer
+        self.commit_seq += 1
+        data = None
+        if t.data is not None:
+            d = t.data
+            data = (d.epoch, d.offset, d.batch_size, d.last_length, len(d.served))
+        variables = self.variables.committed()
+        self.commits.append(Commit(
+            self.commit_seq, kind, variables, self.variables.snapshot(variables),
+            copy.deepcopy(dataclasses.replace(t.state, logs={})),
+            [p.state_dict() for p in t.policies], data))
+        if t.state.rank == 0 and self._checkpoint_due(kind, durable):
+            self._save_checkpoint(self.commits[-1])
+
+    def restore(self, c: Commit) -> None:
+        self.variables.restore(c.variables, c.snapshot)
+        self.take(c.state, c.policies, None if c.data is None else c.data[:4])
+        if c.data is not None:
+            del self.trainer.data.served[c.data[4]:]
+        self.commit_seq = c.seq
+        self.commits = collections.deque([c], maxlen=2)
+
+    def recover(self, error: BaseException) -> List[str]:
+        """A collective failed: with the other survivors, leave the lost peers behind and roll
+        back to the commit every survivor holds. Returns the kinds of the commits this worker had
+        made since (at most one), for the trainer to redo. Raises `error` itself when recovery
+        is off or not possible; ExpelledError when the others went on without this worker."""
+        if not self.recovering or not self.commits:
+            raise error
+        failed_at = time.time()
+        kinds = [c.kind for c in self.commits]
+        self._enter(State.RECOVERING)
+        try:
+            rec = context().recover(self.commits[-1].seq, first_line(error))
+        except ExpelledError as e:
+            self._enter(State.DETACHED)
+            raise e from error
+        target = next((c for c in self.commits if c.seq == rec.commit), None)
+        if target is None:
+            raise RuntimeError(f"kungfu: the survivors roll back to commit {rec.commit}, but this "
+                               f"worker holds {[c.seq for c in self.commits]}") from error
+        redo = kinds[[c.seq for c in self.commits].index(rec.commit) + 1:]
+        self.restore(target)
+        self._enter(State.TRAINING)
+        self.trainer.refresh_sizes()
+        # Times (time.time()) for benchmarks/recovery_latency.py; the trainer adds
+        # "step_done_at" when a step was first trained again.
+        record = {"version": rec.failed, "lost": rec.lost, "size": len(rec.config.peers),
+                  "step": self.trainer.state.step, "cause": first_line(error),
+                  "failed_at": failed_at, "agreed_at": rec.agreed_at,
+                  "rebuilt_at": rec.rebuilt_at, "restored_at": time.time()}
+        self.recoveries.append(record)
+        if _env.REPLACE.get():
+            self.replace_to = min(len(rec.config.peers) + len(rec.lost), context().max_size())
+        n = len(rec.config.peers)
+        print(f"kungfu: rank {self.trainer.state.rank}: lost {', '.join(rec.lost) or 'no peer'} "
+              f"({record['cause']}); {n} {'worker goes' if n == 1 else 'workers go'} on from "
+              f"step {self.trainer.state.step} (recovered in "
+              f"{record['restored_at'] - failed_at:.2f}s)", file=sys.stderr, flush=True)
+        return redo
+
+    # -- the durable checkpoint ----------------------------------------------------------------
+
+    def _checkpoint_due(self, kind: str, durable: bool) -> bool:
+        if self.checkpoint is None or not durable:
+            return False
+        if kind == "epoch":
+            return True
+        # Not at an epoch's last step: the epoch's own commit follows at once.
+        data = self.trainer.data
+        at_end = data is not None and data.offset >= len(data)
+        return (kind == "step" and self.trainer.state.step % self.checkpoint_every == 0
+                and not at_end)
+
+    def _save_checkpoint(self, c: Commit) -> None:
+        """Writes commit `c` to the checkpoint file atomically (a temporary file, flushed to
+        disk, renamed over the old one): a crash leaves the previous checkpoint whole."""
+        payload = pickle.dumps({
+            "format": 1, "arrays": self.variables.arrays(c.snapshot),
+            "variables": self.variables.describe(c.variables), "state": c.state,
+            "policies": c.policies, "data": None if c.data is None else c.data[:4],
+            "epochs_total": self.trainer.epochs_total})
+        tmp = f"{self.checkpoint}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.checkpoint)
+
+    def resume(self) -> bool:
+        """At the start of training, when the checkpoint file exists: rank 0 reads it and every
+        worker takes its state (variables, trainer and policy state, data position), whatever
+        the cluster size was when it was written. Returns whether it did."""
+        peer = _peer.identity()
+        blob = b""
+        if peer.rank == 0 and os.path.exists(self.checkpoint):
+            with open(self.checkpoint, "rb") as f:
+                blob = f.read()
+        if peer.size > 1:
+            blob = broadcast_blob(blob, "kungfu/checkpoint")
+        if not blob:
+            return False
+        got = pickle.loads(blob)
+        variables = self.variables.committed()
+        problem = mismatch(self.variables.describe(variables), got["variables"], "this model",
+                           f"the checkpoint {self.checkpoint}")
+        if problem:
+            raise ValueError(problem)
+        self.variables.load(variables, got["arrays"])
+        self.take(got["state"], got["policies"], got["data"])
+        if self.trainer.epochs_total is None:
+            self.trainer.epochs_total = got["epochs_total"]
+        s = self.trainer.state
+        print(f"kungfu: resumed from {self.checkpoint} at step {s.step} (epoch {s.epoch}, "
+              f"{s.samples_in_epoch} samples into it)", file=sys.stderr, flush=True)
+        return True

@@ -1,0 +1,185 @@
+"""The membership state machine (kungfu/elastic) without TensorFlow: a binding of plain numpy
+arrays shows that commits, restore and the durable checkpoint need nothing of a framework but
+the `Variables` interface. (Resize and recovery with real peers: tests/integration.)"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from kungfu.elastic import Membership, State, Trainer, Variables
+from kungfu.policy import BasePolicy, TrainingState
+
+
+class NumpyVariables(Variables):
+    """Variables as numpy arrays, written in place."""
+
+    def __init__(self, arrays):
+        self.values = arrays
+
+    def synced(self):
+        return list(self.values)
+
+    def snapshot(self, variables):
+        return [v.copy() for v in variables]
+
+    def restore(self, variables, snapshot):
+        for v, s in zip(variables, snapshot):
+            v[...] = s
+
+    def arrays(self, snapshot):
+        return list(snapshot)
+
+    def load(self, variables, arrays):
+        self.restore(variables, arrays)
+
+    def describe(self, variables):
+        return [(f"v{i}", v.shape, v.dtype.name) for i, v in enumerate(variables)]
+
+    def lend(self, variables, names):
+        raise AssertionError("no peers here")
+
+    borrow = lend
+
+    def unlend(self, names):
+        raise AssertionError("no peers here")
+
+
+class Counting(BasePolicy):
+    def __init__(self):
+        self.seen = 0
+
+
+class Loop(Trainer):
+    def __init__(self, shapes):
+        self.state = TrainingState()
+        self.policies = [Counting()]
+        self.data = None
+        self.epochs_total = 5
+        self.refreshed = 0
+        self.membership = Membership(self, NumpyVariables(
+            [np.zeros(s, np.float32) for s in shapes]))
+
+    def refresh_sizes(self):
+        self.refreshed += 1
+
+    def on_detached(self):
+        raise AssertionError("not detached here")
+
+    def train(self, steps):
+        for _ in range(steps):
+            for v in self.membership.variables.values:
+                v += 1
+            self.state.step += 1
+            self.policies[0].seen += 1
+
+
+def test_a_commit_is_restored_with_the_trainer_and_policy_state():
+    loop = Loop([(3,), (2, 2)])
+    m = loop.membership
+    m.recovering = True
+    loop.train(3)
+    m.commit("step")
+    loop.train(2)
+    assert loop.membership.variables.values[0][0] == 5 and loop.state.step == 5
+    m.restore(m.commits[-1])
+    assert [float(v.flat[0]) for v in m.variables.values] == [3.0, 3.0]
+    assert loop.state.step == 3 and loop.policies[0].seen == 3
+    assert m.commit_seq == 1 and m.state is State.TRAINING
+
+
+def test_no_commit_without_recovery_or_a_checkpoint():
+    loop = Loop([(1,)])
+    loop.membership.commit("step")
+    assert not loop.membership.commits and loop.membership.commit_seq == 0
+
+
+def test_the_checkpoint_resumes_another_trainer_and_refuses_another_model(tmp_path):
+    path = str(tmp_path / "job.ckpt")
+    writer = Loop([(3,), (2,)])
+    writer.membership.checkpoint, writer.membership.checkpoint_every = path, 2
+    writer.train(1)
+    writer.membership.commit("step")  # step 1: not due
+    assert not (tmp_path / "job.ckpt").exists()
+    writer.train(1)
+    writer.membership.commit("step")  # step 2: written, atomically (no temporary file left)
+    assert [p.name for p in tmp_path.iterdir()] == ["job.ckpt"]
+
+    reader = Loop([(3,), (2,)])
+    reader.membership.checkpoint = path
+    reader.epochs_total = None
+    assert reader.membership.resume()
+    assert [v.tolist() for v in reader.membership.variables.values] == [[2, 2, 2], [2, 2]]
+    assert reader.state.step == 2 and reader.policies[0].seen == 2 and reader.epochs_total == 5
+
+    other = Loop([(3,), (4,)])
+    other.membership.checkpoint = path
+    with pytest.raises(ValueError, match=r"v1 is float32\[4\] in this model, but the checkpoint"):
+        other.membership.resume()
+    missing = Loop([(1,)])
+    missing.membership.checkpoint = str(tmp_path / "none.ckpt")
+    assert not missing.membership.resume()
+
+
+def test_moves_outside_the_state_machine_are_refused():
+    m = Loop([(1,)]).membership
+    m._enter(State.PROPOSING)
+    m._enter(State.WAITING)
+    with pytest.raises(RuntimeError, match="cannot go from waiting for joiners to proposing"):
+        m._enter(State.PROPOSING)
+    m._enter(State.RECOVERING)
+    m._enter(State.DETACHED)
+    assert m.detached
+    with pytest.raises(RuntimeError, match="cannot go from detached to training"):
+        m._enter(State.TRAINING)
+
+
+def test_recovery_is_off_outside_an_elastic_job():
+    loop = Loop([(1,)])
+    error = ConnectionError("peer gone")
+    with pytest.raises(ConnectionError):
+        loop.membership.recover(error)  # nothing committed, recovery off: the error itself
+    assert loop.membership.state is State.TRAINING
+
+
+def test_the_elastic_package_imports_no_framework():
+    import subprocess
+
+    code = ("import sys, kungfu.elastic; "
+            "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules, "
+            "[m for m in sys.modules if m.startswith(('tensorflow', 'keras'))][:3]; "
+            "assert 'kungfu._launcher' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_plan_keeps_the_members_and_skips_hosts_that_cool_down(monkeypatch):
+    """Elastic.plan against a real store: members first in their order, then free slots in -H
+    order, none on a host that cools down; a growth with no free slot is a ResizeError."""
+    import time
+
+    from kungfu import store as st
+    from kungfu.elastic import Elastic, ResizeError
+
+    server = st.ConfigServer("127.0.0.1", 0).start()
+    try:
+        monkeypatch.setenv("KUNGFU_CONFIG_SERVER", server.url)
+        monkeypatch.setenv("KUNGFU_ELASTIC_HOSTS", "a:2,b:2")
+        monkeypatch.setenv("KUNGFU_PORT_RANGE", "10000-10010")
+        # a:10001 was lost: the members are a:10000 and b:10000 (ranks 0 and 1).
+        monkeypatch.setenv("KUNGFU_SELF_SPEC", "a:10000")
+        monkeypatch.setenv("KUNGFU_INIT_PEERS", "a:10000,b:10000")
+        monkeypatch.setenv("KUNGFU_INIT_CLUSTER_VERSION", "3")
+        e = Elastic()
+        e.store.propose(st.ClusterConfig(0, ["a:10000"]))
+        assert e.plan(4) == ["a:10000", "b:10000", "a:10001", "b:10001"]
+        assert e.plan(1) == ["a:10000"]
+        e.store.cool_down("a", time.time() + 60)
+        assert e.plan(4) == ["a:10000", "b:10000", "b:10001"]
+        assert list(e.propose(3).peers) == ["a:10000", "b:10000", "b:10001"]
+        e.store.cool_down("b", time.time() + 60)
+        with pytest.raises(ResizeError, match=r"no free slot .*\(a for \d+s more, b for"):
+            e.propose(3)
+        assert list(e.propose(1).peers) == ["a:10000"]  # shrinking needs no free slot
+    finally:
+        server.stop()
