@@ -82,6 +82,10 @@ _TENSORFLOW_NAMES = {
     "grad_variance": "kungfu.tensorflow",
     "Hook": "kungfu.tensorflow",
     "ElasticData": "kungfu.tensorflow",
+    "MetricAverageCallback": "kungfu.tensorflow",
+    "LearningRateWarmupCallback": "kungfu.tensorflow",
+    "combine_metrics": "kungfu.tensorflow",
+    "shard": "kungfu.tensorflow",
 }
 
 

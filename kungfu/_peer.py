@@ -61,6 +61,7 @@ def identity_from_env(environ=None) -> Identity:
 _lock = threading.Lock()
 _peer = None
 _detached = False
+_member: Optional[Identity] = None  # this worker in the last cluster it was a member of
 
 
 def _create(self_spec: Optional[str], peers: List[str], version: int):
@@ -104,7 +105,11 @@ def started() -> bool:
 
 def identity():
     """The started native peer, or this worker's identity from its environment (rank, size,
-    local rank and size) when it has not connected yet."""
+    local rank and size) when it has not connected yet. A worker a resize left out keeps the
+    rank and size it last had (never rank 0: shrinks drop the highest ranks), so code after
+    training that runs on rank 0 only does not run there too."""
+    if _detached and _member is not None:
+        return _member
     return get() if _peer is not None else identity_from_env()
 
 
@@ -117,13 +122,16 @@ def joining() -> bool:
 def replace(self_spec: str, peers: List[str], version: int) -> None:
     """Swaps in a new native peer for cluster `version` (the old one, if any, is stopped first:
     the new one listens on the same address). Call between operations only."""
-    global _peer, _detached
+    global _peer, _detached, _member
     with _lock:
         old, _peer = _peer, None
         if old is not None:
             old.stop()
+        if _member is None:
+            _member = identity_from_env()
         if self_spec in peers:
             _peer = _create(self_spec, list(peers), version)
+            _member = Identity(self_spec, list(peers), version)
         else:  # detached: a cluster of one, so that code after training still runs
             _peer = _create(None, [], version)
             _detached = True

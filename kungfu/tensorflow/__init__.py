@@ -10,7 +10,12 @@ connects this worker to its peers.
 """
 from kungfu.tensorflow import ops  # noqa: F401
 from kungfu.tensorflow._hook import Hook  # noqa: F401
-from kungfu.tensorflow.data import ElasticData  # noqa: F401
+from kungfu.tensorflow.callbacks import (  # noqa: F401
+    LearningRateWarmupCallback,
+    MetricAverageCallback,
+    combine_metrics,
+)
+from kungfu.tensorflow.data import ElasticData, shard  # noqa: F401
 from kungfu.tensorflow._monitor import grad_noise_scale, grad_variance  # noqa: F401
 from kungfu.tensorflow.initializer import (  # noqa: F401
     BroadcastGlobalVariablesCallback,
@@ -27,4 +32,8 @@ __all__ = [
     "grad_variance",
     "Hook",
     "ElasticData",
+    "MetricAverageCallback",
+    "LearningRateWarmupCallback",
+    "combine_metrics",
+    "shard",
 ]

@@ -62,8 +62,9 @@ import tensorflow as tf
 from kungfu import _peer, elastic as _elastic, errors
 from kungfu.elastic import Membership
 from kungfu.policy import HOOKS, BasePolicy, TrainingState, _actions, call_hook
-from kungfu.tensorflow import _monitor
+from kungfu.tensorflow._monitor import monitor_logs
 from kungfu.tensorflow._variables import KerasVariables
+from kungfu.tensorflow.callbacks import RankZeroOutput, combine_metrics
 
 
 def _lower_priority() -> None:
@@ -87,12 +88,11 @@ RECOVERABLE = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
                errors.PeerFailedError, errors.OpTimeoutError)
 
 
-def monitor_logs(optimizer) -> dict:
-    """{log key: latest estimate} of the optimizer's gradient monitor ({} without one)."""
-    monitor: Optional[_monitor.GradientMonitor] = getattr(optimizer, "kungfu_monitor", None)
-    if monitor is None:
-        return {}
-    return {_monitor.LOG_KEYS[m]: monitor.value(m) for m in monitor.monitors}
+def _samples_counted(model) -> float:
+    """The samples Keras's loss tracker counted in this epoch (0 without one)."""
+    tracker = getattr(model, "_loss_tracker", None)
+    count = getattr(tracker, "count", None)
+    return 0.0 if count is None else float(keras.ops.convert_to_numpy(count))
 
 
 def _numbers(logs) -> dict:
@@ -110,7 +110,7 @@ class Hook(keras.callbacks.Callback):
 
     def __init__(self, *policies: BasePolicy, data=None, optimizer=None, name: str = "kungfu/hook",
                  exit_on_detach: bool = True, checkpoint: Optional[str] = None,
-                 checkpoint_every: int = 100):
+                 checkpoint_every: int = 100, rank_zero_output: bool = True):
         super().__init__()
         if checkpoint is not None and (isinstance(checkpoint_every, bool) or not isinstance(
                 checkpoint_every, int) or checkpoint_every < 1):
@@ -134,6 +134,10 @@ class Hook(keras.callbacks.Callback):
         self._epoch_shift = 0  # a joiner's epoch minus its Keras epoch
         self._resumed = False  # a joiner whose first Keras epoch continues the others' epoch
         self._train_fn = None  # Keras's own train function (the model's is wrapped)
+        self._equal_after_step = False  # the model was not built at the start (_start_equal)
+        # model.fit: progress output and model.save on rank 0 only (kungfu/tensorflow/callbacks.py)
+        self.rank_zero_output = rank_zero_output
+        self._output: Optional[RankZeroOutput] = None
         # Resize, recovery, commits and the checkpoint (kungfu/elastic).
         self.membership = Membership(self, KerasVariables(self))
         self.membership.checkpoint = checkpoint
@@ -323,6 +327,34 @@ class Hook(keras.callbacks.Callback):
         train_function.kungfu_guarded = train_fn
         return train_function
 
+    def _keras_train_function(self, fn, recover: bool):
+        """Keras's train function as model.fit calls it under the Hook: it survives a lost peer
+        (`recover`: see _recover), and its logs carry the monitored estimates (gns,
+        grad_variance), so every callback sees them whatever its place in the list (the epoch's
+        logs get them in kungfu/tensorflow/callbacks.py)."""
+        inner = self._guard(fn) if recover else fn
+        model = self.model
+
+        def train_function(*args, **kwargs):
+            monitor = getattr(self.optimizer, "kungfu_monitor", None)
+            if monitor is not None and not monitor.batch_known:
+                # Keras counts the samples of the epoch in its loss tracker: the first step's
+                # are this worker's batch size, which the noise scale needs.
+                before = _samples_counted(model)
+                logs = inner(*args, **kwargs)
+                if _samples_counted(model) > before:
+                    monitor.set_batch_size(_samples_counted(model) - before)
+            else:
+                logs = inner(*args, **kwargs)
+            model.kungfu_trained = True  # the next epoch logs are a training epoch's
+            estimates = monitor_logs(self.optimizer)
+            if estimates and isinstance(logs, dict):
+                logs = {**logs, **estimates}
+            return logs
+
+        train_function.kungfu_guarded = fn
+        return train_function
+
     def guard(self, train_step):
         """For a custom loop: `train_step` made to survive a lost peer. Call the result on the
         batches of `data.epoch_batches()` (train_step(x, y, sample_weight), or (x, w) without
@@ -347,11 +379,32 @@ class Hook(keras.callbacks.Callback):
             self.membership.commit("start")
             return  # the others are in the middle of training: join them at their next step
         resumed = self.membership.checkpoint is not None and self._resume()
+        if not resumed:
+            self._start_equal()
+        monitor = getattr(self.optimizer, "kungfu_monitor", None)
+        if monitor is not None and not monitor.batch_known and self.data is not None:
+            monitor.set_batch_size(self.data.batch_size)
         self.refresh_sizes()
         if not resumed:
             self._run("before_train")
         self._agree_and_apply()
         self.membership.commit("start")
+
+    def _start_equal(self) -> None:
+        """model.fit: every worker starts from rank 0's model and optimizer state (a custom
+        loop's Hook does not know the model: call kf.broadcast_variables there). A model built
+        by its first step takes rank 0's state after that step."""
+        import kungfu as kf
+        from kungfu.tensorflow.initializer import broadcast_variables, model_built
+
+        model = getattr(self, "model", None)
+        self._equal_after_step = False
+        if kf.size() == 1 or model is None:
+            return
+        if not model_built(model):  # it creates its variables in its first step: after that
+            self._equal_after_step = True
+            return
+        broadcast_variables(self.membership.variables.synced(), name=f"{self._name}/start")
 
     def before_epoch(self, epoch: Optional[int] = None) -> None:
         self._epochs_begun += 1
@@ -374,6 +427,8 @@ class Hook(keras.callbacks.Callback):
         self._step_start = time.perf_counter()
 
     def after_step(self, logs: Optional[dict] = None) -> None:
+        if self._equal_after_step:
+            self._start_equal()
         s = self.state
         elapsed = time.perf_counter() - self._step_start if self._step_start else None
         if self.data is None:
@@ -454,15 +509,22 @@ class Hook(keras.callbacks.Callback):
     _epochs_begun = 0
 
     def on_train_begin(self, logs=None):
+        # Epoch metrics and model.evaluate over all workers, so callbacks that decide from
+        # them (EarlyStopping, ReduceLROnPlateau, ...) decide the same everywhere.
+        combine_metrics(self.model)
+        if self.rank_zero_output and self._output is None:
+            self._output = RankZeroOutput(self.model)
+            self._output.start()
         spe = getattr(self.model, "steps_per_execution", 1)
         if self.data is not None and int(keras.ops.convert_to_numpy(spe)) != 1:
             raise ValueError("kf.Hook with kungfu data needs steps_per_execution=1")
         self.epochs_total = (self.params or {}).get("epochs")
         fn = getattr(self.model, "train_function", None)
-        if _elastic.context().enabled and self.data is not None and fn is not None:
+        if fn is not None:
             fn = getattr(fn, "kungfu_guarded", fn)  # a second fit: wrap Keras's own again
-            self.model.train_function = self._guard(fn)
-            self.membership.recovering = True
+            recover = _elastic.context().enabled and self.data is not None
+            self.model.train_function = self._keras_train_function(fn, recover)
+            self.membership.recovering = recover
         if _peer.joining():
             self._rehearse()
             if self.data is not None:
@@ -478,6 +540,8 @@ class Hook(keras.callbacks.Callback):
             self.data.attach()  # counts epochs from the checkpoint's position
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self._output is not None:
+            self._output.refresh()  # rank 0 may be another worker after a failure
         self.before_epoch(epoch)
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -495,6 +559,9 @@ class Hook(keras.callbacks.Callback):
         finally:
             if self.data is not None:
                 self.data.detach()
+            if self._output is not None:
+                self._output.stop()
+                self._output = None
         if self.detached and self.exit_on_detach:
             # A resize removed this worker: it leaves the job with exit code 0, now (an
             # interpreter shutdown could wait on tf.data's threads).

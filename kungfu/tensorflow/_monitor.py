@@ -110,12 +110,14 @@ class GradientMonitor:
         self.monitors = tuple(monitors)
         self.interval = check_interval(interval)
         self.decay = check_decay(decay)
-        if GNS in self.monitors and batch_size is None:
-            raise ValueError("monitoring the gradient noise scale needs this worker's batch size: "
-                             "pass batch_size=<local batch size> to kf.Optimizer")
-        # The variance does not depend on the batch size; 1 keeps the statistics op's check.
-        self.batch_size = _variable(1.0 if batch_size is None else check_batch_size(batch_size),
-                                    "kungfu_monitor_batch_size")
+        # The gradient noise scale needs this worker's batch size. Without batch_size=, kf.Hook
+        # sets it (from kungfu's data, or from model.fit's first batch); until then the
+        # monitors do not run (0). The variance does not depend on it; 1 keeps the statistics
+        # op's check.
+        self.batch_known = batch_size is not None or GNS not in self.monitors
+        initial = 1.0 if GNS not in self.monitors else 0.0
+        self.batch_size = _variable(initial if batch_size is None else
+                                    check_batch_size(batch_size), "kungfu_monitor_batch_size")
         self.gns_state = _variable([0.0, 0.0, 0.0, math.nan], "kungfu_gns_state")
         self.variance_state = _variable([0.0, 0.0], "kungfu_grad_variance_state")
         self.values = {m: _variable(math.nan, f"kungfu_{LOG_KEYS[m]}") for m in self.monitors}
@@ -128,6 +130,7 @@ class GradientMonitor:
     def set_batch_size(self, batch_size) -> None:
         """This worker's batch size from the next monitored step on."""
         self.batch_size.assign(check_batch_size(batch_size))
+        self.batch_known = True
 
     def value(self, monitor: str) -> float:
         return float(self.values[monitor].numpy())
@@ -149,9 +152,10 @@ class GradientMonitor:
                 self.values[m].assign(estimate)
             return tf.constant(True)
 
-        if self.interval == 1:
-            return run()
-        due = tf.equal(tf.math.floormod(tf.cast(step, tf.int64), self.interval), 0)
+        due = self.batch_size > 0  # the batch size is known
+        if self.interval != 1:
+            due = tf.logical_and(
+                due, tf.equal(tf.math.floormod(tf.cast(step, tf.int64), self.interval), 0))
         return tf.cond(due, run, lambda: tf.constant(False))
 
 
@@ -201,3 +205,11 @@ def global_noise_scale(batch_small, batch_big, tensor, avg_tensor, alpha: float 
 
 
 _GLOBAL_STATE: Dict[str, tf.Variable] = {}
+
+
+def monitor_logs(optimizer) -> dict:
+    """{log key: latest estimate} of the optimizer's gradient monitor ({} without one)."""
+    monitor: Optional[GradientMonitor] = getattr(optimizer, "kungfu_monitor", None)
+    if monitor is None:
+        return {}
+    return {LOG_KEYS[m]: monitor.value(m) for m in monitor.monitors}

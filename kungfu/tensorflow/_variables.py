@@ -75,7 +75,7 @@ class KerasVariables(Variables):
         from kungfu.tensorflow import ops
 
         for name, v in zip(names, variables):
-            v.assign(ops.request_variable(0, v.shape, v.dtype, name=name))
+            v.assign(ops.request_variable(0, name=name, shape=v.shape, dtype=v.dtype))
 
     def unlend(self, names: List[str]) -> None:
         from kungfu import _collective

@@ -255,3 +255,51 @@ def _keep_keras_from_fixing_epoch_length() -> None:
 
     EpochIterator.catch_stop_iteration = catch_stop_iteration
     _PATCHED = True
+
+
+def shard(data, rank=None, size=None):
+    """This worker's equal share of `data`, for plain model.fit or tf.data users: every worker
+    gets the same number of samples, so the same number of steps (x[rank::size] does not: with
+    10 samples on 4 workers, two get 3 and two get 2, and the workers with more steps wait for the
+    others at the end of every epoch until the op deadline).
+
+    data: an array, a tuple/list/dict of arrays of one length, or a tf.data.Dataset of known
+    finite length (before batching). The first len - len % size samples are split by stride
+    (worker r takes samples r, r + size, ...); the last len % size (fewer than size) are left
+    out. For exact epochs without leaving any out, and batch sizes that change, use
+    kf.ElasticData."""
+    from kungfu import _peer
+
+    me = _peer.identity()
+    rank = me.rank if rank is None else rank
+    size = me.size if size is None else size
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not in a cluster of {size}")
+    import tensorflow as tf
+
+    if isinstance(data, tf.data.Dataset):
+        n = int(data.cardinality())
+        if n < 0:
+            raise ValueError(
+                "kf.shard needs a dataset of known, finite length (before .batch and without "
+                ".repeat); give it one with dataset.apply(tf.data.experimental."
+                "assert_cardinality(N)), or use kf.ElasticData")
+        return data.take(n - n % size).shard(size, rank)
+    if isinstance(data, dict):
+        lengths = {k: len(v) for k, v in data.items()}
+        arrays = dict(data)
+    elif isinstance(data, (tuple, list)):
+        lengths = {i: len(v) for i, v in enumerate(data)}
+        arrays = None
+    else:
+        return _stride(data, len(data), rank, size)
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"kf.shard: the arrays differ in length: {lengths}")
+    n = next(iter(lengths.values()), 0)
+    if arrays is not None:
+        return {k: _stride(v, n, rank, size) for k, v in arrays.items()}
+    return type(data)(_stride(v, n, rank, size) for v in data)
+
+
+def _stride(a, n: int, rank: int, size: int):
+    return a[rank:n - n % size:size]

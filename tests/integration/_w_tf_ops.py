@@ -299,22 +299,25 @@ def values():
     p2p = {}
     ops.save_variable(tf.fill([2, 3], 10.0 * r + 1), name="w")
     ops.barrier(name="p2p/saved/1")
-    p2p["peer/1"] = _pack(ops.request_variable(peer, [2, 3], tf.float32, name="w"))
-    p2p["self/1"] = _pack(ops.request_variable(r, [2, 3], tf.float32, name="w"))
+    p2p["peer/1"] = _pack(ops.request_variable(peer, name="w", shape=[2, 3], dtype=tf.float32))
+    p2p["self/1"] = _pack(ops.request_variable(r, name="w", shape=[2, 3], dtype=tf.float32))
     ops.barrier(name="p2p/read/1")
     ops.save_variable(tf.fill([2, 3], 10.0 * r + 2), name="w")  # replaces the old blob
     ops.barrier(name="p2p/saved/2")
-    p2p["peer/2"] = _pack(ops.request_variable(peer, [2, 3], tf.float32, name="w"))
+    p2p["peer/2"] = _pack(ops.request_variable(peer, name="w", shape=[2, 3], dtype=tf.float32))
     ops.save_variable(tf.constant([r, -r, 7 * r], tf.int64), name="w64")
     ops.barrier(name="p2p/saved/3")
-    p2p["int64"] = _pack(ops.request_variable(tf.constant(peer), [3], tf.int64, name="w64"))
+    p2p["int64"] = _pack(ops.request_variable(tf.constant(peer), name="w64", shape=[3], dtype=tf.int64))
     p2p["missing/peer"] = _outcome(
-        lambda: ops.request_variable(peer, [2], tf.float32, name="no-such-blob"))
+        lambda: ops.request_variable(peer, name="no-such-blob", shape=[2], dtype=tf.float32))
     p2p["missing/self"] = _outcome(
-        lambda: ops.request_variable(r, [2], tf.float32, name="no-such-blob-self"))
-    p2p["size/peer"] = _outcome(lambda: ops.request_variable(peer, [5], tf.float32, name="w"))
-    p2p["size/self"] = _outcome(lambda: ops.request_variable(r, [2, 2], tf.float32, name="w"))
-    p2p["after_errors"] = _pack(ops.request_variable(peer, [2, 3], tf.float32, name="w"))
+        lambda: ops.request_variable(r, name="no-such-blob-self", shape=[2], dtype=tf.float32))
+    p2p["size/peer"] = _outcome(lambda: ops.request_variable(peer, name="w", shape=[5], dtype=tf.float32))
+    p2p["size/self"] = _outcome(lambda: ops.request_variable(r, name="w", shape=[2, 2], dtype=tf.float32))
+    p2p["after_errors"] = _pack(ops.request_variable(peer, name="w", shape=[2, 3], dtype=tf.float32))
+    # KungFu's positional order: (target, version, name, shape, dtype).
+    p2p["kungfu_order"] = _pack(ops.request_variable(peer, None, "w", [2, 3], tf.float32))
+    p2p["version"] = _outcome(lambda: ops.request_variable(peer, 3, "w", [2, 3], tf.float32))
     ops.barrier(name="p2p/eager/done")
 
     # A saved tensor is lent to the store, not copied: updating in place the variable it was
@@ -326,8 +329,8 @@ def values():
     tf.raw_ops.ResourceApplyGradientDescent(var=lent.handle, alpha=1.0, delta=tf.ones([1000]))
     lent.assign(tf.fill([1000], -3.0))
     ops.barrier(name="p2p/lent")
-    p2p["lent/self"] = _pack(ops.request_variable(r, [1000], tf.float32, name="lent"))
-    p2p["lent/peer"] = _pack(ops.request_variable(peer, [1000], tf.float32, name="lent"))
+    p2p["lent/self"] = _pack(ops.request_variable(r, name="lent", shape=[1000], dtype=tf.float32))
+    p2p["lent/peer"] = _pack(ops.request_variable(peer, name="lent", shape=[1000], dtype=tf.float32))
     p2p["lent/variable"] = _pack(lent)
     ops.barrier(name="p2p/lent/read")
 
@@ -354,7 +357,8 @@ def values():
         "all_gather": _outcome(lambda: ops.all_gather(t)),
         "consensus": _outcome(lambda: ops.consensus(t)),
         "save_variable": _outcome(lambda: ops.save_variable(t)),
-        "request_variable": _outcome(lambda: ops.request_variable(0, [2], tf.float32)),
+        "request_variable": _outcome(lambda: ops.request_variable(0, shape=[2],
+                                                                  dtype=tf.float32)),
     }
     res["bad_op"] = _outcome(lambda: ops.all_reduce(t, op="mean", name="bad-op"))
     # Nobody leaves while another worker may still be reading its blobs.
@@ -435,11 +439,11 @@ def errors():
     ops.barrier(name="p2p/saved")
     peer = (r + 1) % n
     if r == 0:
-        out["p2p/wrong"] = _outcome(lambda: ops.request_variable(peer, [3], tf.float32,
-                                                                 name="shared"))
+        out["p2p/wrong"] = _outcome(lambda: ops.request_variable(peer, name="shared", shape=[3],
+                                                                 dtype=tf.float32))
         out["p2p/wrong"].pop("value", None)
     ops.barrier(name="p2p/wrong-done")
-    o = _outcome(lambda: ops.request_variable(peer, [4], tf.float32, name="shared",
+    o = _outcome(lambda: ops.request_variable(peer, name="shared", shape=[4], dtype=tf.float32,
                                               timeout=10))
     if o["error"] is None:
         o["value"] = o["value"].numpy().tolist()

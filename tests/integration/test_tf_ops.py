@@ -256,6 +256,11 @@ def test_save_and_request_variable(values, n):
         # Errors leave the store usable.
         assert not same(p2p["after_errors"], "float32", (2, 3),
                         np.full((2, 3), 10 * peer + 2)), where
+        # KungFu's argument order means the same; a version is refused by name.
+        assert not same(p2p["kungfu_order"], "float32", (2, 3),
+                        np.full((2, 3), 10 * peer + 2)), where
+        assert p2p["version"]["error"] == "ValueError", (where, p2p["version"])
+        assert "version=3" in p2p["version"]["message"], (where, p2p["version"])
         # Lent, not copied, yet unchanged by later updates of the variable.
         assert not same(p2p["lent/self"], "float32", (1000,), np.full(1000, 5.0 + r)), where
         assert not same(p2p["lent/peer"], "float32", (1000,), np.full(1000, 5.0 + peer)), where

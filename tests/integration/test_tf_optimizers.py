@@ -87,9 +87,14 @@ def test_callback_broadcasts_adam_state(sync_runs, n):
 @pytest.mark.parametrize("algorithm", ["sma", "pair-averaging"])
 def test_model_averaging_converges_on_digits(averaging_run, algorithm):
     rs = averaging_run
-    floor = 0.85 if algorithm == "sma" else 0.7  # chance: 0.1; pair averaging is asynchronous
+    # Chance is 0.1. Pair averaging is asynchronous: which peer's model a worker takes, and
+    # when, depends on timing, and now and then one worker ends lower (0.67 seen here, about
+    # one run in eight, the others at 0.85-0.93); the workers together still learn.
+    floor, mean_floor = (0.85, 0.85) if algorithm == "sma" else (0.5, 0.8)
     for r in rs:
         assert r[algorithm]["accuracy"] > floor, (algorithm, r["rank"], r[algorithm])
+    mean = sum(r[algorithm]["accuracy"] for r in rs) / len(rs)
+    assert mean > mean_floor, (algorithm, [r[algorithm] for r in rs])
     assert _same([r[algorithm] for r in rs], "iterations")
     # Averaging keeps the workers' models much closer than training without it does.
     local = rs[0]["local"]["spread"]

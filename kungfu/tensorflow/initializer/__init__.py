@@ -62,10 +62,16 @@ def broadcast_variables(variables: Iterable, root: int = 0, name: str = "kungfu/
     return tf.group([a for a in assigns if isinstance(a, (tf.Tensor, tf.Operation))])
 
 
+def model_built(model) -> bool:
+    """Whether the model's variables exist: a model without keras.Input creates them in its
+    first training step."""
+    return bool(getattr(model, "built", True))
+
+
 def _optimizer_variables(model) -> list:
     opt = getattr(model, "optimizer", None)
-    if opt is None:
-        return []
+    if opt is None or not model_built(model):
+        return []  # building the optimizer before the model would tie it to no variables
     if not opt.built:
         # Keras creates slots lazily: create them now so they can be broadcast too.
         with keras.name_scope(opt.name, caller=opt):
@@ -77,8 +83,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Keras callback: at the start of training every worker takes root's model weights and
     optimizer state (slots, iteration counter, learning rate variable).
 
-    The broadcast happens once per callback object, in on_train_begin; the optimizer is built on
-    the model's trainable variables first if Keras has not built it yet. When the model's
+    The broadcast happens once per callback object, in on_train_begin (after the first step for
+    a model that creates its variables in it: built without keras.Input); the optimizer is
+    built on the model's trainable variables first if Keras has not built it yet. kf.Hook does the same
+    by itself, so with a Hook this callback is optional; in a worker that joins a running
+    elastic job it does nothing (the Hook gives it the others' state). When the model's
     optimizer is a kungfu distributed optimizer and the model was compiled for XLA (Keras does
     that by itself on GPUs), the callback switches the training step to jit_compile=False, with
     a warning: kungfu's collectives cannot run inside XLA clusters.
@@ -103,8 +112,18 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.done = True
 
     def on_train_begin(self, logs=None):
+        from kungfu import _env
+
         _disable_xla_for_distributed_optimizer(self.model)
-        if not self.done:
+        # A worker that joins a running elastic job takes the others' state from kf.Hook; a
+        # broadcast of its own would wait for peers that are not in it.
+        if _env.ELASTIC_JOINING.get():
+            self.done = True
+        if not self.done and model_built(self.model):
+            self.broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.done:  # a model built by its first step: equal from the second on
             self.broadcast()
 
 

@@ -131,9 +131,14 @@ def save_variable(t, name: Optional[str] = None):
     return _lib.kungfu_save_variable(t, blob_name=_name(name, t, "blob", "save_variable"))
 
 
-def request_variable(target, shape=None, dtype=None, name: Optional[str] = None,
-                     timeout: Optional[float] = None, like=None):
-    """Worker `target`'s stored blob `name` as a tensor of `shape` and `dtype` (or like `like`)."""
+def request_variable(target, version=None, name: Optional[str] = None, shape=None, dtype=None,
+                     *, timeout: Optional[float] = None, like=None):
+    """Worker `target`'s stored blob `name` as a tensor of `shape` and `dtype` (or like `like`).
+    The arguments come in KungFu's order, so calls ported from it mean the same; `version`
+    must be None (the store keeps the latest value of a name, not versions of it)."""
+    if version is not None:
+        raise ValueError(f"request_variable: version={version!r}: kungfu's store keeps the "
+                         "latest value of each name only; pass version=None")
     if like is not None:
         shape = like.shape if shape is None else shape
         dtype = like.dtype if dtype is None else dtype

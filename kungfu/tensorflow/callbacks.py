@@ -1,0 +1,207 @@
+"""Keras callbacks that agree across workers.
+
+Each worker trains (and evaluates) on its own shard, so its metrics are its own: callbacks that
+decide from them (EarlyStopping, ReduceLROnPlateau, ModelCheckpoint(save_best_only=True)) would
+decide differently on each worker, and the job would split. kungfu combines the metrics of all
+workers exactly before any callback sees them:
+
+- the model's metric states (Keras's loss tracker and compiled metrics keep sums and counts)
+  are summed over the workers, and the result is computed from the sums: the mean loss over
+  every sample of every worker, the accuracy over all of them, not a mean of means;
+- this happens where Keras reads the metrics of an epoch (after training, and after validation)
+  and at the end of `model.evaluate`, so every callback sees the combined values whatever its
+  place in the list, and `model.evaluate` on each worker's shard returns the result over the
+  whole set on every worker.
+
+`kf.Hook` turns this on for its model; without a Hook, `kf.MetricAverageCallback()` (Horovod's
+name) or `combine_metrics(model)` does. Metrics whose states are not sums (a custom metric that
+keeps a maximum, say) are combined as if they were: give such a metric sum-like states.
+
+While it trains, kf.Hook also keeps output to one worker (`RankZeroOutput`): Keras's progress
+bars and messages print on rank 0 only, and `model.save` / `model.save_weights` (what
+ModelCheckpoint and BackupAndRestore call) write on rank 0 only, atomically (a temporary file
+renamed over the target), so a reader never sees half a file. `kf.Hook(rank_zero_output=False)`
+leaves every worker's output alone.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import keras
+import numpy as np
+
+
+def _combined(model, read):
+    """`read()` (Keras's metric results) with the model's metric states summed over the
+    workers; the local states are put back after."""
+    from kungfu import _collective, _peer
+    from kungfu.tensorflow._hook import RECOVERABLE
+
+    if _peer.identity().size == 1:
+        return read()
+    variables = [v for m in model.metrics for v in m.variables]
+    if not variables:
+        return read()
+    local = [keras.ops.convert_to_numpy(v) for v in variables]
+    flat = np.concatenate([np.asarray(a, np.float64).ravel() for a in local])
+    try:
+        total = _collective.allreduce(flat, "sum", name="kungfu/metrics")
+    except RECOVERABLE as e:  # a peer is gone: kf.Hook recovers at its next agreement
+        warnings.warn(f"kungfu: metrics not combined over the workers (a peer failed: {e})")
+        return read()
+    offset = 0
+    for v, a in zip(variables, local):
+        v.assign(total[offset:offset + a.size].reshape(a.shape).astype(a.dtype))
+        offset += a.size
+    try:
+        return read()
+    finally:
+        for v, a in zip(variables, local):
+            v.assign(a)
+
+
+def combine_metrics(model) -> None:
+    """From now on, the metrics Keras reports for `model` at the end of an epoch (training and
+    validation) and of `model.evaluate` are over all workers (see the module's doc). Every
+    worker must train and evaluate in step, as in synchronous training. Calling it again
+    changes nothing."""
+    own = model._get_metrics_result_or_logs  # Keras's one place for "the metrics of an epoch"
+    if getattr(own, "kungfu_combined", False):
+        return
+
+    def combined(logs):
+        from kungfu.tensorflow._monitor import LOG_KEYS, monitor_logs
+
+        # kf.Hook adds the monitored estimates to each step's logs; Keras takes the metrics
+        # only from logs that hold nothing else.
+        if isinstance(logs, dict):
+            logs = {k: v for k, v in logs.items() if k not in LOG_KEYS.values()}
+        out = _combined(model, lambda: own(logs))
+        if getattr(model, "kungfu_trained", False):  # a training epoch under kf.Hook ended
+            model.kungfu_trained = False
+            out = {**out, **monitor_logs(model.optimizer)}
+        return out
+
+    combined.kungfu_combined = True
+    model._get_metrics_result_or_logs = combined
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Epoch metrics combined over all workers before any callback sees them (combine_metrics);
+    kf.Hook does the same by itself."""
+
+    def on_train_begin(self, logs=None):
+        combine_metrics(self.model)
+
+
+class RankZeroOutput:
+    """Between start() and stop(): progress output, model.save and model.save_weights on rank 0
+    only (see the module's doc). The rank is read at each use: after a failure rank 0 may be
+    another worker."""
+
+    def __init__(self, model):
+        self.model = model
+        self._interactive = None  # Keras's setting before start(), to put back
+        self._own = {}
+
+    def start(self) -> None:
+        from keras.src.utils import io_utils
+
+        self._interactive = io_utils.is_interactive_logging_enabled()
+        self.refresh()
+        for method in ("save", "save_weights"):
+            own = getattr(self.model, method)
+            self._own[method] = own
+            setattr(self.model, method, self._on_rank_zero(own))
+
+    def refresh(self) -> None:
+        """Progress output on if this worker is rank 0 (and it was on before start())."""
+        from kungfu import _peer
+        from keras.src.utils import io_utils
+
+        if self._interactive and _peer.identity().rank == 0:
+            io_utils.enable_interactive_logging()
+        else:
+            io_utils.disable_interactive_logging()
+
+    def stop(self) -> None:
+        from keras.src.utils import io_utils
+
+        for method, own in self._own.items():
+            setattr(self.model, method, own)
+        self._own = {}
+        if self._interactive is not None:
+            (io_utils.enable_interactive_logging if self._interactive
+             else io_utils.disable_interactive_logging)()
+
+    @staticmethod
+    def _on_rank_zero(write):
+        def on_rank_zero(filepath, *args, overwrite=True, **kwargs):
+            from kungfu import _peer
+
+            if _peer.identity().rank != 0:
+                return None
+            if not isinstance(filepath, (str, os.PathLike)) or (
+                    not overwrite and os.path.exists(filepath)):
+                return write(filepath, *args, overwrite=overwrite, **kwargs)
+            path = os.fspath(filepath)
+            folder, name = os.path.split(path)
+            # The same name after a prefix: Keras checks the suffix (.keras, .weights.h5).
+            tmp = os.path.join(folder, f".tmp{os.getpid()}-{name}")
+            try:
+                result = write(tmp, *args, overwrite=True, **kwargs)
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            return result
+
+        on_rank_zero.__wrapped__ = write
+        return on_rank_zero
+
+
+class LearningRateWarmupCallback(keras.callbacks.Callback):
+    """Gradual warmup (Goyal et al.), as Horovod's callback of this name: over the first
+    `warmup_epochs` epochs the learning rate grows linearly, step by step, from
+    initial_lr / size to initial_lr (the rate for the whole cluster's batch), then stays there
+    for other callbacks and policies to change. `steps_per_epoch`: Keras's count when None (an
+    input of unknown length then warms up per epoch). The size is the cluster's at each step, so
+    an elastic job's warmup follows its resizes. Every worker computes the same rate."""
+
+    def __init__(self, initial_lr: float, warmup_epochs: float = 5, steps_per_epoch=None,
+                 verbose: int = 0):
+        super().__init__()
+        from kungfu.policy._actions import check_learning_rate
+
+        self.initial_lr = check_learning_rate(initial_lr)
+        if (isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, (int, float))
+                or not warmup_epochs > 0):
+            raise ValueError(f"warmup_epochs must be a positive number, got {warmup_epochs!r}")
+        self.warmup_epochs = warmup_epochs
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self._epoch = 0
+        self._done = False
+
+    def rate(self, epoch: int, batch: int, size: int) -> float:
+        steps = self.steps_per_epoch or (self.params or {}).get("steps") or 0
+        progress = min(1.0, (epoch + (batch / steps if steps else 0.0)) / self.warmup_epochs)
+        return self.initial_lr * (1.0 / size + (1.0 - 1.0 / size) * progress)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        from kungfu import _peer
+
+        if self._done:
+            return
+        if self._epoch >= self.warmup_epochs:
+            self._done = True
+            self.model.optimizer.learning_rate = self.initial_lr
+            if self.verbose and _peer.identity().rank == 0:
+                print(f"Epoch {self._epoch + 1}: warmup done, learning rate {self.initial_lr:g}")
+            return
+        self.model.optimizer.learning_rate = self.rate(self._epoch, batch,
+                                                       _peer.identity().size)

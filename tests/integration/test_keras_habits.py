@@ -1,0 +1,83 @@
+"""Keras as users write it: callbacks that decide from metrics decide the same on every worker,
+and model.evaluate combines the workers' shards exactly (kungfu/tensorflow/callbacks.py)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+import _w_keras as w  # noqa: E402
+
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+@pytest.mark.parametrize("hook_first", [True, False], ids=["hook-first", "hook-last"])
+def test_deciding_callbacks_agree_and_evaluate_is_over_every_shard(spawn, hook_first):
+    r0, r1 = spawn(2, w.deciding_callbacks, hook_first, env=ENV, timeout=150)
+    # The same epoch metrics on both workers, so the same decisions.
+    assert r0["plateau_loss"] == r1["plateau_loss"]
+    assert r0["lr"] == r1["lr"] == pytest.approx(0.01)  # the combined loss improved each epoch
+    assert r0["early_epochs"] == r1["early_epochs"] == 5, (r0["early_loss"], r1["early_loss"])
+    assert r0["weights"] == r1["weights"]
+    # model.evaluate on each worker's own shard gives the result over both shards, on both.
+    assert r0["evaluate"] == r1["evaluate"]
+    for key in ("loss", "mae"):
+        assert r0["evaluate"][key] == pytest.approx(r0["expected"][key], rel=1e-5), key
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["hook", "broadcast-callback"])
+def test_workers_start_equal_print_once_and_checkpoint_once(spawn, tmp_path, hook):
+    """A model built at its first batch starts from rank 0's weights (kf.Hook by itself, or
+    BroadcastGlobalVariablesCallback); under kf.Hook the progress bar and ModelCheckpoint's
+    files come from rank 0 only, while training."""
+    r0, r1 = spawn(2, w.one_writer, str(tmp_path), hook, env=ENV, timeout=150)
+    assert r0["weights"] == r1["weights"]
+    assert "Epoch 2/2" in r0["printed"]
+    assert r0["files"] == ["e1.weights.h5", "e2.weights.h5"]  # no temporary file left
+    if hook:
+        assert r1["printed"] == "" and r1["files"] == []
+        assert "step" in r1["after"]  # its progress output is back after fit
+    else:  # without a Hook every worker prints and writes, as in plain Keras
+        assert "Epoch 2/2" in r1["printed"] and r1["files"] == r0["files"]
+
+
+def test_kf_shard_gives_every_worker_the_same_number_of_steps(spawn):
+    # 101 samples on 3 workers, batches of 11: x[rank::3] would give 34, 34 and 33 samples,
+    # so 4, 4 and 3 steps (the first two would wait for the third at every epoch's end).
+    results = spawn(3, w.sharded_fit, 101, 11, env=ENV, timeout=150)
+    for r in results:
+        assert len(r["arrays"]) == len(r["dataset"]) == 33
+        assert r["steps"][1:] == [("batch", b) for b in range(3)]
+    for key in ("arrays", "dataset"):
+        assert sorted(sum((r[key] for r in results), [])) == list(range(99)), key
+    assert len({r["weights"] for r in results}) == 1
+
+
+@pytest.mark.parametrize("hook_first", [True, False], ids=["hook-first", "hook-last"])
+def test_the_gradient_noise_scale_reaches_tensorboard_in_either_order(spawn, tmp_path,
+                                                                      hook_first):
+    import math
+
+    r0, r1 = spawn(2, w.tensorboard_gns, str(tmp_path), hook_first, env=ENV, timeout=150)
+    for r in (r0, r1):
+        assert r["batch"] == 16  # learned from the first batch
+        gns = r["scalars"].get("epoch_gns")
+        assert gns is not None and len(gns) == 3, sorted(r["scalars"])
+        assert all(math.isfinite(v) for v in gns)
+        assert gns == pytest.approx(r["history"], rel=1e-6)  # what History saw, too
+    assert r0["scalars"]["epoch_gns"] == r1["scalars"]["epoch_gns"]
+
+
+def test_a_worker_a_shrink_left_out_keeps_its_rank(spawn):
+    """Code after training that runs on rank 0 only must not run on a left-out worker too."""
+    r0, r1 = spawn(2, w.detached_identity, env=ENV, timeout=60)
+    assert r0 == {"rank": 0, "size": 1, "detached": False}
+    assert r1 == {"rank": 1, "size": 2, "detached": True}
+
+
+def test_learning_rate_warmup_goes_from_lr_over_size_to_lr(spawn):
+    r0, r1 = spawn(2, w.warmup, 0.4, 2, env=ENV, timeout=90)
+    assert r0 == r1
+    # 4 steps an epoch: the rate at step s of the warmup is 0.4 (1/2 + 1/2 * s / 8), then 0.4.
+    expected = [0.4 * (0.5 + 0.5 * s / 8) for s in range(8)] + [0.4] * 4
+    assert r0 == pytest.approx(expected, rel=1e-6)
