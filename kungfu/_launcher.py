@@ -86,7 +86,7 @@ class Options:
     min_np: Optional[int] = None  # -w: the fewest workers a failure may leave
     max_restarts: Optional[int] = None  # -w: how many failures the job survives
     replace: Optional[bool] = None  # -w: start new workers in place of lost ones
-    host_cooldown: Optional[float] = None  # -w: seconds a host that failed twice is left out
+    host_cooldown: Optional[float] = None  # -w: seconds a host that failed twice gets no worker
 
 
 HELP = """\
@@ -128,10 +128,10 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
   -max-restarts K     -w: how many failures the job survives (default 3); one more ends it
   -replace=false      -w: go on with the survivors; by default new workers are started in
                       the freed slots after a failure and join as in a resize
-  -host-cooldown DURATION  -w: a host whose workers failed twice within DURATION (failures
-                      a moment apart count once) gets no new workers until DURATION after its
-                      last failure; replacements go to other hosts' free slots, or wait
-                      (default 60s; 0: never left out)
+  -host-cooldown DURATION  -w: a host whose workers failed twice within 10 minutes
+                      (failures seconds apart count once: a host lost at once) gets no new
+                      worker for DURATION; meanwhile replacements go to other hosts' free
+                      slots, or wait (default 60s; 0: hosts are never left out)
   -job-token-file F   the job's secret, read from file F. Workers prove it to each other in
                       every handshake and the builtin config store answers only requests that
                       carry it, so no other process can join or change the job. Default:
