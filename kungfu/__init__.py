@@ -86,6 +86,7 @@ _TENSORFLOW_NAMES = {
     "LearningRateWarmupCallback": "kungfu.tensorflow",
     "combine_metrics": "kungfu.tensorflow",
     "shard": "kungfu.tensorflow",
+    "RecordFiles": "kungfu.tensorflow",
 }
 
 

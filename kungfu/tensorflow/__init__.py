@@ -15,7 +15,7 @@ from kungfu.tensorflow.callbacks import (  # noqa: F401
     MetricAverageCallback,
     combine_metrics,
 )
-from kungfu.tensorflow.data import ElasticData, shard  # noqa: F401
+from kungfu.tensorflow.data import ElasticData, RecordFiles, shard  # noqa: F401
 from kungfu.tensorflow._monitor import grad_noise_scale, grad_variance  # noqa: F401
 from kungfu.tensorflow.initializer import (  # noqa: F401
     BroadcastGlobalVariablesCallback,
@@ -36,4 +36,5 @@ __all__ = [
     "LearningRateWarmupCallback",
     "combine_metrics",
     "shard",
+    "RecordFiles",
 ]

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import glob
+import os
+import struct
 import threading
-from typing import List
+from typing import Callable, List, Sequence, Union
 
 import numpy as np
 
@@ -33,17 +36,36 @@ from kungfu.policy._actions import check_batch_size
 RELEASE_TIMEOUT = 600.0  # seconds a batch waits for the Hook to release its step
 
 
+def _is_source(x) -> bool:
+    """A random-access source: an object with __len__ and read(indices) (see ElasticData)."""
+    return (not isinstance(x, np.ndarray) and callable(getattr(x, "read", None))
+            and hasattr(x, "__len__"))
+
+
 class ElasticData:
-    """Arrays (x, and optionally y) served as per-worker batches by global sample offset."""
+    """Samples served as per-worker batches by global sample offset. `x` (and `y`) are arrays
+    (an np.memmap too: nothing is copied but each batch), or `x` is a random-access source:
+    an object with `__len__` and `read(indices)`, which returns the samples at those indices
+    (an array, or a tuple such as (features, labels), each with len(indices) rows), e.g.
+    kf.RecordFiles over TFRecord files. Only the samples of each batch are read."""
 
     def __init__(self, x, y=None, batch_size: int = 32, shuffle: bool = True, seed: int = 0,
                  record: bool = False):
-        self.x = np.asarray(x)
-        self.y = None if y is None else np.asarray(y)
-        if self.y is not None and len(self.y) != len(self.x):
-            raise ValueError(f"x has {len(self.x)} samples, y has {len(self.y)}")
-        if len(self.x) == 0:
+        if _is_source(x):
+            if y is not None:
+                raise ValueError("ElasticData: with a source (x has read()), y must be None: the "
+                                 "source returns the labels with the features")
+            self.source, self.x, self.y = x, None, None
+        else:
+            self.source = None
+            self.x = np.asarray(x)
+            self.y = None if y is None else np.asarray(y)
+            if self.y is not None and len(self.y) != len(self.x):
+                raise ValueError(f"x has {len(self.x)} samples, y has {len(self.y)}")
+        if len(self) == 0:
             raise ValueError("no samples")
+        # What one sample looks like (shapes and dtypes of the batches' parts).
+        self._sample = self._fetch(np.arange(1))
         self.batch_size = check_batch_size(batch_size)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -61,7 +83,20 @@ class ElasticData:
         self._closed = False  # the process is exiting: generators stop
 
     def __len__(self) -> int:
-        return len(self.x)
+        return len(self.source) if self.source is not None else len(self.x)
+
+    def _fetch(self, idx: np.ndarray) -> tuple:
+        """The samples at these indices: (x,) or (x, y), or what the source returns."""
+        if self.source is None:
+            return (self.x[idx],) if self.y is None else (self.x[idx], self.y[idx])
+        got = self.source.read(idx)
+        parts = tuple(got) if isinstance(got, (tuple, list)) else (got,)
+        parts = tuple(np.asarray(p) for p in parts)
+        bad = [len(p) for p in parts if len(p) != len(idx)]
+        if bad:
+            raise ValueError(f"ElasticData: {type(self.source).__name__}.read of {len(idx)} "
+                             f"indices returned {bad[0]} rows")
+        return parts
 
     def set_batch_size(self, b: int) -> None:
         """This worker's batch size from the next batch made on."""
@@ -69,7 +104,7 @@ class ElasticData:
 
     def order(self, epoch: int) -> np.ndarray:
         """The global order of the samples in `epoch`."""
-        n = len(self.x)
+        n = len(self)
         if not self.shuffle:
             return np.arange(n)
         return np.random.default_rng([self.seed, epoch]).permutation(n)
@@ -161,7 +196,7 @@ class ElasticData:
             self._wait_for(step)
             if self._closed:
                 return
-            if self.offset >= len(self.x):
+            if self.offset >= len(self):
                 break
             batch = self.step_batch()
             if not self._attached:
@@ -184,8 +219,7 @@ class ElasticData:
         import kungfu as kf
 
         idx, weight, _ = self.part(self.order(self.epoch), self.offset, kf.rank(), kf.size())
-        w = np.full(len(idx), weight, dtype=np.float32)
-        return (self.x[idx], w) if self.y is None else (self.x[idx], self.y[idx], w)
+        return (*self._fetch(idx), np.full(len(idx), weight, dtype=np.float32))
 
     def step_dataset(self):
         """step_batch() as a dataset of that one batch."""
@@ -198,9 +232,8 @@ class ElasticData:
         that model.fit then uses, and leaves the position alone."""
 
         def one_batch():
-            n = min(self.batch_size, len(self.x))
-            w = np.zeros(n, dtype=np.float32)
-            yield (self.x[:n], w) if self.y is None else (self.x[:n], self.y[:n], w)
+            n = min(self.batch_size, len(self))
+            yield (*self._fetch(np.arange(n)), np.zeros(n, dtype=np.float32))
 
         return self._dataset_of(one_batch)
 
@@ -210,9 +243,7 @@ class ElasticData:
         def spec(a):
             return tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype))
 
-        weight = tf.TensorSpec((None,), tf.float32)
-        signature = (spec(self.x), weight) if self.y is None else (
-            spec(self.x), spec(self.y), weight)
+        signature = tuple(spec(a) for a in self._sample) + (tf.TensorSpec((None,), tf.float32),)
         ds = tf.data.Dataset.from_generator(generator, output_signature=signature)
         # No autotuning: Keras makes a new iterator every epoch, and tearing one down waits for
         # the autotuning thread, which sleeps longer and longer (seen: seconds at epoch ends,
@@ -220,6 +251,122 @@ class ElasticData:
         options = tf.data.Options()
         options.autotune.enabled = False
         return ds.with_options(options)
+
+
+class RecordFiles:
+    """Random access to the records of TFRecord files, for kf.ElasticData: the records of all
+    `files` in order (a list, or a glob pattern, sorted), numbered from 0, each batch read by
+    position and turned into arrays by `parse(records)`: a list of serialized records in, an
+    array or a tuple of arrays out (e.g. `tf.io.parse_example` on them, then `.numpy()`).
+
+    Opening scans each file's record headers (8-byte lengths; no payload is read) to index the
+    records; nothing is held in memory but that index. Files must be uncompressed (a GZIP or
+    ZLIB TFRecord file has no random access: the error says so)."""
+
+    def __init__(self, files: Union[str, Sequence[str]], parse: Callable):
+        paths = sorted(glob.glob(files)) if isinstance(files, str) else [os.fspath(f)
+                                                                          for f in files]
+        if not paths:
+            raise ValueError(f"RecordFiles: no files match {files!r}")
+        if not callable(parse):
+            raise TypeError("RecordFiles needs parse=: a function from a list of serialized "
+                            "records to an array or a tuple of arrays")
+        self.paths = paths
+        self.parse = parse
+        self._file = np.zeros(0, np.int32)  # record -> file
+        self._offset = np.zeros(0, np.int64)  # record -> offset of its payload
+        self._length = np.zeros(0, np.int64)
+        files_, offsets, lengths = [], [], []
+        for i, path in enumerate(paths):
+            offs, lens = _index_records(path)
+            files_.append(np.full(len(offs), i, np.int32))
+            offsets.append(offs)
+            lengths.append(lens)
+        self._file = np.concatenate(files_)
+        self._offset = np.concatenate(offsets)
+        self._length = np.concatenate(lengths)
+        self._fds = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._offset)
+
+    def records(self, indices) -> List[bytes]:
+        """The serialized records at these positions."""
+        idx = np.asarray(indices, np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"RecordFiles: record index out of range 0..{len(self) - 1}")
+        out = []
+        with self._lock:
+            for i in idx.tolist():
+                f = int(self._file[i])
+                fd = self._fds.get(f)
+                if fd is None:
+                    fd = self._fds[f] = os.open(self.paths[f], os.O_RDONLY)
+                n = int(self._length[i])
+                data = os.pread(fd, n, int(self._offset[i]))
+                if len(data) != n:
+                    raise ValueError(f"RecordFiles: {self.paths[f]} changed since it was "
+                                     f"indexed (record {i} is cut short)")
+                out.append(data)
+        return out
+
+    def read(self, indices):
+        return self.parse(self.records(indices))
+
+    def __del__(self):
+        for fd in getattr(self, "_fds", {}).values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _crc32c_table() -> List[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_CRC32C = _crc32c_table()
+
+
+def _masked_crc32c(data: bytes) -> int:
+    """The checksum TFRecord keeps of a record's length: CRC-32C, rotated and offset."""
+    c = 0xFFFFFFFF
+    for b in data:
+        c = _CRC32C[(c ^ b) & 0xFF] ^ (c >> 8)
+    c ^= 0xFFFFFFFF
+    return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _index_records(path: str):
+    """(payload offsets, lengths) of the records of one TFRecord file, from their headers."""
+    offsets, lengths = [], []
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        pos = 0
+        while pos < size:
+            f.seek(pos)
+            header = f.read(12)  # length (8 bytes, little-endian) and its masked CRC-32C (4)
+            (crc,) = struct.unpack("<I", header[8:]) if len(header) == 12 else (None,)
+            if crc != _masked_crc32c(header[:8]):
+                raise ValueError(
+                    f"RecordFiles: {path}: byte {pos} does not start a TFRecord record (its "
+                    "length's checksum does not match). Is the file compressed? GZIP and ZLIB "
+                    "TFRecord files have no random access: write them uncompressed")
+            (n,) = struct.unpack("<Q", header[:8])
+            if pos + 12 + n + 4 > size:
+                raise ValueError(f"RecordFiles: {path} is cut short: the record at byte {pos} "
+                                 f"needs {pos + 16 + n - size} bytes more than the file has")
+            offsets.append(pos + 12)
+            lengths.append(n)
+            pos += 12 + n + 4
+    return np.asarray(offsets, np.int64), np.asarray(lengths, np.int64)
 
 
 _PATCHED = False

@@ -146,6 +146,11 @@ def main():
     p.add_argument("--kill-while-lending", type=int, default=-1, metavar="RANK",
                    help="the worker of this rank (in the first cluster) kills itself just after "
                         "it lent its variables to the joiners of the first resize")
+    p.add_argument("--tfrecord", metavar="DIR",
+                   help="read the samples from the TFRecord files in DIR (kf.RecordFiles), "
+                        "checking each batch against the arrays")
+    p.add_argument("--write-tfrecord", metavar="DIR",
+                   help="write the samples to 3 TFRecord files in DIR and exit")
     p.add_argument("--checkpoint", help="kf.Hook's checkpoint file (resumes from it if there)")
     p.add_argument("--checkpoint-every", type=int, default=4)
     p.add_argument("--custom-loop", action="store_true",
@@ -169,7 +174,34 @@ def main():
     opt = kf.Optimizer(keras.optimizers.SGD(0.05), monitor=["gns", "variance"],
                        batch_size=args.batch_size)
     model.compile(optimizer=opt, loss="mse", jit_compile=False)
-    data = kf.ElasticData(x, y, batch_size=args.batch_size, seed=2, record=True)
+    features = {"x": tf.io.FixedLenFeature([8], tf.float32),
+                "y": tf.io.FixedLenFeature([1], tf.float32)}
+    if args.write_tfrecord:
+        for part, rows in enumerate(np.array_split(np.arange(args.samples), 3)):
+            path = os.path.join(args.write_tfrecord, f"part-{part}.tfrecord")
+            with tf.io.TFRecordWriter(path) as w:
+                for i in rows:
+                    w.write(tf.train.Example(features=tf.train.Features(feature={
+                        "x": tf.train.Feature(float_list=tf.train.FloatList(value=x[i])),
+                        "y": tf.train.Feature(float_list=tf.train.FloatList(value=y[i])),
+                    })).SerializeToString())
+        return
+    if args.tfrecord:
+        def parse(records):
+            got = tf.io.parse_example(records, features)
+            return got["x"].numpy(), got["y"].numpy()
+
+        class Checked(kf.RecordFiles):
+            def read(self, indices):  # every batch read from the files is the arrays' one
+                fx, fy = super().read(indices)
+                if not (np.array_equal(fx, x[indices]) and np.array_equal(fy, y[indices])):
+                    raise AssertionError(f"records {list(indices)[:4]}... differ from the data")
+                return fx, fy
+
+        source = Checked(os.path.join(args.tfrecord, "*.tfrecord"), parse)
+        data = kf.ElasticData(source, batch_size=args.batch_size, seed=2, record=True)
+    else:
+        data = kf.ElasticData(x, y, batch_size=args.batch_size, seed=2, record=True)
     sizes = [int(s) for s in args.schedule.split(",") if s]
     policy = Schedule(sizes, args.gap, args.tail, model, args.bad_requests)
     me = os.environ.get("KUNGFU_SELF_SPEC", "single").replace(":", "_")
@@ -218,7 +250,7 @@ def main():
             st = hook.state
             served = data.served[-1].tolist() if data.served else []
             out.write(json.dumps({"step": st.step, "epoch": st.epoch, "size": kf.size(),
-                                  "t": time.time(),
+                                  "t": time.time(), "from_files": data.source is not None,
                                   "rank": kf.rank(), "served": served,
                                   "loss": float(logs["loss"]), "digest": weights_digest(),
                                   # the step's slice of the epoch's order: [start, length]
