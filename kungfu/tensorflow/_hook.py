@@ -64,7 +64,7 @@ from kungfu.elastic import Membership
 from kungfu.policy import HOOKS, BasePolicy, TrainingState, _actions, call_hook
 from kungfu.tensorflow._monitor import monitor_logs
 from kungfu.tensorflow._variables import KerasVariables
-from kungfu.tensorflow.callbacks import RankZeroOutput, combine_metrics
+from kungfu.tensorflow.callbacks import RankZeroOutput, combine_while_training
 
 
 def _lower_priority() -> None:
@@ -509,9 +509,9 @@ class Hook(keras.callbacks.Callback):
     _epochs_begun = 0
 
     def on_train_begin(self, logs=None):
-        # Epoch metrics and model.evaluate over all workers, so callbacks that decide from
-        # them (EarlyStopping, ReduceLROnPlateau, ...) decide the same everywhere.
-        combine_metrics(self.model)
+        # Epoch metrics (validation too) over all workers while fit runs, so callbacks that
+        # decide from them (EarlyStopping, ReduceLROnPlateau, ...) decide the same everywhere.
+        combine_while_training(self.model, True)
         if self.rank_zero_output and self._output is None:
             self._output = RankZeroOutput(self.model)
             self._output.start()
@@ -562,6 +562,7 @@ class Hook(keras.callbacks.Callback):
             if self._output is not None:
                 self._output.stop()
                 self._output = None
+            combine_while_training(self.model, False)
         if self.detached and self.exit_on_detach:
             # A resize removed this worker: it leaves the job with exit code 0, now (an
             # interpreter shutdown could wait on tf.data's threads).

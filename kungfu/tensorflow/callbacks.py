@@ -10,11 +10,12 @@ workers exactly before any callback sees them:
   every sample of every worker, the accuracy over all of them, not a mean of means;
 - this happens where Keras reads the metrics of an epoch (after training, and after validation)
   and at the end of `model.evaluate`, so every callback sees the combined values whatever its
-  place in the list, and `model.evaluate` on each worker's shard returns the result over the
-  whole set on every worker.
+  place in the list.
 
-`kf.Hook` turns this on for its model; without a Hook, `kf.MetricAverageCallback()` (Horovod's
-name) or `combine_metrics(model)` does. Metrics whose states are not sums (a custom metric that
+`kf.Hook` turns this on for its model while model.fit runs; without a Hook,
+`kf.MetricAverageCallback()` (Horovod's name) does. After training, `model.evaluate` stays each
+worker's own (one worker may evaluate alone) unless `kf.combine_metrics(model)` was called:
+then every worker evaluates its shard together and each gets the result over all of them. Metrics whose states are not sums (a custom metric that
 keeps a maximum, say) are combined as if they were: give such a metric sum-like states.
 
 While it trains, kf.Hook also keeps output to one worker (`RankZeroOutput`): Keras's progress
@@ -63,9 +64,22 @@ def _combined(model, read):
 
 def combine_metrics(model) -> None:
     """From now on, the metrics Keras reports for `model` at the end of an epoch (training and
-    validation) and of `model.evaluate` are over all workers (see the module's doc). Every
-    worker must train and evaluate in step, as in synchronous training. Calling it again
-    changes nothing."""
+    validation) and of `model.evaluate` are over all workers (see the module's doc), also after
+    training: every worker must then call model.evaluate together (each on its shard). kf.Hook
+    and MetricAverageCallback combine during model.fit only, so that an evaluation on one
+    worker after training (`if kf.rank() == 0: model.evaluate(...)`) stays its own."""
+    _install(model)
+    model.kungfu_combine = "always"
+
+
+def combine_while_training(model, on: bool) -> None:
+    """kf.Hook and MetricAverageCallback: combine while model.fit runs."""
+    _install(model)
+    if getattr(model, "kungfu_combine", None) != "always":
+        model.kungfu_combine = "fit" if on else None
+
+
+def _install(model) -> None:
     own = model._get_metrics_result_or_logs  # Keras's one place for "the metrics of an epoch"
     if getattr(own, "kungfu_combined", False):
         return
@@ -77,7 +91,10 @@ def combine_metrics(model) -> None:
         # only from logs that hold nothing else.
         if isinstance(logs, dict):
             logs = {k: v for k, v in logs.items() if k not in LOG_KEYS.values()}
-        out = _combined(model, lambda: own(logs))
+        if getattr(model, "kungfu_combine", None):
+            out = _combined(model, lambda: own(logs))
+        else:
+            out = own(logs)
         if getattr(model, "kungfu_trained", False):  # a training epoch under kf.Hook ended
             model.kungfu_trained = False
             out = {**out, **monitor_logs(model.optimizer)}
@@ -88,11 +105,15 @@ def combine_metrics(model) -> None:
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
-    """Epoch metrics combined over all workers before any callback sees them (combine_metrics);
-    kf.Hook does the same by itself."""
+    """Epoch metrics combined over all workers before any callback sees them, while model.fit
+    runs (validation included); kf.Hook does the same by itself. For model.evaluate after
+    training on every worker's shard, call kf.combine_metrics(model)."""
 
     def on_train_begin(self, logs=None):
-        combine_metrics(self.model)
+        combine_while_training(self.model, True)
+
+    def on_train_end(self, logs=None):
+        combine_while_training(self.model, False)
 
 
 class RankZeroOutput:

@@ -44,13 +44,17 @@ def deciding_callbacks(hook_first: bool):
     # Likewise: rank 0's own loss does not improve by min_delta (it would stop after two
     # epochs), the loss over both does (training goes on).
     early = fit(keras.callbacks.EarlyStopping(monitor="loss", min_delta=5.0, patience=1), 5)
+    # After fit, evaluate is each worker's own (one worker may evaluate alone)...
+    alone = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    # ... unless the workers evaluate their shards together.
+    kf.combine_metrics(model)
     got = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
     xs, ys = zip(*(shard(r) for r in range(kf.size())))
     pred = model.predict(np.concatenate(xs), verbose=0)
     err = pred - np.concatenate(ys)
     return {"plateau_loss": plateau["loss"], "lr": lr, "early_epochs": len(early["loss"]),
             "early_loss": early["loss"], "weights": _digest(model.get_weights()),
-            "evaluate": got, "expected": {"loss": float(np.mean(err ** 2)),
+            "evaluate": got, "alone": alone, "expected": {"loss": float(np.mean(err ** 2)),
                                           "mae": float(np.mean(np.abs(err)))}}
 
 

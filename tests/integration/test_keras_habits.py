@@ -19,7 +19,9 @@ def test_deciding_callbacks_agree_and_evaluate_is_over_every_shard(spawn, hook_f
     assert r0["lr"] == r1["lr"] == pytest.approx(0.01)  # the combined loss improved each epoch
     assert r0["early_epochs"] == r1["early_epochs"] == 5, (r0["early_loss"], r1["early_loss"])
     assert r0["weights"] == r1["weights"]
-    # model.evaluate on each worker's own shard gives the result over both shards, on both.
+    # After fit evaluate is each worker's own; with kf.combine_metrics, model.evaluate on each
+    # worker's own shard gives the result over both shards, on both.
+    assert r0["alone"]["loss"] < r0["evaluate"]["loss"] < r1["alone"]["loss"]
     assert r0["evaluate"] == r1["evaluate"]
     for key in ("loss", "mae"):
         assert r0["evaluate"][key] == pytest.approx(r0["expected"][key], rel=1e-5), key
