@@ -509,15 +509,15 @@ class Hook(keras.callbacks.Callback):
     _epochs_begun = 0
 
     def on_train_begin(self, logs=None):
+        spe = getattr(self.model, "steps_per_execution", 1)
+        if self.data is not None and int(keras.ops.convert_to_numpy(spe)) != 1:
+            raise ValueError("kf.Hook with kungfu data needs steps_per_execution=1")
         # Epoch metrics (validation too) over all workers while fit runs, so callbacks that
         # decide from them (EarlyStopping, ReduceLROnPlateau, ...) decide the same everywhere.
         combine_while_training(self.model, True)
         if self.rank_zero_output and self._output is None:
             self._output = RankZeroOutput(self.model)
             self._output.start()
-        spe = getattr(self.model, "steps_per_execution", 1)
-        if self.data is not None and int(keras.ops.convert_to_numpy(spe)) != 1:
-            raise ValueError("kf.Hook with kungfu data needs steps_per_execution=1")
         self.epochs_total = (self.params or {}).get("epochs")
         fn = getattr(self.model, "train_function", None)
         if fn is not None:
