@@ -195,10 +195,6 @@ class Membership:
     def detached(self) -> bool:
         return self.state is State.DETACHED
 
-    @staticmethod
-    def enabled() -> bool:
-        return context().enabled
-
     # -- resize: the decisions of a round --------------------------------------------------
 
     def before_agree(self) -> None:

@@ -342,8 +342,9 @@ class Hook(keras.callbacks.Callback):
                 # are this worker's batch size, which the noise scale needs.
                 before = _samples_counted(model)
                 logs = inner(*args, **kwargs)
-                if _samples_counted(model) > before:
-                    monitor.set_batch_size(_samples_counted(model) - before)
+                batch = _samples_counted(model) - before
+                if batch > 0:
+                    monitor.set_batch_size(batch)
             else:
                 logs = inner(*args, **kwargs)
             model.kungfu_trained = True  # the next epoch logs are a training epoch's

@@ -273,17 +273,14 @@ class RecordFiles:
                             "records to an array or a tuple of arrays")
         self.paths = paths
         self.parse = parse
-        self._file = np.zeros(0, np.int32)  # record -> file
-        self._offset = np.zeros(0, np.int64)  # record -> offset of its payload
-        self._length = np.zeros(0, np.int64)
         files_, offsets, lengths = [], [], []
         for i, path in enumerate(paths):
             offs, lens = _index_records(path)
             files_.append(np.full(len(offs), i, np.int32))
             offsets.append(offs)
             lengths.append(lens)
-        self._file = np.concatenate(files_)
-        self._offset = np.concatenate(offsets)
+        self._file = np.concatenate(files_)  # record -> its file
+        self._offset = np.concatenate(offsets)  # record -> offset of its payload
         self._length = np.concatenate(lengths)
         self._fds = {}
         self._lock = threading.Lock()

@@ -87,7 +87,9 @@ def test_a_middle_rank_killed_during_a_step(tmp_path):
 @pytest.mark.timeout(200)
 def test_a_worker_killed_in_the_first_step(tmp_path):
     # Rolled back to the commit before any step: step 1 is trained by the two survivors.
-    _recovered(tmp_path, 3, "--kill", "2@1", steps_before=False)
+    _, records, finals = _recovered(tmp_path, 3, "--kill", "2@1", steps_before=False)
+    assert {f["recoveries"][0]["step"] for f in finals} == {0}, finals
+    assert len(steps_of(records)[1]) == 2
 
 
 @pytest.mark.timeout(200)
@@ -104,7 +106,15 @@ def test_rank_0_killed_between_steps(tmp_path):
 @pytest.mark.timeout(200)
 def test_a_custom_loop_survives_with_hook_guard(tmp_path, fault):
     # A GradientTape loop over data.epoch_batches() with the step wrapped by hook.guard.
-    _recovered(tmp_path, 3, "--kill", fault, "--custom-loop")
+    _, records, finals = _recovered(tmp_path, 3, "--kill", fault, "--custom-loop")
+    # The custom loop ran (no Keras train function), and the survivors rolled back to the last
+    # step every one of them had committed: killed after step 5; 5 ms into step 7 (a step of
+    # this small model may be over by then: 6 or 7); or after its step 6 but before the Hook's
+    # agreement of step 6, which the others then never finished.
+    assert all(row["traces"] is None for rows in steps_of(records).values() for row in rows)
+    rolled_back_to = {"1@5+": {5}, "1@7": {6, 7}, "1@6-": {5}}[fault]
+    (step,) = {f["recoveries"][0]["step"] for f in finals}
+    assert step in rolled_back_to, finals
 
 
 @pytest.mark.timeout(200)
