@@ -112,10 +112,44 @@ CONNECT_TIMEOUT = Var("KUNGFU_CONNECT_TIMEOUT", _positive_duration, 120.0,
 CHUNK_BYTES = Var("KUNGFU_CHUNK_BYTES", _positive_int, 1 << 20, "largest message; bigger tensors are pipelined")
 PARALLELISM = Var("KUNGFU_PARALLELISM", _positive_int, 2, "independent pipelines per large allreduce")
 
+# Experiments: emulated compute, so that adaptation to stragglers can be shown on one machine.
+def _slowdown(text: str) -> list:
+    """RANK:FACTOR[@STEP],... -> [(rank, factor, from_step)], sorted by step."""
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        what, _, step = item.partition("@")
+        rank, sep, factor = what.partition(":")
+        try:
+            entry = (int(rank), float(factor), int(step) if step else 0)
+        except ValueError:
+            entry = None
+        if not sep or entry is None or entry[0] < 0 or not entry[1] > 0 or entry[2] < 0:
+            raise ValueError(f"{item!r} is not RANK:FACTOR[@STEP] (e.g. 1:2.0 or 1:2.0@100)")
+        out.append(entry)
+    return sorted(out, key=lambda e: e[2])
+
+
+def _seconds(s: str) -> float:
+    v = float(s)
+    if not v >= 0:
+        raise ValueError("must be a number of seconds >= 0")
+    return v
+
+
+SAMPLE_TIME = Var("KUNGFU_SAMPLE_TIME", _seconds, 0.0,
+                  "emulated compute: seconds per sample that kf.ElasticData spends (sleeping) "
+                  "when it makes each batch of this worker, times its KUNGFU_SLOWDOWN factor")
+SLOWDOWN = Var("KUNGFU_SLOWDOWN", _slowdown, [],
+               "emulated stragglers: RANK:FACTOR[@STEP],... makes the worker that started as "
+               "RANK take FACTOR times KUNGFU_SAMPLE_TIME per sample, from its STEP-th batch "
+               "on (default 0; later entries of a rank replace earlier ones)")
+
 ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
        ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, ETCD_CACERT, ETCD_CERT, ETCD_KEY, WATCHDOG_FD,
        RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT, PEER_TIMEOUT,
-       CONNECT_TIMEOUT, CHUNK_BYTES, PARALLELISM]
+       CONNECT_TIMEOUT, CHUNK_BYTES, PARALLELISM, SAMPLE_TIME, SLOWDOWN]
 
 
 # The variables other launchers set (torchrun, and Horovod's scripts read them too): the worker's

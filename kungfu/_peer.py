@@ -95,6 +95,12 @@ def get():
     with _lock:
         if _peer is None:
             ident = identity_from_env()
+            if _env.ELASTIC_JOINING.get():
+                # A joiner connects at its version once it said it is ready: the others switch
+                # to that version when every joiner is.
+                from kungfu.elastic import _protocol
+
+                _protocol.context().report_ready()
             _peer = _create(ident.self_spec, ident.peers, ident.version)
     return _peer
 
@@ -115,7 +121,8 @@ def identity():
 
 def joining() -> bool:
     """Whether this is a worker of an elastic job that joins a running cluster and has not
-    connected yet (it connects when kf.Hook syncs it, not on import)."""
+    connected yet (it connects on its first collective, which reports it ready first: kf.Hook
+    does so when it syncs it, not on import)."""
     return _peer is None and bool(_env.ELASTIC_JOINING.get())
 
 

@@ -26,4 +26,5 @@ from kungfu.elastic._protocol import (  # noqa: F401
     context,
     detached,
     resize,
+    resize_now,
 )

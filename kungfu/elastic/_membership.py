@@ -39,7 +39,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from kungfu import _env, _peer
-from kungfu.elastic._protocol import ExpelledError, ResizeError, context
+from kungfu.elastic._protocol import ExpelledError, broadcast_blob, context
 from kungfu.policy import TrainingState, _actions
 from kungfu.store import ClusterConfig, StoreError
 
@@ -145,16 +145,6 @@ def first_line(e: BaseException) -> str:
     return lines[-1] if lines else type(e).__name__
 
 
-def broadcast_blob(blob: bytes, name: str) -> bytes:
-    """rank 0's bytes on every worker."""
-    from kungfu import _collective
-
-    rank = _peer.identity().rank
-    n = int(_collective.broadcast(np.array([len(blob)], np.int64), name=f"{name}/length")[0])
-    data = np.frombuffer(blob, np.uint8) if rank == 0 else np.zeros(n, np.uint8)
-    return _collective.broadcast(data, name=f"{name}/bytes").tobytes()
-
-
 @dataclasses.dataclass
 class Commit:
     """The training state at a step boundary ("start", "step": after a step's decisions, or
@@ -229,24 +219,11 @@ class Membership:
         if ctx.pending is None:
             return
         data = self.trainer.data
-        if data is not None and self.trainer.state.samples_in_epoch >= len(data):
+        if data is not None and data.epoch_done(self.trainer.state.samples_in_epoch):
             return  # never after an epoch's last step: a joiner's first epoch would be empty
-        try:
-            failed = ctx.failed()
-            ready = not failed and ctx.ready()
-            if ready:
-                failed = ctx.commit_switch()
-                ready = not failed
-        except StoreError as e:
-            warnings.warn(f"kungfu: cannot read the config store: {e}")
-            failed, ready = [], False
-        if ready:
-            _actions._record("elastic", {"switch": ctx.pending.version})
-        elif failed:
-            _actions._record("elastic", {"abandon": ctx.pending.version,
-                                         "why": f"new worker {', '.join(failed)} failed"})
-        elif ctx.overdue():
-            _actions._record("elastic", {"abandon": ctx.pending.version})
+        decision = ctx.pending_decision()
+        if decision is not None:
+            _actions._record("elastic", decision)
 
     def apply_resize(self, n: int) -> None:
         """An agreed resize to n workers: rank 0 writes the new version and broadcasts it; with
@@ -262,21 +239,12 @@ class Membership:
         if n == peer.size:
             return
         self._enter(State.PROPOSING)
-        # Rank 0 broadcasts what it wrote, or why it wrote nothing ("!" and the reason).
-        proposal = ""
-        if peer.rank == 0:
-            try:
-                new = ctx.propose(n)
-                proposal = new.to_json() if new is not None else "!the stored configuration changed"
-            except (StoreError, ResizeError) as e:  # the others wait in the broadcast: go on
-                proposal = f"!{e}"
-        proposal = broadcast_blob(proposal.encode(), "kungfu/elastic/propose").decode()
-        if proposal.startswith("!"):
+        new = ctx.agree_proposal(n)
+        if isinstance(new, str):
             self._enter(State.TRAINING)
-            warnings.warn(f"kungfu: resize to {n} failed: {proposal[1:]}; training goes on with "
+            warnings.warn(f"kungfu: resize to {n} failed: {new}; training goes on with "
                           f"{peer.size}")
             return
-        new = ClusterConfig.from_json(proposal)
         if ctx.joiners(new):
             ctx.pending, ctx.pending_since = new, time.monotonic()
             self._enter(State.WAITING)
@@ -310,7 +278,7 @@ class Membership:
 
     def join(self) -> None:
         """A worker joining a running job: connect, then take the others' state."""
-        context().join()
+        _peer.get()  # reports ready, then connects (Elastic.report_ready)
         self._sync(joining=True)
         self._enter(State.TRAINING)
         self.trainer.refresh_sizes()
@@ -378,9 +346,15 @@ class Membership:
             d = t.data
             d.epoch, d.offset, d.batch_size, d.last_length = position
 
+    def begin(self) -> None:
+        """Training begins: from now on resizes go through this machine (kf.resize outside a
+        policy hook is refused instead of running one of its own)."""
+        context().driver = self
+
     def finish(self) -> None:
         """Training ended: a resize still waiting is given up; rank 0 tells the launchers."""
         ctx = context()
+        ctx.driver = None
         if not ctx.enabled or self.detached:
             return
         rank = _peer.identity().rank
@@ -468,7 +442,7 @@ class Membership:
             return True
         # Not at an epoch's last step: the epoch's own commit follows at once.
         data = self.trainer.data
-        at_end = data is not None and data.offset >= len(data)
+        at_end = data is not None and data.epoch_done()
         return (kind == "step" and self.trainer.state.step % self.checkpoint_every == 0
                 and not at_end)
 

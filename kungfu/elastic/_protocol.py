@@ -18,6 +18,10 @@ Protocol (cluster version v -> v+1), steps as in DESIGN.md:
 5. With joiners, the joiners take rank 0's training state (Membership._sync: variables
    peer-to-peer from rank 0 through the framework binding, the trainer's state broadcast).
 
+Without a trainer (a custom loop with no kf.Hook), kf.resize(n) runs steps 1-4 at once, as a
+collective that every worker calls with the same n (resize_now); a joiner reports ready when it
+first connects (report_ready, from kungfu._peer.get), and the program syncs its own state.
+
 Recovery (a peer of version v died or hangs; Elastic.recover, driven by Membership.recover):
 1. Every worker commits its training state in memory at each step boundary (Membership.commit) and
    numbers the commits; synchronous training keeps the survivors at most one commit apart.
@@ -45,7 +49,9 @@ import json
 import time
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Union
+
+import numpy as np
 
 from kungfu import _env, _peer
 from kungfu._hosts import parse_hosts, parse_port_range, plan_workers
@@ -87,6 +93,7 @@ class Elastic:
         self.current = ClusterConfig(ident.version, ident.peers) if ident.peers else None
         self.pending: Optional[ClusterConfig] = None
         self.pending_since = 0.0
+        self.driver = None  # the Membership whose trainer runs resizes at its step boundaries
 
     @property
     def enabled(self) -> bool:
@@ -140,6 +147,41 @@ class Elastic:
 
     def joiners(self, new: ClusterConfig) -> List[str]:
         return [p for p in new.peers if p not in self.current.peers]
+
+    def agree_proposal(self, n: int) -> Union[ClusterConfig, str]:
+        """Every worker, once a resize to n is agreed: rank 0 writes the configuration (propose)
+        and broadcasts what it wrote; returns it, or why nothing was written (a str) on every
+        worker."""
+        proposal = ""
+        if _peer.identity().rank == 0:
+            try:
+                new = self.propose(n)
+                proposal = new.to_json() if new is not None else "!the stored configuration changed"
+            except (StoreError, ResizeError) as e:  # the others wait in the broadcast: go on
+                proposal = f"!{e}"
+        proposal = broadcast_blob(proposal.encode(), f"kungfu/elastic/{self.current.version}/"
+                                  "propose").decode()
+        return proposal[1:] if proposal.startswith("!") else ClusterConfig.from_json(proposal)
+
+    def pending_decision(self) -> Optional[dict]:
+        """Rank 0, while a resize waits for its joiners: {"switch": v} once every joiner is
+        ready, {"abandon": v, ...} when one failed or the wait is overdue; None: wait on."""
+        try:
+            failed = self.failed()
+            ready = not failed and self.ready()
+            if ready:
+                failed = self.commit_switch()
+                ready = not failed
+        except StoreError as e:
+            warnings.warn(f"kungfu: cannot read the config store: {e}")
+            failed, ready = [], False
+        if ready:
+            return {"switch": self.pending.version}
+        if failed:
+            return {"abandon": self.pending.version, "why": f"new worker {', '.join(failed)} failed"}
+        if self.overdue():
+            return {"abandon": self.pending.version}
+        return None
 
     def ready(self) -> bool:
         """Rank 0: whether every joiner of the pending configuration reported ready."""
@@ -267,16 +309,17 @@ class Elastic:
         except StoreError as e:
             warnings.warn(f"kungfu: cannot tell the config store that training ended: {e}")
 
-    def join(self) -> None:
-        """A joiner: reports ready for its version, then connects (the others switch to that
-        version once every joiner is ready). A store that cannot be reached is retried for as
-        long as the resize may wait (the others abandon it after that)."""
+    def report_ready(self) -> None:
+        """A joiner, before it first connects: says in the store that it is ready for its
+        version (the others switch to that version once every joiner is). A store that cannot
+        be reached is retried for as long as the resize may wait (the others abandon it after
+        that)."""
         deadline = time.monotonic() + self.timeout
         delay = 0.1
         while True:
             try:
                 self.store.mark_ready(self.current.version, self.self_spec)
-                break
+                return
             except StoreError as e:
                 if time.monotonic() + delay > deadline:
                     raise StoreError(f"this joiner could not report ready to the config store "
@@ -284,7 +327,18 @@ class Elastic:
                 warnings.warn(f"kungfu: cannot reach the config store to report ready, retrying: {e}")
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
-        _peer.get()
+
+
+def broadcast_blob(blob: bytes, name: str, timeout: Optional[float] = None) -> bytes:
+    """rank 0's bytes on every worker (timeout: of the wait for rank 0; default
+    KUNGFU_OP_TIMEOUT)."""
+    from kungfu import _collective
+
+    rank = _peer.identity().rank
+    n = int(_collective.broadcast(np.array([len(blob)], np.int64), name=f"{name}/length",
+                                  timeout=timeout)[0])
+    data = np.frombuffer(blob, np.uint8) if rank == 0 else np.zeros(n, np.uint8)
+    return _collective.broadcast(data, name=f"{name}/bytes").tobytes()
 
 
 _context: Optional[Elastic] = None
@@ -298,19 +352,69 @@ def context() -> Elastic:
 
 
 def resize(n: int) -> bool:
-    """Asks for a cluster of n workers. Call it from a policy hook (kf.Hook); the decision is
-    agreed, then applied once the new workers are ready, without stopping training. Returns
-    whether the request changes the cluster (False: n is the current size already). Bad sizes
-    raise ResizeError (a ValueError) at once."""
+    """Asks for a cluster of n workers. Returns whether the cluster changes (False: n is the
+    current size already). Bad sizes raise ResizeError (a ValueError) at once.
+
+    From a policy hook run by kf.Hook, the decision is agreed, then applied once the new
+    workers are ready, without stopping training. In a program with no kf.Hook (a custom
+    loop), it is a collective: every worker calls it with the same n at the same point, and it
+    returns once the cluster has changed (or the resize was given up: False); see resize_now."""
     from kungfu.policy import _actions
 
     ctx = context()
     n = ctx.check_size(n)
     if not _actions.in_round():
-        raise RuntimeError("kf.resize is applied by kf.Hook: call it from a policy hook")
+        if ctx.driver is not None:
+            raise RuntimeError("kf.resize while kf.Hook trains is applied by the Hook: call it "
+                               "from a policy hook (kf.BasePolicy)")
+        return resize_now(n)
     if n == _peer.identity().size and ctx.pending is None:
         return False
     _actions._record("resize", n)
+    return True
+
+
+def resize_now(n: int, agreed: bool = False) -> bool:
+    """The whole resize at once, for programs without a trainer: a collective of the current
+    workers. They agree on n (all must pass the same, unless `agreed`), rank 0 writes the new
+    version, the launchers start the joiners, the workers wait (up to KUNGFU_RESIZE_TIMEOUT)
+    until every joiner reported ready, then switch together. True: the cluster changed (a
+    worker left out is detached: kf.detached()); False: n is the current size, or the resize
+    was given up (a warning says why). The joiners have none of the others' state: the program
+    gives it to them (e.g. kf.broadcast of its variables and its step, called by the joiners
+    when they start and by the others after a resize that returned True)."""
+    ctx = context()
+    n = ctx.check_size(n)
+    me = _peer.identity()
+    prefix = f"kungfu/elastic/{ctx.current.version}/resize"
+    if not agreed:
+        from kungfu import _collective
+
+        if not _collective.consensus(np.int64(n), name=f"{prefix}/size"):
+            raise ResizeError(f"kf.resize outside kf.Hook is a collective: every worker must ask "
+                              f"for the same size (this one asked for {n})")
+    if n == me.size:
+        return False
+    new = ctx.agree_proposal(n)
+    if isinstance(new, str):
+        warnings.warn(f"kungfu: resize to {n} failed: {new}; the cluster stays at {me.size}")
+        return False
+    if ctx.joiners(new):
+        ctx.pending, ctx.pending_since = new, time.monotonic()
+        decision = None
+        while decision is None:  # rank 0 decides; the others wait in the broadcast
+            if me.rank == 0:
+                decision = ctx.pending_decision()
+                if decision is None:
+                    time.sleep(0.05)
+                    continue
+            got = broadcast_blob(json.dumps(decision or {}).encode(), f"{prefix}/decision",
+                                 timeout=ctx.timeout + 60)
+            decision = json.loads(got.decode())
+        if "switch" not in decision:
+            ctx.abandon(me.rank, decision.get("why"))
+            return False
+    ctx.switch(new)
     return True
 
 

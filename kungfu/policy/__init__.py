@@ -10,7 +10,8 @@
 
 A policy subclasses `BasePolicy` and overrides any of its hooks; each gets a `TrainingState`.
 `kf.Hook` runs the hooks of its policies on every worker and applies their actions
-(`set_tree`, `set_strategy`, `set_batch_size`, `set_learning_rate`) at the same step on every
+(`set_tree`, `set_strategy`, `set_batch_size`, `set_batch_sizes`, `set_learning_rate`) at the
+same step on every
 worker (see kungfu/policy/_actions.py for the agreement rule). Nothing here imports TensorFlow.
 """
 from __future__ import annotations
@@ -19,13 +20,14 @@ import copy
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from kungfu.policy._actions import (
     check_tree,
     current_strategy,
     linear_scaled_lr,
     set_batch_size,
+    set_batch_sizes,
     set_learning_rate,
     set_strategy,
     set_tree,
@@ -45,10 +47,13 @@ class TrainingState:
     samples_in_epoch: int = 0  # samples of every worker, in this epoch
     local_batch_size: Optional[int] = None
     global_batch_size: Optional[int] = None
+    batch_sizes: Optional[List[int]] = None  # every worker's, in rank order (kf.ElasticData)
     learning_rate: Optional[float] = None
     cluster_size: int = 1
     rank: int = 0
-    metrics: Dict[str, float] = field(default_factory=dict)  # gns, grad_variance, step_time, ...
+    # gns, grad_variance, step_time, throughput, compute_time; per worker in rank order (from
+    # the step before: they ride on its agreement): compute_times, batch_sizes_trained.
+    metrics: Dict[str, Any] = field(default_factory=dict)
     logs: Dict[str, Any] = field(default_factory=dict)  # Keras's logs of the last batch/epoch
 
 
@@ -107,6 +112,9 @@ class BasePolicy:
 
 
 from kungfu.policy.adaptive_strategy import AdaptiveStrategyPolicy  # noqa: E402
+from kungfu.policy.autoscaler import ScalingAutoscaler  # noqa: E402
+from kungfu.policy.load_balancing import LoadBalancing  # noqa: E402
+from kungfu.policy.momentum import MomentumCompensation  # noqa: E402
 
 def _plain(v) -> bool:
     import numpy as np
@@ -125,12 +133,16 @@ HOOKS = ("before_train", "before_epoch", "before_step", "after_step", "after_epo
 
 __all__ = [
     "AdaptiveStrategyPolicy",
+    "LoadBalancing",
+    "ScalingAutoscaler",
+    "MomentumCompensation",
     "BasePolicy",
     "TrainingState",
     "HOOKS",
     "set_tree",
     "set_strategy",
     "set_batch_size",
+    "set_batch_sizes",
     "set_learning_rate",
     "linear_scaled_lr",
     "sqrt_scaled_lr",

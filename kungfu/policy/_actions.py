@@ -8,7 +8,8 @@ the round the Hook runs `agree()`:
 2. for each kind of action, the decision of the lowest rank that took one wins (so a decision
    taken on one worker only is applied everywhere, and two conflicting ones resolve the same way
    on every worker);
-3. every worker applies the winners in a fixed order: strategy or tree, batch size, learning rate.
+3. every worker applies the winners in a fixed order: strategy or tree, batch size, per-worker
+   batch sizes, learning rate.
 
 Outside a decision round, `set_tree` and `set_strategy` are collectives that every worker calls
 with the same argument; batch size and learning rate need a Hook (they change what it drives).
@@ -25,7 +26,7 @@ import numpy as np
 from kungfu import _peer
 
 # Decision kinds in the order they are applied ("resize" and "elastic": kungfu/elastic/_protocol.py).
-KINDS = ("strategy", "batch_size", "learning_rate", "resize", "elastic")
+KINDS = ("strategy", "batch_size", "batch_sizes", "learning_rate", "resize", "elastic")
 
 _round: Optional[Dict[str, object]] = None  # decisions of the current round, if one is open
 
@@ -57,23 +58,28 @@ def _record(kind: str, value) -> bool:
     return True
 
 
-def agree(decisions: Dict[str, object], name: str) -> Dict[str, object]:
-    """The winning decision of each kind (the lowest deciding rank's), the same on every worker."""
+def agree(decisions: Dict[str, object], name: str, report: Optional[dict] = None):
+    """(winners, reports): the winning decision of each kind (the lowest deciding rank's), and
+    every worker's `report` in rank order (what it measured, e.g. its compute time), the same
+    on every worker. The reports ride on the round's one allgather."""
     import kungfu as kf
 
     if kf.size() == 1:
-        return dict(decisions)
-    mine = np.frombuffer(json.dumps(decisions, sort_keys=True).encode(), dtype=np.uint8)
+        return dict(decisions), [report]
+    mine = json.dumps({"decisions": decisions, "report": report}, sort_keys=True).encode()
+    mine = np.frombuffer(mine, dtype=np.uint8)
     lengths = kf.allgather(np.array([mine.size], dtype=np.int64), name=f"{name}/lengths")
     payload = kf.allgather(mine, name=f"{name}/decisions")
     winners: Dict[str, object] = {}
+    reports = []
     offset = 0
     for length in lengths.tolist():
         theirs = json.loads(payload[offset:offset + length].tobytes().decode())
         offset += length
-        for kind, value in theirs.items():
+        reports.append(theirs["report"])
+        for kind, value in theirs["decisions"].items():
             winners.setdefault(kind, value)
-    return winners
+    return winners, reports
 
 
 # -- strategy and tree ---------------------------------------------------------------------------
@@ -212,6 +218,41 @@ def set_batch_size(b: int) -> None:
     b = check_batch_size(b)
     if not _record("batch_size", b):
         _needs_hook("kf.set_batch_size")
+
+
+# What the Hook trains with now (set by kf.Hook as sizes change), to check a split against.
+_training = {"global_batch_size": None, "cluster_size": None}
+
+
+def note_training(global_batch_size: Optional[int], cluster_size: int) -> None:
+    _training.update(global_batch_size=global_batch_size, cluster_size=cluster_size)
+
+
+def check_batch_sizes(sizes) -> List[int]:
+    """sizes as a list of ints, or ValueError naming what is wrong: one positive batch size
+    per worker, summing to the global batch size trained with now."""
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__len__"):
+        raise ValueError(f"batch sizes must be a list with one size per worker, got {sizes!r}")
+    sizes = [check_batch_size(b) for b in sizes]
+    n, total = _training["cluster_size"], _training["global_batch_size"]
+    if n is not None and len(sizes) != n:
+        raise ValueError(f"batch sizes: {len(sizes)} given, the cluster has {n} workers")
+    if total is not None and sum(sizes) != total:
+        raise ValueError(f"batch sizes {sizes} sum to {sum(sizes)}, not to the global batch "
+                         f"size {total} (kf.set_batch_sizes splits it; kf.set_batch_size changes "
+                         "it)")
+    return sizes
+
+
+def set_batch_sizes(sizes: Sequence[int]) -> None:
+    """Splits the global batch unevenly from the next step on: worker r trains on sizes[r]
+    samples of each step's slice (the global batch, the sum, stays). kf.ElasticData serves the
+    parts; their sample weights keep the averaged gradient the mean over the whole slice. Bad
+    sizes (wrong count, not positive, a different sum) raise ValueError and change nothing. A
+    resize returns every worker to the common batch size."""
+    sizes = check_batch_sizes(sizes)
+    if not _record("batch_sizes", sizes):
+        _needs_hook("kf.set_batch_sizes")
 
 
 def set_learning_rate(lr: float) -> None:

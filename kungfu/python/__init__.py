@@ -38,16 +38,47 @@ def detached() -> bool:
     return _elastic.detached()
 
 
-def resize(n: int) -> bool:
-    """KungFu's resize: asks for n workers (from a policy hook run by kf.Hook; see kf.resize)."""
+_proposed = None  # propose_new_size outside kf.Hook: the size the next resize() asks for
+
+
+def resize(n=None):
+    """KungFu's resize: asks for n workers and returns (changed, detached).
+
+    From a policy hook run by kf.Hook it is kf.resize(n) (applied by the Hook at the step
+    boundary: (True, False) when it was asked for). In a custom loop without a Hook it is a
+    collective that every worker calls at the same point (see kf.resize); without n it resizes
+    to the size given to propose_new_size (the lowest proposing rank's; nothing changes when
+    no worker proposed one)."""
     from kungfu import elastic as _elastic
+    from kungfu.policy import _actions
 
-    return _elastic.resize(n)
+    global _proposed
+    if n is not None:
+        return _elastic.resize(n), _elastic.detached()
+    if _actions.in_round():
+        raise TypeError("resize() needs the new size inside a policy hook: resize(n)")
+    mine, _proposed = _proposed, None
+    sizes = _kf.allgather(np.array([-1 if mine is None else mine], np.int64),
+                          name="kungfu/python/proposed-size")
+    wanted = [int(s) for s in sizes if s >= 0]
+    if not wanted:
+        return False, False
+    changed = _elastic.resize_now(wanted[0], agreed=True)
+    return changed, _elastic.detached()
 
 
-def propose_new_size(n: int) -> bool:
-    """KungFu's name for asking for n workers; the same as resize(n) here."""
-    return resize(n)
+def propose_new_size(n: int) -> None:
+    """KungFu's proposal of a cluster size. In a policy hook run by kf.Hook it is kf.resize(n);
+    in a custom loop it is applied by the next resize() without an argument, which every
+    worker calls at the same point."""
+    from kungfu import elastic as _elastic
+    from kungfu.policy import _actions
+
+    global _proposed
+    if _actions.in_round():
+        _elastic.resize(n)
+        return
+    _proposed = _elastic.context().check_size(n)
 
 
 __all__ = [

@@ -50,6 +50,7 @@ from it, at any cluster size (docs/elastic.md, "The loss of the whole job").
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -128,6 +129,8 @@ class Hook(keras.callbacks.Callback):
         self._name = name
         self.state = TrainingState()
         self._step_start: Optional[float] = None
+        self._part: Optional[tuple] = None  # this worker's part of the step (ElasticData.part)
+        self._report: Optional[dict] = None  # what this worker measured, for the agreement
         self.exit_on_detach = exit_on_detach
         self.rehearsed = False  # a joiner in model.fit: ran its step before reporting ready
         self.epochs_total: Optional[int] = None
@@ -164,7 +167,11 @@ class Hook(keras.callbacks.Callback):
         decisions = _actions.close_round()
         # One name for every round: the k-th round of a worker meets the k-th of the others
         # (the runtime numbers successive uses of a name; a new cluster version starts over).
-        winners = _actions.agree(decisions, f"{self._name}/agree")
+        winners, reports = _actions.agree(decisions, f"{self._name}/agree", self._report)
+        self._report = None
+        if all(r is not None for r in reports):
+            for key in reports[0]:
+                self.state.metrics[key + "s"] = [r[key] for r in reports]
         _actions.open_round()
         for kind in _actions.KINDS:
             if kind in winners:
@@ -183,6 +190,13 @@ class Hook(keras.callbacks.Callback):
         monitor = getattr(self.optimizer, "kungfu_monitor", None)
         if monitor is not None:
             monitor.set_batch_size(b)
+        self.refresh_sizes()
+
+    def _apply_batch_sizes(self, sizes: list) -> None:
+        if self.data is None:
+            raise RuntimeError("kf.set_batch_sizes needs kungfu's data: pass "
+                               "data=kf.ElasticData(...) to kf.Hook and train on its batches")
+        self.data.set_batch_sizes(sizes)
         self.refresh_sizes()
 
     def _apply_learning_rate(self, lr: float) -> None:
@@ -219,10 +233,16 @@ class Hook(keras.callbacks.Callback):
 
         s = self.state
         s.rank, s.cluster_size = kf.rank(), kf.size()
-        if self.data is not None:
-            s.local_batch_size = self.data.batch_size
-        if s.local_batch_size is not None:
+        d = self.data
+        if d is not None:
+            if d.batch_sizes is not None and len(d.batch_sizes) != s.cluster_size:
+                d.batch_sizes = None  # a split is for the size it was made for
+            s.batch_sizes = d.sizes(s.cluster_size)
+            s.local_batch_size = s.batch_sizes[s.rank]
+            s.global_batch_size = sum(s.batch_sizes)
+        elif s.local_batch_size is not None:
             s.global_batch_size = s.local_batch_size * s.cluster_size
+        _actions.note_training(s.global_batch_size, s.cluster_size)
         opt = self.optimizer
         if opt is not None:
             try:
@@ -375,6 +395,7 @@ class Hook(keras.callbacks.Callback):
 
     def before_train(self) -> None:
         self._epochs_begun = 0
+        self.membership.begin()
         if _peer.joining():
             self._join()
             self.membership.commit("start")
@@ -420,7 +441,12 @@ class Hook(keras.callbacks.Callback):
 
     def before_step(self, batch: Optional[int] = None) -> None:
         self._run("before_step")
-        if self.data is not None:
+        d = self.data
+        if d is not None:
+            self._part = d.part(d.offset, self.state.rank, self.state.cluster_size)
+            monitor = getattr(self.optimizer, "kungfu_monitor", None)
+            if monitor is not None and len(self._part[0]):  # (empty: the epoch has ended)
+                monitor.set_part(len(self._part[0]), self._part[1])
             # Keras's batch index counts the batches of this iteration over the data, as the
             # data's own counter does (a joiner's first iteration starts mid-epoch).
             self.data.release(self._epochs_begun - 1,
@@ -446,6 +472,14 @@ class Hook(keras.callbacks.Callback):
             s.metrics["step_time"] = elapsed
             if samples:
                 s.metrics["throughput"] = samples / elapsed
+            # This worker's compute: the step less its wait for the others in the gradients'
+            # allreduce (kf.Optimizer's sync-sgd measures it). Every worker's rides on the
+            # agreement below: policies see them as metrics["compute_times"] next step.
+            wait = getattr(self.optimizer, "kungfu_allreduce_wait", math.nan)
+            s.metrics["compute_time"] = elapsed - (wait if math.isfinite(wait) else 0.0)
+            part = self._part
+            self._report = {"compute_time": s.metrics["compute_time"],
+                            "part_size": 0 if part is None else len(part[0]) * (part[1] > 0)}
         estimates = monitor_logs(self.optimizer)
         s.metrics.update(estimates)
         if logs is not None:
@@ -486,7 +520,7 @@ class Hook(keras.callbacks.Callback):
         # In a custom loop epoch_batches() moves the data to the next epoch itself, when its
         # batches run out (offset 0 here); a rollback may have put it back at the end.
         d = self.data
-        at_end = d is not None and d.offset >= len(d)
+        at_end = d is not None and d.epoch_done()
         whole = d is None or at_end or (not d.attached and d.offset == 0)
         self.state.epoch += 1
         self.state.step_in_epoch = self.state.samples_in_epoch = 0

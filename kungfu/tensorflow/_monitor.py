@@ -118,6 +118,11 @@ class GradientMonitor:
         initial = 1.0 if GNS not in self.monitors else 0.0
         self.batch_size = _variable(initial if batch_size is None else
                                     check_batch_size(batch_size), "kungfu_monitor_batch_size")
+        # This worker's gradient times local_scale is the mean over its own samples: kungfu's
+        # data weighs samples so that the average over workers is the mean over the step's
+        # slice (weight n p / L for a part of p samples), which differs from 1 when the parts
+        # differ in size (kf.set_batch_sizes, an epoch's last step). kf.Hook sets it per step.
+        self.local_scale = _variable(1.0, "kungfu_monitor_local_scale")
         self.gns_state = _variable([0.0, 0.0, 0.0, math.nan], "kungfu_gns_state")
         self.variance_state = _variable([0.0, 0.0], "kungfu_grad_variance_state")
         self.values = {m: _variable(math.nan, f"kungfu_{LOG_KEYS[m]}") for m in self.monitors}
@@ -132,6 +137,15 @@ class GradientMonitor:
         self.batch_size.assign(check_batch_size(batch_size))
         self.batch_known = True
 
+    def set_part(self, batch_size: int, weight: float) -> None:
+        """This worker's part of the next step: its samples and their weight (kf.ElasticData's
+        part); a part of weight 0 (no sample of its own) counts as one sample of zero
+        gradient."""
+        if (batch_size, weight) != getattr(self, "_part", None):
+            self._part = (batch_size, weight)
+            self.set_batch_size(batch_size)
+            self.local_scale.assign(1.0 / weight if weight > 0 else 0.0)
+
     def value(self, monitor: str) -> float:
         return float(self.values[monitor].numpy())
 
@@ -139,7 +153,11 @@ class GradientMonitor:
         """Runs the monitors if step % interval == 0; returns a bool tensor: whether they ran."""
 
         def run():
-            stats = gradient_stats(local, averaged, self.batch_size, name)
+            def unweighted():
+                return [g * tf.cast(self.local_scale, g.dtype) for g in local]
+
+            grads = tf.cond(tf.equal(self.local_scale, 1.0), lambda: list(local), unweighted)
+            stats = gradient_stats(grads, averaged, self.batch_size, name)
             self.stats.assign(stats)
             estimators = {
                 GNS: (_lib.kungfu_noise_scale, self.gns_state),

@@ -149,6 +149,9 @@ def main():
     p.add_argument("--tfrecord", metavar="DIR",
                    help="read the samples from the TFRecord files in DIR (kf.RecordFiles), "
                         "checking each batch against the arrays")
+    p.add_argument("--stream", action="store_true",
+                   help="with --tfrecord: read the files as a tf.data.TFRecordDataset stream "
+                        "(kf.ElasticData over a dataset) instead of by position")
     p.add_argument("--write-tfrecord", metavar="DIR",
                    help="write the samples to 3 TFRecord files in DIR and exit")
     p.add_argument("--checkpoint", help="kf.Hook's checkpoint file (resumes from it if there)")
@@ -198,8 +201,22 @@ def main():
                     raise AssertionError(f"records {list(indices)[:4]}... differ from the data")
                 return fx, fy
 
-        source = Checked(os.path.join(args.tfrecord, "*.tfrecord"), parse)
-        data = kf.ElasticData(source, batch_size=args.batch_size, seed=2, record=True)
+        files = os.path.join(args.tfrecord, "*.tfrecord")
+        if args.stream:
+            # Unshuffled, the stream's position i holds sample i (files in name order).
+            class CheckedStream(kf.ElasticData):
+                def _fetch(self, idx):
+                    fx, fy = super()._fetch(idx)
+                    if not (np.array_equal(fx, x[idx]) and np.array_equal(fy, y[idx])):
+                        raise AssertionError(f"stream positions {list(idx)[:4]}... differ")
+                    return fx, fy
+
+            stream = tf.data.TFRecordDataset(sorted(tf.io.gfile.glob(files))).map(
+                lambda r: tuple(tf.io.parse_single_example(r, features)[k] for k in "xy"))
+            data = CheckedStream(stream, batch_size=args.batch_size, record=True)
+        else:
+            data = kf.ElasticData(Checked(files, parse), batch_size=args.batch_size, seed=2,
+                                  record=True)
     else:
         data = kf.ElasticData(x, y, batch_size=args.batch_size, seed=2, record=True)
     sizes = [int(s) for s in args.schedule.split(",") if s]
@@ -250,7 +267,7 @@ def main():
             st = hook.state
             served = data.served[-1].tolist() if data.served else []
             out.write(json.dumps({"step": st.step, "epoch": st.epoch, "size": kf.size(),
-                                  "t": time.time(), "from_files": data.source is not None,
+                                  "t": time.time(), "from_files": data.source is not None or data.stream is not None,
                                   "rank": kf.rank(), "served": served,
                                   "loss": float(logs["loss"]), "digest": weights_digest(),
                                   # the step's slice of the epoch's order: [start, length]

@@ -126,12 +126,7 @@ def test_every_sample_once_per_epoch(schedule_run):
     assert _every_sample_once_per_epoch(records) >= 3
 
 
-@pytest.mark.timeout(300)
-def test_elastic_data_over_tfrecord_files(tmp_path):
-    """kf.ElasticData over kf.RecordFiles (3 TFRecord files, read by position, never loaded
-    whole): resizes mid-epoch (1 -> 2 -> 3 -> 2) keep every sample once per epoch, and each
-    batch read from the files equals the arrays they were written from (checked in the
-    workers)."""
+def _write_tfrecord(tmp_path) -> Path:
     files = tmp_path / "tfrecord"
     files.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
@@ -140,8 +135,19 @@ def test_elastic_data_over_tfrecord_files(tmp_path):
                     str(files), "--samples", str(SAMPLES), "--out", str(tmp_path)],
                    check=True, env=env, timeout=120, capture_output=True)
     assert len(list(files.glob("*.tfrecord"))) == 3
+    return files
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stream", [False, True], ids=["by-position", "tf.data-stream"])
+def test_elastic_data_over_tfrecord_files(tmp_path, stream):
+    """kf.ElasticData over 3 TFRecord files, never loaded whole: by position (kf.RecordFiles),
+    or as a tf.data.TFRecordDataset stream that every worker reads in order. Resizes mid-epoch
+    (1 -> 2 -> 3 -> 2) keep every sample once per epoch, and each batch equals the arrays the
+    files were written from (checked in the workers)."""
+    files = _write_tfrecord(tmp_path)
     r, records = run_elastic(tmp_path, 1, 3, "--schedule", "2,3,2", "--gap", "4", "--tail",
-                             "40", "--tfrecord", str(files))
+                             "40", "--tfrecord", str(files), *(["--stream"] if stream else []))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     steps = steps_of(records)
     assert sizes_of(steps) == [1, 2, 3, 2]

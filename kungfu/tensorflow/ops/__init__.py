@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
+from kungfu import _peer
 from kungfu.tensorflow._oplib import lib as _lib
 from kungfu.tensorflow.ops import _fusion
 
@@ -33,7 +34,10 @@ def _timeout_ms(timeout: Optional[float]) -> int:
 
 
 def _name(name: Optional[str], t, kind: str, caller: Optional[str] = None) -> str:
-    """`name`, or in graph mode one derived from the tensor's name (prefixed with `kind`)."""
+    """`name`, or in graph mode one derived from the tensor's name (prefixed with `kind`).
+    Every collective op passes here: a joiner of an elastic job connects now (its first
+    collective; see kungfu._peer.get), as the kernels need the process's peer."""
+    _peer.get()
     if name:
         return name
     tname = getattr(t, "name", None)
@@ -98,6 +102,7 @@ def all_gather(t, name: Optional[str] = None, timeout: Optional[float] = None):
 
 def barrier(name: str = "kungfu::tf-barrier", timeout: Optional[float] = None):
     """An op that completes once every worker has run it."""
+    _peer.get()
     return _lib.kungfu_barrier(op_name=name, timeout_ms=_timeout_ms(timeout))
 
 

@@ -208,6 +208,17 @@ class _SynchronousSGD(Optimizer):
             monitor = _monitor.GradientMonitor(self._kf_monitor, self._kf_monitor_interval,
                                                self._kf_monitor_decay, self._kf_batch_size)
         object.__setattr__(self, "_kf_gradient_monitor", monitor)
+        # Seconds the last step spent in the gradients' allreduce, from the moment every local
+        # gradient was ready (kf.Hook subtracts it from the step time: the worker's compute).
+        with tf.init_scope():
+            wait = tf.Variable(tf.constant(math.nan, tf.float64), trainable=False,
+                               name="kungfu_allreduce_wait")
+        object.__setattr__(self, "_kf_wait", wait)
+
+    @property
+    def kungfu_allreduce_wait(self) -> float:
+        """Seconds the last step waited in the gradients' allreduce (NaN before a step)."""
+        return float(self.__dict__["_kf_wait"].numpy())
 
     @property
     def kungfu_monitor(self) -> Optional[_monitor.GradientMonitor]:
@@ -221,8 +232,12 @@ class _SynchronousSGD(Optimizer):
         # IndexedSlices (embedding gradients) become dense tensors: workers touch different
         # rows, and a dense sum is what every worker can agree on in size.
         dense = [tf.convert_to_tensor(grads[i]) for i in present]
+        with tf.control_dependencies(dense):
+            ready = tf.timestamp()
         averaged = _mean_over_workers(dense, f"{self._kf_prefix()}/grads",
                                       self._kf_bucket_bytes, self._kf_strategy)
+        with tf.control_dependencies(averaged):
+            self.__dict__["_kf_wait"].assign(tf.timestamp() - ready)
         for i, g in zip(present, averaged):
             grads[i] = g
         monitor = self.kungfu_monitor

@@ -1,0 +1,108 @@
+"""Scaling-efficiency autoscaler (Or, Zhang, Freedman, MLSys 2020): add workers while they pay.
+
+From k workers it probes k + d (kf.resize), measures the job's throughput R (samples/s) at both
+sizes, and computes the scaling efficiency of the added workers
+
+    s_{k,d} = ((R_{k+d} - R_k) / d) / (R_k / k)
+
+(1 when the new workers are as productive as the old ones on average, 0 when they add
+nothing). While s exceeds `threshold` (the paper's S) it keeps the larger size and probes
+further; when it does not, it walks back to k and settles there. The job's slots bound it
+(kungfu-run -H); a probe that cannot start (no free slot) settles too.
+
+Throughput is measured over `window` steps, after `settle` steps at a new size (joiners trace,
+caches warm). Every worker averages its own measurement with the others' (one allreduce at each
+decision), so every worker decides the same and keeps the same state. `cost` turns on the
+cost/utility variant: instead of a fixed threshold, a worker is worth adding when the
+throughput it adds, relative to the average worker's, exceeds `cost` (the price of a worker in
+units of an average worker's throughput); with cost = S it is the same rule, so `cost` is the
+threshold named as a price.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from kungfu.policy import BasePolicy, TrainingState
+
+
+class ScalingAutoscaler(BasePolicy):
+    """`kf.Hook(kf.policy.ScalingAutoscaler(threshold=0.1))` under `kungfu-run -w`."""
+
+    def __init__(self, threshold: float = 0.1, step: int = 1, window: int = 10,
+                 settle: int = 5, max_size: Optional[int] = None,
+                 cost: Optional[float] = None):
+        if cost is not None:
+            threshold = cost
+        if not threshold >= 0 or step < 1 or window < 1 or settle < 0:
+            raise ValueError("threshold (or cost) >= 0, step >= 1, window >= 1 and settle >= 0 "
+                             "are needed")
+        self.threshold, self.step, self.window, self.settle = float(threshold), step, window, settle
+        self.max_size = max_size
+        self.phase = "measure"  # measure k, then probe k + d, then settled
+        self.base: Optional[dict] = None  # {"k", "rate"} of the size probed from
+        self.samples: List[float] = []  # throughputs of the window being measured
+        self.since_change = 0
+        self.size: Optional[int] = None
+        self.trace: List[dict] = []  # every decision: step, k, rate, s
+
+    def _limit(self) -> int:
+        if self.max_size is not None:
+            return self.max_size
+        from kungfu import elastic
+
+        ctx = elastic.context()
+        return ctx.max_size() if ctx.enabled else 1
+
+    def after_step(self, state: TrainingState) -> None:
+        import kungfu as kf
+
+        if self.phase == "settled":
+            return
+        if self.phase == "probe" and state.cluster_size == self.base["k"]:
+            from kungfu import elastic
+
+            if elastic.context().pending is None:  # the probe could not start: stay
+                self.trace.append({"step": state.step, "k": self.base["k"], "settled": True,
+                                   "why": "no worker could be added"})
+                self.phase = "settled"
+            return  # its new workers are starting
+        if state.cluster_size != self.size:  # a resize took effect (or the first step)
+            self.size, self.since_change, self.samples = state.cluster_size, 0, []
+        self.since_change += 1
+        rate = state.metrics.get("throughput")
+        if self.since_change <= self.settle or rate is None:
+            return
+        self.samples.append(rate)
+        if len(self.samples) < self.window:
+            return
+        # Every worker decides from the same number: the mean of the workers' means.
+        mine = sum(self.samples) / len(self.samples)
+        rate = float(kf.allreduce(mine, "avg", name="kungfu/autoscaler/rate"))
+        self.samples = []
+        k = state.cluster_size
+        if self.phase == "measure":
+            self.base = {"k": k, "rate": rate}
+            self._probe(state, k, rate)
+            return
+        # probe: k workers now, self.base["k"] before
+        k0, r0 = self.base["k"], self.base["rate"]
+        s = ((rate - r0) / (k - k0)) / (r0 / k0)
+        self.trace.append({"step": state.step, "k": k, "rate": rate, "s": s})
+        if s > self.threshold:
+            self.base = {"k": k, "rate": rate}
+            self._probe(state, k, rate)
+        else:
+            self.trace.append({"step": state.step, "k": k0, "settled": True})
+            kf.resize(k0)
+            self.phase = "settled"
+
+    def _probe(self, state: TrainingState, k: int, rate: float) -> None:
+        import kungfu as kf
+
+        target = min(k + self.step, self._limit())
+        self.trace.append({"step": state.step, "k": k, "rate": rate, "probe": target})
+        if target <= k:
+            self.phase = "settled"
+            return
+        kf.resize(target)
+        self.phase = "probe"

@@ -1,0 +1,76 @@
+"""kf.resize without kf.Hook: a custom loop (numpy only, _w_custom_resize.py) that grows and
+shrinks under kungfu-run -w through kungfu.python.resize(n), or propose_new_size(n) then
+resize(), and syncs its own state the KungFu way."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port_range, free_ports  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def run(tmp_path, mode: str, schedule: str, np_: int = 2, slots: int = 3):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["KUNGFU_RESIZE_TIMEOUT"] = "60"
+    cmd = [sys.executable, "-m", "kungfu.cmd", "-w", "-np", str(np_), "-H", f"127.0.0.1:{slots}",
+           "-builtin-config-port", str(free_ports(1)[0]), "-port-range", free_port_range(slots),
+           "-timeout", "100s", sys.executable, str(HERE / "_w_custom_resize.py"), str(tmp_path),
+           mode, schedule]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO), timeout=120,
+                       check=False)
+    workers = [[json.loads(line) for line in f.read_text().splitlines()]
+               for f in tmp_path.glob("*.jsonl")]
+    return r, workers
+
+
+def check_grow_then_shrink(r, workers):
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert len(workers) == 3, workers  # 2 initial workers and 1 joiner
+    by_step = defaultdict(list)
+    for rows in workers:
+        for row in rows[:-1]:
+            by_step[row["step"]].append(row)
+    # Every step ran once on each member, at the size the schedule gives, and the state (w)
+    # is the same on every worker: +1 per step whatever the size, so the joiner took it.
+    assert sorted(by_step) == list(range(12))
+    for step, rows in by_step.items():
+        size = 2 if step < 3 else 3 if step < 8 else 1
+        assert len(rows) == size and {row["size"] for row in rows} == {size}, (step, rows)
+        assert sorted(row["rank"] for row in rows) == list(range(size)), (step, rows)
+        assert {row["w"] for row in rows} == {step + 1.0}, (step, rows)
+    joiner = [rows for rows in workers if rows[0]["step"] != 0]
+    assert len(joiner) == 1 and joiner[0][0]["step"] == 3
+    ends = sorted(rows[-1]["end"] for rows in workers)
+    assert ends == ["detached", "detached", "done"], ends
+    done = next(rows[-1] for rows in workers if rows[-1]["end"] == "done")
+    assert done == {"end": "done", "w": 12.0, "size": 1}
+
+
+@pytest.mark.timeout(150)
+def test_custom_loop_resizes_without_a_hook(tmp_path):
+    check_grow_then_shrink(*run(tmp_path, "resize", "3:3,8:1"))
+
+
+@pytest.mark.timeout(150)
+def test_propose_new_size_then_resize(tmp_path):
+    check_grow_then_shrink(*run(tmp_path, "propose", "3:3,8:1"))
+
+
+@pytest.mark.timeout(150)
+def test_workers_that_ask_for_different_sizes_are_refused_together(tmp_path):
+    r, workers = run(tmp_path, "disagree", "3:2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert len(workers) == 2
+    for rows in workers:
+        assert [row["step"] for row in rows[:-1]] == [0, 1, 2]
+        assert rows[-1]["end"].startswith("refused: kf.resize outside kf.Hook is a collective"), rows

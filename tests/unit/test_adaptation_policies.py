@@ -1,0 +1,158 @@
+"""The adaptation policies' decisions on controlled input (no training): LB-BSP's split for a
+slowed worker, its damping under jitter, momentum compensation's learning-rate ramp."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kungfu.policy import LoadBalancing, MomentumCompensation, TrainingState, _actions
+from kungfu.policy.load_balancing import split
+
+
+def run_round(policy, state):
+    """One step boundary as kf.Hook runs it: the policy's after_step, then the decisions."""
+    _actions.note_training(state.global_batch_size, state.cluster_size)
+    _actions.open_round()
+    try:
+        policy.after_step(state)
+    finally:
+        decisions = _actions.close_round()
+        _actions.note_training(None, None)
+    return decisions
+
+
+def balance(policy, cost, steps, batch=32, jitter=0.0, seed=0):
+    """Steps of 4 workers whose compute time is cost[r] x samples (x 1 +- jitter); returns the
+    split after each step."""
+    rng = np.random.default_rng(seed)
+    n = len(cost)
+    state = TrainingState(cluster_size=n, batch_sizes=[batch] * n, global_batch_size=batch * n)
+    trace = []
+    for step in range(1, steps + 1):
+        state.step = step
+        noise = 1 + jitter * rng.uniform(-1, 1, n)
+        state.metrics["part_sizes"] = list(state.batch_sizes)
+        state.metrics["compute_times"] = [c * b * e for c, b, e in
+                                          zip(cost, state.batch_sizes, noise)]
+        got = run_round(policy, state)
+        if "batch_sizes" in got:
+            state.batch_sizes = got["batch_sizes"]
+        trace.append(list(state.batch_sizes))
+    return trace
+
+
+def test_split_is_proportional_with_a_floor_and_keeps_the_total():
+    assert split(128, [1, 0.5, 1, 1]) == [37, 18, 37, 36]
+    assert sum(split(7, [100, 1, 1], minimum=2)) == 7 and min(split(7, [100, 1, 1], 2)) == 2
+    with pytest.raises(ValueError, match="cannot give 4 workers 2"):
+        split(7, [1, 1, 1, 1], minimum=2)
+
+
+@pytest.mark.parametrize("predictor", ["last", "ewma", "narx"])
+def test_a_worker_slowed_twice_gets_about_half_the_batch_within_a_few_steps(predictor):
+    trace = balance(LoadBalancing(predictor=predictor, every=2, warmup=2), [1, 2, 1, 1], 30)
+    b = trace[-1]
+    assert sum(b) == 128
+    assert b[1] == pytest.approx(b[0] / 2, abs=1) and b[0] == pytest.approx(b[2], abs=1)
+    first = next(i for i, s in enumerate(trace) if s[1] < 32)
+    assert first <= 4  # acts after its warm-up
+    settled = next(i for i, s in enumerate(trace) if abs(s[1] - b[1]) <= 1)
+    assert settled <= 15, trace
+
+
+def test_no_straggler_and_ten_percent_jitter_leave_the_split_alone():
+    for predictor in ("ewma", "narx"):
+        policy = LoadBalancing(predictor=predictor, threshold=0.1)
+        trace = balance(policy, [1, 1, 1, 1], 60, jitter=0.1, seed=1)
+        # (With threshold=0 it changes the split 11 (EWMA) or 12 (NARX) times here.)
+        assert len(policy.decisions) <= 3, (predictor, policy.decisions)
+        assert max(abs(x - 32) for s in trace for x in s) <= 4
+
+
+def test_a_slowdown_that_moves_is_followed():
+    policy = LoadBalancing(every=2, warmup=2)
+    first = balance(policy, [1, 2, 1, 1], 25)[-1]
+    state_split = first
+    assert state_split[1] < state_split[3]
+    # Now worker 3 is the slow one: the policy keeps its history and follows.
+    rng_trace = []
+    state = TrainingState(cluster_size=4, batch_sizes=first, global_batch_size=128)
+    for step in range(26, 60):
+        state.step = step
+        state.metrics["part_sizes"] = list(state.batch_sizes)
+        state.metrics["compute_times"] = [c * b for c, b in zip([1, 1, 1, 2],
+                                                                state.batch_sizes)]
+        got = run_round(policy, state)
+        if "batch_sizes" in got:
+            state.batch_sizes = got["batch_sizes"]
+        rng_trace.append(list(state.batch_sizes))
+    b = rng_trace[-1]
+    assert b[3] == pytest.approx(b[0] / 2, abs=1) and b[1] == pytest.approx(b[0], abs=1)
+
+
+def test_momentum_compensation_ramps_the_learning_rate_over_t_steps():
+    policy = MomentumCompensation(steps=4)
+    state = TrainingState(global_batch_size=64, learning_rate=0.1)
+    lrs = []
+    for step in range(1, 10):
+        if step == 3:
+            state.global_batch_size = 256  # k = 4, applied before step 3 trained
+        got = run_round(policy, state)
+        if "learning_rate" in got:
+            state.learning_rate = got["learning_rate"]
+        lrs.append(state.learning_rate)
+    # Steps 1-3 at 0.1 (step 3 trained the new batch with multiplier 1), then 1.75, 2.5, 3.25,
+    # 4 times 0.1 over the next four steps, and 0.4 from then on.
+    np.testing.assert_allclose(lrs, [0.1, 0.1, 0.175, 0.25, 0.325, 0.4, 0.4, 0.4, 0.4])
+    assert policy.changes == [{"step": 0, "batch": 256, "k": 4.0}]
+    state.global_batch_size = 128  # smaller: the lower rate at once
+    assert run_round(policy, state)["learning_rate"] == pytest.approx(0.2)
+
+
+def test_bad_policy_arguments_are_refused():
+    with pytest.raises(ValueError, match="predictor must be one of"):
+        LoadBalancing(predictor="arima")
+    with pytest.raises(ValueError, match="damping"):
+        LoadBalancing(damping=0)
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        MomentumCompensation(steps=0)
+
+
+def test_the_autoscaler_grows_while_workers_pay_then_walks_back(monkeypatch):
+    """Throughput 100 k samples/s up to k = 2, then 220 flat: s(1->2) = 1, s(2->3) = 0.2,
+    s(3->4) = 0; with S = 0.1 it probes 2, 3 and 4 and settles at 3 (the oracle's k)."""
+    import kungfu
+    from kungfu.policy import ScalingAutoscaler
+
+    asked = []
+    monkeypatch.setattr(kungfu, "resize", lambda n: asked.append(n) or True)
+    policy = ScalingAutoscaler(threshold=0.1, window=4, settle=2, max_size=4)
+    state = TrainingState(cluster_size=1)
+    rng = np.random.default_rng(0)
+    sizes = []
+    for step in range(1, 80):
+        state.step = step
+        k = state.cluster_size
+        state.metrics["throughput"] = min(100.0 * k, 220.0) * (1 + 0.01 * rng.uniform(-1, 1))
+        policy.after_step(state)
+        if asked:  # the Hook applies it at this step's agreement
+            state.cluster_size = asked.pop()
+        sizes.append(state.cluster_size)
+    assert [t.get("probe") for t in policy.trace if "probe" in t] == [2, 3, 4]
+    assert [round(t["s"], 1) for t in policy.trace if "s" in t] == [1.0, 0.2, 0.0]
+    assert policy.phase == "settled" and sizes[-1] == 3
+    assert sizes.count(4) < 10  # the probe of 4 lasted settle + window steps
+
+
+def test_the_autoscaler_settles_when_no_worker_can_be_added(monkeypatch):
+    import kungfu
+    from kungfu.policy import ScalingAutoscaler
+
+    monkeypatch.setattr(kungfu, "resize", lambda n: True)  # asked, but nothing changes
+    policy = ScalingAutoscaler(window=2, settle=0, max_size=4)
+    state = TrainingState(cluster_size=2)
+    for step in range(1, 10):
+        state.step = step
+        state.metrics["throughput"] = 100.0
+        policy.after_step(state)
+    assert policy.phase == "settled" and policy.trace[-1]["why"] == "no worker could be added"
