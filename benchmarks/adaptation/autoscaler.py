@@ -21,41 +21,29 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from _common import REPO, cell, pyplot, run_job, save
+
 sys.path.insert(0, str(REPO))
 
 from kungfu._ports import free_port_range, free_ports  # noqa: E402
 
 
 def run(arm: str, args) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rank0.jsonl"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
-        env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1")
-        if args.sample_time:
-            env["KUNGFU_SAMPLE_TIME"] = str(args.sample_time)
-        worker = [sys.executable, str(REPO / "benchmarks/adaptation/_worker.py"),
-                  "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-                  "--seed", str(args.seed), "--hidden", args.hidden, "--lr", "0.01",
-                  "--out", str(out)]
-        if arm == "autoscaler":
-            launcher = ["-w", "-np", "1", "-H", f"127.0.0.1:{args.max}",
-                        "-builtin-config-port", str(free_ports(1)[0]),
-                        "-port-range", free_port_range(args.max)]
-            worker += ["--policy", f"autoscale:{args.threshold}"]
-        else:
-            k = int(arm.split("=")[1])
-            launcher = ["-np", str(k), "-port-range", free_port_range(k)]
-        cmd = [sys.executable, "-m", "kungfu.cmd", "-q", "-timeout", "900s", *launcher, *worker]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1000)
-        if r.returncode != 0:
-            raise RuntimeError(f"{arm} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-        rows = [json.loads(line) for line in out.read_text().splitlines()]
+    worker = ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
+              "--seed", str(args.seed), "--hidden", args.hidden, "--lr", "0.01"]
+    if arm == "autoscaler":
+        launcher = ["-w", "-np", "1", "-H", f"127.0.0.1:{args.max}",
+                    "-builtin-config-port", str(free_ports(1)[0]),
+                    "-port-range", free_port_range(args.max)]
+        worker += ["--policy", f"autoscale:{args.threshold}"]
+    else:
+        k = int(arm.split("=")[1])
+        launcher = ["-np", str(k), "-port-range", free_port_range(k)]
+    env = {"KUNGFU_SAMPLE_TIME": str(args.sample_time)} if args.sample_time else {}
+    rows = run_job(launcher, worker, env, arm)
     steps = [row for row in rows if "step" in row]
     seconds = sum((b["t"] - a["t"]) * b["size"] for a, b in zip(steps, steps[1:]))
     samples = sum(row["size"] * args.batch_size for row in steps[1:])
@@ -63,11 +51,6 @@ def run(arm: str, args) -> dict:
     return {"arm": arm, "jct": steps[-1]["t"] - steps[0]["t"], "worker_seconds": seconds,
             "throughput": samples / (steps[-1]["t"] - steps[0]["t"]), "trace": trace,
             "sizes": [(row["step"], row["t"] - steps[0]["t"], row["size"]) for row in steps]}
-
-
-def cell(vals, fmt="{:.1f}") -> str:
-    return (fmt + " [" + fmt + ", " + fmt + "]").format(statistics.median(vals), min(vals),
-                                                         max(vals))
 
 
 def main() -> int:
@@ -112,8 +95,8 @@ def main() -> int:
     print(f"{'arm':12}{'job time (s)':>24}{'worker-seconds':>24}")
     for arm in arms:
         mine = [r for r in results if r["arm"] == arm]
-        print(f"{arm:12}{cell([r['jct'] for r in mine]):>24}"
-              f"{cell([r['worker_seconds'] for r in mine]):>24}")
+        print(f"{arm:12}{cell([r['jct'] for r in mine], '{:.1f}'):>24}"
+              f"{cell([r['worker_seconds'] for r in mine], '{:.1f}'):>24}")
     for r in results:
         if r["arm"] == "autoscaler":
             steps = " -> ".join(
@@ -126,12 +109,8 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text("\n".join(json.dumps(r) for r in results) + "\n")
     if args.plot:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("--plot needs matplotlib (pip install matplotlib); no plot drawn")
+        plt = pyplot()
+        if plt is None:
             return 0
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for r in results:
@@ -142,9 +121,7 @@ def main() -> int:
         ax.set_xlabel("seconds")
         ax.set_ylabel("workers")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"plot: {args.plot}")
+        save(fig, args.plot)
     return 0
 
 

@@ -12,7 +12,7 @@ KUNGFU_SAMPLE_TIME (--sample-time) per sample of each batch, times the worker's 
 - moving: worker 1 is 2x slower until step --move-at, then worker 3 is and worker 1 is not.
 
 Arms: bsp (equal split), lb-last, lb-ewma, lb-narx (kf.policy.LoadBalancing's predictors).
-Reported per arm, median [min, max] over runs: mean step time (after the first epoch), the
+Reported per arm, median [min, max] over runs: mean step time (after the first --skip steps), the
 speedup over bsp, the barrier-idle fraction (per step, the mean over workers of 1 - compute /
 step time), the test accuracy after each epoch, and the job's wall time. --plot draws the step
 times and the slow workers' batch sizes of one run per arm (needs matplotlib).
@@ -23,12 +23,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from _common import REPO, cell, pyplot, run_job, save
+
 sys.path.insert(0, str(REPO))
 
 from kungfu._ports import free_port_range  # noqa: E402
@@ -39,23 +38,14 @@ SCENARIOS = ("static", "moving")
 
 def run(arm: str, scenario: str, args) -> dict:
     slowdown = "1:2" if scenario == "static" else f"1:2,1:1@{args.move_at},3:2@{args.move_at}"
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rank0.jsonl"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
-        env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1",
-                   KUNGFU_SAMPLE_TIME=str(args.sample_time), KUNGFU_SLOWDOWN=slowdown)
-        cmd = [sys.executable, "-m", "kungfu.cmd", "-np", str(args.np), "-q",
-               "-port-range", free_port_range(args.np), "-timeout", "600s",
-               sys.executable, str(REPO / "benchmarks/adaptation/_worker.py"), "--policy", arm,
-               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-               "--seed", str(args.seed), "--out", str(out)]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=700)
-        if r.returncode != 0:
-            raise RuntimeError(f"{arm}/{scenario} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-        rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = run_job(["-np", str(args.np), "-port-range", free_port_range(args.np)],
+                   ["--policy", arm, "--epochs", str(args.epochs), "--batch-size",
+                    str(args.batch_size), "--seed", str(args.seed)],
+                   {"KUNGFU_SAMPLE_TIME": str(args.sample_time), "KUNGFU_SLOWDOWN": slowdown},
+                   f"{arm}/{scenario}")
     steps = [row for row in rows if "step" in row]
     epochs = [row for row in rows if "epoch_end" in row]
-    timed = [row for row in steps if row["epoch"] >= 1 and row["compute_times"]]
+    timed = [row for row in steps if row["step"] > args.skip and row["compute_times"]]
     idle = [statistics.mean(1 - c / row["step_time"] for c in row["compute_times"])
             for row in timed]
     return {"arm": arm, "scenario": scenario,
@@ -65,18 +55,9 @@ def run(arm: str, scenario: str, args) -> dict:
             "trace": [(row["step"], row["step_time"], row["batch_sizes"]) for row in steps]}
 
 
-def cell(vals, fmt="{:.3f}") -> str:
-    return (fmt + " [" + fmt + ", " + fmt + "]").format(statistics.median(vals), min(vals),
-                                                         max(vals))
-
-
 def plot(results, path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib (pip install matplotlib); no plot drawn")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(2, len(SCENARIOS), figsize=(11, 6), sharex=True)
     for col, scenario in enumerate(SCENARIOS):
@@ -95,9 +76,7 @@ def plot(results, path: str) -> None:
         axes[1][col].set_xlabel("step")
     axes[0][0].legend(fontsize=7)
     axes[1][0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    save(fig, path)
 
 
 def main() -> int:
@@ -112,6 +91,8 @@ def main() -> int:
     p.add_argument("--sample-time", type=float, default=0.004,
                    help="emulated seconds of compute per sample (default 0.004)")
     p.add_argument("--move-at", type=int, default=60, help="moving: step of the change")
+    p.add_argument("--skip", type=int, default=20,
+                   help="steps left out of the step time and idle fraction (default 20)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="also write every run's numbers to this file")
     p.add_argument("--plot", help="draw a PNG here (needs matplotlib)")

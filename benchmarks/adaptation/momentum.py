@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from _common import REPO, pyplot, run_job, save
+
 sys.path.insert(0, str(REPO))
 
 from kungfu._ports import free_port_range  # noqa: E402
@@ -47,20 +45,10 @@ def policy(arm: str, k: int, at: int) -> str:
 
 
 def run(arm: str, k: int, seed: int, args) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rank0.jsonl"
-        env = {k_: v for k_, v in os.environ.items() if not k_.startswith("KUNGFU_")}
-        env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "kungfu.cmd", "-np", str(args.np), "-q",
-               "-port-range", free_port_range(args.np), "-timeout", "600s",
-               sys.executable, str(REPO / "benchmarks/adaptation/_worker.py"),
-               "--policy", policy(arm, k, args.at), "--epochs", str(args.epochs),
-               "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-               "--seed", str(seed), "--optimizer", args.optimizer, "--out", str(out)]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=700)
-        if r.returncode != 0:
-            raise RuntimeError(f"{arm} k={k} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-        rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = run_job(["-np", str(args.np), "-port-range", free_port_range(args.np)],
+                   ["--policy", policy(arm, k, args.at), "--epochs", str(args.epochs),
+                    "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+                    "--seed", str(seed), "--optimizer", args.optimizer], {}, f"{arm} k={k}")
     steps = [row for row in rows if "step" in row]
     loss = {row["step"]: row["probe_loss"] for row in steps}
     before = loss[args.at]  # after the last step with the old batch
@@ -73,12 +61,8 @@ def run(arm: str, k: int, seed: int, args) -> dict:
 
 
 def plot(results, ks, path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib (pip install matplotlib); no plot drawn")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(ks), figsize=(5 * len(ks), 3.5), squeeze=False)
     seed = results[0]["seed"]
@@ -92,9 +76,7 @@ def plot(results, ks, path: str) -> None:
         axes[0][col].axvline(results[0]["curve"][0][0] + 20, ls="--", color="grey", lw=0.6)
         axes[0][col].set_xlabel("step")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    save(fig, path)
 
 
 def main() -> int:
