@@ -4,10 +4,10 @@
     python examples/adaptive_batch.py                      # a single worker (no noise scale)
 
 The optimizer monitors the gradient noise scale (GNS, McCandlish et al. 2018) inside every
-training step. A policy looks at it at the end of each epoch: when the noise scale exceeds the
-global batch size (the batch is smaller than the "critical" batch, so a larger one would waste
-few samples), it doubles every worker's batch (up to --max-batch-size) and scales the learning
-rate with the square-root rule. kf.Hook applies the decision on every worker before the next
+training step. A policy (kungfu.policy.GNSBatchGrowth) looks at it at the end of each epoch:
+when the noise scale exceeds the global batch size (the batch is smaller than the "critical"
+batch, so a larger one would waste few samples), it doubles every worker's batch (up to
+--max-batch-size) and scales the learning rate with the square-root rule. kf.Hook applies the decision on every worker before the next
 step, and kf.ElasticData keeps each epoch's samples exactly once through the change.
 Rank 0 prints each decision, the test accuracy and a digest of the weights (same on every rank).
 """
@@ -28,26 +28,18 @@ from sklearn.model_selection import train_test_split  # noqa: E402
 import kungfu as kf  # noqa: E402
 
 
-class GnsBatchPolicy(kf.BasePolicy):
-    """Doubles the batch when the noise scale exceeds the global batch (checked per epoch)."""
-
-    def __init__(self, max_batch: int):
-        self.max_batch = max_batch
-        self.decisions = []
+class GnsBatchPolicy(kf.policy.GNSBatchGrowth):
+    """kungfu's ready policy (doubles the batch when the noise scale exceeds the global batch,
+    checked per epoch; square-root learning-rate rule), printing each decision on rank 0."""
 
     def after_epoch(self, state):
-        gns = kf.grad_noise_scale()  # the same on every worker
-        if not np.isfinite(gns) or state.local_batch_size * 2 > self.max_batch:
-            return
-        if gns > state.global_batch_size:
-            b = state.local_batch_size * 2
-            lr = kf.sqrt_scaled_lr(state.learning_rate, state.local_batch_size, b)
-            kf.set_batch_size(b)
-            kf.set_learning_rate(lr)
-            self.decisions.append((state.epoch, gns, b, lr))
-            if kf.rank() == 0:
-                print(f"epoch {state.epoch}: gns {gns:.1f} > global batch "
-                      f"{state.global_batch_size}: local batch -> {b}, lr -> {lr:.4f}", flush=True)
+        before = len(self.decisions)
+        super().after_epoch(state)
+        if len(self.decisions) > before and kf.rank() == 0:
+            d = self.decisions[-1]
+            print(f"epoch {state.epoch}: gns {d['gns']:.1f} > global batch "
+                  f"{state.global_batch_size}: local batch -> {d['batch']}, lr -> "
+                  f"{d['lr']:.4f}", flush=True)
 
 
 def main(argv=None) -> int:

@@ -80,6 +80,7 @@ _TENSORFLOW_NAMES = {
     "BroadcastGlobalVariablesCallback": "kungfu.tensorflow",
     "broadcast_variables": "kungfu.tensorflow",
     "grad_noise_scale": "kungfu.tensorflow",
+    "grad_noise_stats": "kungfu.tensorflow",
     "grad_variance": "kungfu.tensorflow",
     "Hook": "kungfu.tensorflow",
     "ElasticData": "kungfu.tensorflow",

@@ -141,6 +141,9 @@ def _seconds(s: str) -> float:
 SAMPLE_TIME = Var("KUNGFU_SAMPLE_TIME", _seconds, 0.0,
                   "emulated compute: seconds per sample that kf.ElasticData spends (sleeping) "
                   "when it makes each batch of this worker, times its KUNGFU_SLOWDOWN factor")
+SAMPLE_JITTER = Var("KUNGFU_SAMPLE_JITTER", _seconds, 0.0,
+                    "emulated noise: each batch's emulated compute is multiplied by a factor drawn "
+                    "uniformly from [1 - J, 1 + J] (J < 1)")
 SLOWDOWN = Var("KUNGFU_SLOWDOWN", _slowdown, [],
                "emulated stragglers: RANK:FACTOR[@STEP],... makes the worker that started as "
                "RANK take FACTOR times KUNGFU_SAMPLE_TIME per sample, from its STEP-th batch "
@@ -149,7 +152,7 @@ SLOWDOWN = Var("KUNGFU_SLOWDOWN", _slowdown, [],
 ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
        ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, ETCD_CACERT, ETCD_CERT, ETCD_KEY, WATCHDOG_FD,
        RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT, PEER_TIMEOUT,
-       CONNECT_TIMEOUT, CHUNK_BYTES, PARALLELISM, SAMPLE_TIME, SLOWDOWN]
+       CONNECT_TIMEOUT, CHUNK_BYTES, PARALLELISM, SAMPLE_TIME, SAMPLE_JITTER, SLOWDOWN]
 
 
 # The variables other launchers set (torchrun, and Horovod's scripts read them too): the worker's

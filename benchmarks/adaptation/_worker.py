@@ -14,6 +14,10 @@ the environment (KUNGFU_SAMPLE_TIME, KUNGFU_SLOWDOWN), set by the driver.
     --policy ramp:K@S:T          the batch K times larger at step S, kf.policy.MomentumCompensation
                                  ramps the learning rate over T steps
     --policy autoscale:S         kf.policy.ScalingAutoscaler(threshold=S) (under kungfu-run -w)
+    --policy stragglers          kf.policy.StragglerReplacement() (under kungfu-run -w)
+    --policy gns:MAX             kf.policy.GNSBatchGrowth(MAX), the learning rate by the sqrt rule
+    --policy gns-adascale:MAX    GNSBatchGrowth(MAX) for the batch, kf.policy.AdaScale for the
+                                 learning rate
 """
 from __future__ import annotations
 
@@ -35,7 +39,11 @@ from kungfu.policy import (  # noqa: E402
     LoadBalancing,
     MomentumCompensation,
     ScalingAutoscaler,
+    StragglerReplacement,
+    AdaScale,
+    GNSBatchGrowth,
 )
+from kungfu import elastic  # noqa: E402
 
 
 class LrOutsideSGD(keras.optimizers.Optimizer):
@@ -46,6 +54,9 @@ class LrOutsideSGD(keras.optimizers.Optimizer):
     def __init__(self, learning_rate=0.01, momentum=0.9, name="lr_outside_sgd", **kwargs):
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.momentum = momentum
+
+    def get_config(self):
+        return {**super().get_config(), "momentum": self.momentum}
 
     def build(self, variables):
         if self.built:
@@ -90,7 +101,8 @@ def main() -> int:
         base = keras.optimizers.SGD(args.lr, momentum=args.momentum)
     else:
         base = LrOutsideSGD(args.lr, momentum=args.momentum)
-    opt = kf.Optimizer(base)
+    gns = args.policy.startswith("gns")
+    opt = kf.Optimizer(base, monitor="gns" if gns else None)
     model.compile(optimizer=opt, loss=loss, metrics=["accuracy"], jit_compile=False)
     data = kf.ElasticData(x_train, y_train, batch_size=args.batch_size, seed=args.seed)
 
@@ -115,6 +127,13 @@ def main() -> int:
             policies.append(MomentumCompensation(steps=int(steps)))
     elif kind == "autoscale":
         policies.append(ScalingAutoscaler(threshold=float(spec or 0.1)))
+    elif kind == "gns":
+        policies.append(GNSBatchGrowth(int(spec), every_steps=20))
+    elif kind == "gns-adascale":
+        policies.append(GNSBatchGrowth(int(spec), lr_rule=None, every_steps=20))
+        policies.append(AdaScale(base_batch=args.batch_size * kf.size(), base_lr=args.lr))
+    elif kind == "stragglers":
+        policies.append(StragglerReplacement())
     elif kind != "bsp":
         raise SystemExit(f"unknown --policy {args.policy!r}")
 
@@ -129,11 +148,13 @@ def main() -> int:
             logits = model(probe_x, training=False)
             out.write(json.dumps({
                 "step": state.step, "epoch": state.epoch, "t": time.time(),
-                "size": state.cluster_size,
+                "size": state.cluster_size, "version": elastic.context().current.version
+                if elastic.context().enabled else 0,
                 "step_time": state.metrics.get("step_time"),
                 "compute_times": state.metrics.get("compute_times"),
                 "part_sizes": state.metrics.get("part_sizes"),
                 "batch_sizes": state.batch_sizes, "lr": state.learning_rate,
+                "gns": state.metrics.get("gns"),
                 "probe_loss": float(loss(probe_y, logits))}) + "\n")
 
         def after_epoch(self, state):
@@ -150,6 +171,8 @@ def main() -> int:
         for p_ in policies:
             if isinstance(p_, ScalingAutoscaler):
                 out.write(json.dumps({"autoscaler": p_.trace}) + "\n")
+            if isinstance(p_, StragglerReplacement):
+                out.write(json.dumps({"replaced": p_.replaced}) + "\n")
         out.close()
     return 0
 

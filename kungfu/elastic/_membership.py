@@ -225,9 +225,10 @@ class Membership:
         if decision is not None:
             _actions._record("elastic", decision)
 
-    def apply_resize(self, n: int) -> None:
-        """An agreed resize to n workers: rank 0 writes the new version and broadcasts it; with
-        joiners every worker waits for them (WAITING), else switches at once."""
+    def apply_resize(self, n: int, leave: Sequence[str] = ()) -> None:
+        """An agreed resize to n workers, without the peers in `leave`: rank 0 writes the new
+        version and broadcasts it; with joiners every worker waits for them (WAITING), else
+        switches at once."""
         ctx = context()
         if self.replace_to is not None and n != self.replace_to:
             self.replace_to = None  # a policy's size wins over the replacement's
@@ -236,10 +237,10 @@ class Membership:
                           f"{len(ctx.pending.peers)} is still in progress")
             return
         peer = _peer.identity()
-        if n == peer.size:
+        if n == peer.size and not leave:
             return
         self._enter(State.PROPOSING)
-        new = ctx.agree_proposal(n)
+        new = ctx.agree_proposal(n, leave)
         if isinstance(new, str):
             self._enter(State.TRAINING)
             warnings.warn(f"kungfu: resize to {n} failed: {new}; training goes on with "

@@ -49,7 +49,7 @@ import json
 import time
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -102,20 +102,22 @@ class Elastic:
     def max_size(self) -> int:
         return sum(h.slots for h in parse_hosts(self.hosts))
 
-    def plan(self, n: int) -> List[str]:
+    def plan(self, n: int, leave: Sequence[str] = ()) -> List[str]:
         """The peers of a cluster of n workers: the current ones in their order (the first n
-        when shrinking), then free slots in -H order (host-major), skipping the hosts that cool
-        down after repeated failures; fewer than n when no other slot is free. Rank 0 is
-        always a current member: the joiners take its state (a new worker in a lower slot
+        when shrinking) but those in `leave`, then free slots in -H order (host-major), skipping
+        the hosts that cool down after repeated failures; fewer than n when no other slot is
+        free. A slot of a worker that leaves is not free yet (it runs until the switch). Rank 0
+        is always a current member: the joiners take its state (a new worker in a lower slot
         than the members, after a failure, must not become rank 0)."""
         current = list(self.current.peers) if self.current is not None else []
-        if n <= len(current):
-            return current[:n]
+        staying = [p for p in current if p not in leave]
+        if n <= len(staying):
+            return staying[:n]
         ports = parse_port_range(self.port_range)
         slots = [w.spec for w in plan_workers(self.max_size(), parse_hosts(self.hosts), ports)]
         cooling = self.store.cooling_hosts(time.time()) if self.store is not None else {}
         free = [p for p in slots if p not in current and p.rpartition(":")[0] not in cooling]
-        return current + free[:n - len(current)]
+        return staying + free[:n - len(staying)]
 
     def cooling(self) -> str:
         """The hosts that cool down now, for messages."""
@@ -134,12 +136,26 @@ class Elastic:
 
     # -- steps of the protocol ----------------------------------------------------------------
 
-    def propose(self, n: int) -> Optional[ClusterConfig]:
+    def check_leave(self, leave) -> List[str]:
+        """The peers of these ranks (kf.resize's leave=), or ResizeError naming the problem."""
+        peers = list(self.current.peers) if self.current is not None else []
+        ranks = []
+        for r in leave:
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < len(peers):
+                raise ResizeError(f"leave: {r!r} is not a rank of this cluster of {len(peers)}")
+            if r in ranks:
+                raise ResizeError(f"leave: rank {r} is named twice")
+            ranks.append(r)
+        return [peers[r] for r in ranks]
+
+    def propose(self, n: int, leave: Sequence[str] = ()) -> Optional[ClusterConfig]:
         """Rank 0: writes the configuration of n workers (fewer if only that many slots are
-        free: see plan) as the next version; None if another write came first."""
+        free: see plan), without the peers in `leave`, as the next version; None if another
+        write came first."""
         stored, _ = self.store.config()
-        peers = self.plan(n)
-        if n > len(self.current.peers) and len(peers) == len(self.current.peers):
+        peers = self.plan(n, leave)
+        staying = len(self.current.peers) - len(leave)
+        if n > staying and len(peers) == staying:
             raise ResizeError(f"no free slot for a new worker: the hosts with free slots cool "
                               f"down after repeated failures ({self.cooling()})")
         new = ClusterConfig(stored.version + 1, peers)
@@ -148,14 +164,14 @@ class Elastic:
     def joiners(self, new: ClusterConfig) -> List[str]:
         return [p for p in new.peers if p not in self.current.peers]
 
-    def agree_proposal(self, n: int) -> Union[ClusterConfig, str]:
-        """Every worker, once a resize to n is agreed: rank 0 writes the configuration (propose)
-        and broadcasts what it wrote; returns it, or why nothing was written (a str) on every
-        worker."""
+    def agree_proposal(self, n: int, leave: Sequence[str] = ()) -> Union[ClusterConfig, str]:
+        """Every worker, once a resize to n (without the peers in `leave`) is agreed: rank 0
+        writes the configuration (propose) and broadcasts what it wrote; returns it, or why
+        nothing was written (a str) on every worker."""
         proposal = ""
         if _peer.identity().rank == 0:
             try:
-                new = self.propose(n)
+                new = self.propose(n, leave)
                 proposal = new.to_json() if new is not None else "!the stored configuration changed"
             except (StoreError, ResizeError) as e:  # the others wait in the broadcast: go on
                 proposal = f"!{e}"
@@ -351,9 +367,11 @@ def context() -> Elastic:
     return _context
 
 
-def resize(n: int) -> bool:
+def resize(n: int, leave: Sequence[int] = ()) -> bool:
     """Asks for a cluster of n workers. Returns whether the cluster changes (False: n is the
-    current size already). Bad sizes raise ResizeError (a ValueError) at once.
+    current size already and no worker leaves). Bad sizes raise ResizeError (a ValueError) at
+    once. `leave`: ranks that leave; new workers take their places (with n = size, the
+    workers in `leave` are replaced: the new ones join before those leave).
 
     From a policy hook run by kf.Hook, the decision is agreed, then applied once the new
     workers are ready, without stopping training. In a program with no kf.Hook (a custom
@@ -363,18 +381,19 @@ def resize(n: int) -> bool:
 
     ctx = context()
     n = ctx.check_size(n)
+    gone = ctx.check_leave(leave)
     if not _actions.in_round():
         if ctx.driver is not None:
             raise RuntimeError("kf.resize while kf.Hook trains is applied by the Hook: call it "
                                "from a policy hook (kf.BasePolicy)")
-        return resize_now(n)
-    if n == _peer.identity().size and ctx.pending is None:
+        return resize_now(n, leave=leave)
+    if n == _peer.identity().size and not gone and ctx.pending is None:
         return False
-    _actions._record("resize", n)
+    _actions._record("resize", {"size": n, "leave": gone} if gone else n)
     return True
 
 
-def resize_now(n: int, agreed: bool = False) -> bool:
+def resize_now(n: int, agreed: bool = False, leave: Sequence[int] = ()) -> bool:
     """The whole resize at once, for programs without a trainer: a collective of the current
     workers. They agree on n (all must pass the same, unless `agreed`), rank 0 writes the new
     version, the launchers start the joiners, the workers wait (up to KUNGFU_RESIZE_TIMEOUT)
@@ -385,17 +404,19 @@ def resize_now(n: int, agreed: bool = False) -> bool:
     when they start and by the others after a resize that returned True)."""
     ctx = context()
     n = ctx.check_size(n)
+    gone = ctx.check_leave(leave)
     me = _peer.identity()
     prefix = f"kungfu/elastic/{ctx.current.version}/resize"
     if not agreed:
         from kungfu import _collective
 
-        if not _collective.consensus(np.int64(n), name=f"{prefix}/size"):
+        if not _collective.consensus(json.dumps([n, gone]), name=f"{prefix}/size"):
             raise ResizeError(f"kf.resize outside kf.Hook is a collective: every worker must ask "
-                              f"for the same size (this one asked for {n})")
-    if n == me.size:
+                              f"for the same size and leavers (this one asked for {n}"
+                              f"{', without ' + ', '.join(gone) if gone else ''})")
+    if n == me.size and not gone:
         return False
-    new = ctx.agree_proposal(n)
+    new = ctx.agree_proposal(n, gone)
     if isinstance(new, str):
         warnings.warn(f"kungfu: resize to {n} failed: {new}; the cluster stays at {me.size}")
         return False

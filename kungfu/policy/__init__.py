@@ -115,6 +115,8 @@ from kungfu.policy.adaptive_strategy import AdaptiveStrategyPolicy  # noqa: E402
 from kungfu.policy.autoscaler import ScalingAutoscaler  # noqa: E402
 from kungfu.policy.load_balancing import LoadBalancing  # noqa: E402
 from kungfu.policy.momentum import MomentumCompensation  # noqa: E402
+from kungfu.policy.noise_scale import AdaScale, GNSBatchGrowth  # noqa: E402
+from kungfu.policy.stragglers import StragglerReplacement  # noqa: E402
 
 def _plain(v) -> bool:
     import numpy as np
@@ -132,9 +134,12 @@ HOOKS = ("before_train", "before_epoch", "before_step", "after_step", "after_epo
          "after_train")
 
 __all__ = [
+    "AdaScale",
     "AdaptiveStrategyPolicy",
+    "GNSBatchGrowth",
     "LoadBalancing",
     "ScalingAutoscaler",
+    "StragglerReplacement",
     "MomentumCompensation",
     "BasePolicy",
     "TrainingState",

@@ -16,7 +16,11 @@ from kungfu.tensorflow.callbacks import (  # noqa: F401
     combine_metrics,
 )
 from kungfu.tensorflow.data import ElasticData, RecordFiles, shard  # noqa: F401
-from kungfu.tensorflow._monitor import grad_noise_scale, grad_variance  # noqa: F401
+from kungfu.tensorflow._monitor import (  # noqa: F401
+    grad_noise_scale,
+    grad_noise_stats,
+    grad_variance,
+)
 from kungfu.tensorflow.initializer import (  # noqa: F401
     BroadcastGlobalVariablesCallback,
     broadcast_variables,
@@ -29,6 +33,7 @@ __all__ = [
     "BroadcastGlobalVariablesCallback",
     "broadcast_variables",
     "grad_noise_scale",
+    "grad_noise_stats",
     "grad_variance",
     "Hook",
     "ElasticData",

@@ -213,15 +213,17 @@ class Hook(keras.callbacks.Callback):
 
     # -- elasticity (kungfu/elastic: the membership state machine) ------------------------------
 
-    def _apply_resize(self, n: int) -> None:
+    def _apply_resize(self, decision) -> None:
         import kungfu as kf
 
-        if (self.model is not None and self.data is None and n > kf.size()
+        n, leave = (decision, []) if isinstance(decision, int) else (decision["size"],
+                                                                      decision["leave"])
+        if (self.model is not None and self.data is None and n > kf.size() - len(leave)
                 and _elastic.context().pending is None):
             raise RuntimeError("growing the cluster in model.fit needs kungfu's data: pass "
                                "data=kf.ElasticData(...) to kf.Hook (joiners continue from its "
                                "sample offset)")
-        self.membership.apply_resize(n)
+        self.membership.apply_resize(n, leave)
 
     def _apply_elastic(self, decision: dict) -> None:
         self.membership.apply_elastic(decision)

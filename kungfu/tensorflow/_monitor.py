@@ -194,6 +194,16 @@ def grad_noise_scale() -> float:
     return latest(GNS).value(GNS)
 
 
+def grad_noise_stats() -> Tuple[float, float]:
+    """(tr(S), |G|^2): the smoothed estimates behind the gradient noise scale (its ratio): the
+    trace of the per-sample gradient covariance and the squared norm of the true gradient, the
+    same on every worker (NaN before the first estimate). AdaScale's gain is built from them."""
+    state = latest(GNS).gns_state.numpy()
+    if state[2] < 1:
+        return math.nan, math.nan
+    return float(state[0]), float(state[1])
+
+
 def grad_variance() -> float:
     """The latest gradient variance (EMA of mean_i |g_i - g|^2), the same on every worker (NaN
     before the first estimate). Reads the most recently built optimizer that monitors it."""

@@ -119,15 +119,19 @@ def _apportion(total: int, weights: Sequence[int]) -> List[int]:
 
 
 def _emulated_compute():
-    """(seconds per sample, [(from batch, factor)] of this worker) from KUNGFU_SAMPLE_TIME and
-    KUNGFU_SLOWDOWN (kungfu/_env.py), or None: no emulated compute."""
+    """(seconds per sample, [(from batch, factor)] of this worker, jitter) from
+    KUNGFU_SAMPLE_TIME, KUNGFU_SLOWDOWN and KUNGFU_SAMPLE_JITTER (kungfu/_env.py), or None: no
+    emulated compute."""
     from kungfu import _env, _peer
 
     seconds = _env.SAMPLE_TIME.get()
     if seconds <= 0:
         return None
     rank = _peer.identity_from_env().rank  # the rank this worker started as
-    return seconds, [(step, f) for r, f, step in _env.SLOWDOWN.get() if r == rank]
+    jitter = _env.SAMPLE_JITTER.get()
+    if jitter >= 1:
+        raise ValueError(f"KUNGFU_SAMPLE_JITTER must be below 1, got {jitter}")
+    return (seconds, [(step, f) for r, f, step in _env.SLOWDOWN.get() if r == rank], jitter)
 
 
 def _is_dataset(x) -> bool:
@@ -390,8 +394,10 @@ class ElasticData:
         idx, weight, _ = self.part(self.offset, kf.rank(), kf.size())
         batch = (*self._fetch(idx), np.full(len(idx), weight, dtype=np.float32))
         if self._emulated is not None:
-            seconds, factors = self._emulated
+            seconds, factors, jitter = self._emulated
             factor = next((f for step, f in reversed(factors) if step <= self._made), 1.0)
+            if jitter:
+                factor *= 1 + jitter * (2 * np.random.random() - 1)
             time.sleep(seconds * factor * len(idx) * (weight > 0))
         self._made += 1
         return batch

@@ -3,7 +3,8 @@
     _w_custom_resize.py OUT MODE SCHEDULE
 
 MODE "resize": every worker calls kungfu.python.resize(n); "propose": rank 0 calls
-propose_new_size(n), every worker resize(); "disagree": the workers ask for different sizes.
+propose_new_size(n), every worker resize(); "disagree": the workers ask for different sizes;
+"replace": kf.resize(size, leave=[n]) replaces rank n by a new worker.
 SCHEDULE "3:3,8:1": after step 3 resize to 3, after step 8 to 1; 12 steps in all.
 
 The model is a vector that every step adds the mean of the workers' ones to (so +1 per step at
@@ -50,6 +51,9 @@ def main() -> int:
             if kf.rank() == 0:
                 kp.propose_new_size(n)
             changed, detached = kp.resize()
+        elif mode == "replace":
+            changed = kf.resize(kf.size(), leave=[n])
+            detached = kf.detached()
         elif mode == "disagree":
             try:
                 changed, detached = kp.resize(n + kf.rank())

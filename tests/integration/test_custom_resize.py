@@ -74,3 +74,23 @@ def test_workers_that_ask_for_different_sizes_are_refused_together(tmp_path):
     for rows in workers:
         assert [row["step"] for row in rows[:-1]] == [0, 1, 2]
         assert rows[-1]["end"].startswith("refused: kf.resize outside kf.Hook is a collective"), rows
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_is_replaced_by_a_new_one_even_rank_0(tmp_path):
+    """kf.resize(size, leave=[0]) after step 4: a new worker joins, then rank 0 leaves; the
+    other becomes rank 0 and hands the state to the new one."""
+    r, workers = run(tmp_path, "replace", "4:0")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert len(workers) == 3
+    first = {rows[0]["rank"]: rows for rows in workers if rows[0]["step"] == 0}
+    [joiner] = [rows for rows in workers if rows[0]["step"] != 0]
+    assert [row["step"] for row in first[0][:-1]] == [0, 1, 2, 3]
+    assert first[0][-1]["end"] == "detached"
+    assert [row["step"] for row in joiner[:-1]] == list(range(4, 12))
+    assert [row["rank"] for row in joiner[:-1]] == [1] * 8  # after the old rank 1, now rank 0
+    assert [row["rank"] for row in first[1][:-1]] == [1] * 4 + [0] * 8
+    for rows in (first[1], joiner):
+        assert [row["w"] for row in rows[:-1]] == [float(s + 1) for s in
+                                                   range(rows[0]["step"], 12)]
+        assert rows[-1] == {"end": "done", "w": 12.0, "size": 2}

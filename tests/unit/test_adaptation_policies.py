@@ -156,3 +156,120 @@ def test_the_autoscaler_settles_when_no_worker_can_be_added(monkeypatch):
         state.metrics["throughput"] = 100.0
         policy.after_step(state)
     assert policy.phase == "settled" and policy.trace[-1]["why"] == "no worker could be added"
+
+
+def straggle(policy, factors, steps, monkeypatch, jitter=0.0, seed=0, switch_after=3):
+    """4 workers with equal parts whose compute time per sample is factors(step)[r] (x 1 +-
+    jitter); a replacement asked for takes effect `switch_after` steps later with a worker of
+    factor 1 in the leaver's place. Returns the replacements asked for (step, rank)."""
+    import kungfu
+    from kungfu import elastic
+
+    asked = []
+    monkeypatch.setattr(kungfu, "resize", lambda n, leave=(): asked.append((n, list(leave))))
+    pending = {"until": None}
+    monkeypatch.setattr(elastic.context(), "pending", None)
+    rng = np.random.default_rng(seed)
+    replaced = {}
+    state = TrainingState(cluster_size=4)
+    out = []
+    for step in range(1, steps + 1):
+        state.step = step
+        f = [replaced.get(r, x) for r, x in enumerate(factors(step))]
+        noise = 1 + jitter * rng.uniform(-1, 1, 4)
+        state.metrics["part_sizes"] = [32] * 4
+        state.metrics["compute_times"] = [0.001 * 32 * x * e for x, e in zip(f, noise)]
+        if pending["until"] == step:
+            elastic.context().pending, pending["until"] = None, None
+        policy.after_step(state)
+        if asked:
+            (n, [rank]) = asked.pop()
+            assert n == 4
+            out.append((step, rank))
+            replaced[rank] = 1.0  # the new worker, once switched (a few steps on)
+            elastic.context().pending = "waiting"
+            pending["until"] = step + switch_after
+    return out
+
+
+def test_a_straggler_is_replaced_after_patience_steps_once(monkeypatch):
+    from kungfu.policy import StragglerReplacement
+
+    policy = StragglerReplacement(patience=10)
+    got = straggle(policy, lambda s: [1, 1, 2 if s > 20 else 1, 1], 120, monkeypatch)
+    assert len(got) == 1 and got[0][1] == 2
+    # EWMA(0.1) of the ratio 0.5 falls under 0.8 after 5 steps, then 10 steps of patience.
+    assert 21 + 10 <= got[0][0] <= 21 + 20, got
+
+
+@pytest.mark.parametrize("factor", [1.33, 4.0])
+def test_mild_and_severe_stragglers(monkeypatch, factor):
+    from kungfu.policy import StragglerReplacement
+
+    got = straggle(StragglerReplacement(), lambda s: [factor, 1, 1, 1], 100, monkeypatch)
+    assert [r for _, r in got] == [0]  # rank 0 too: any rank may be replaced
+
+
+def test_no_straggler_and_ten_percent_jitter_replace_no_one(monkeypatch):
+    from kungfu.policy import StragglerReplacement
+
+    for seed in range(5):
+        got = straggle(StragglerReplacement(), lambda s: [1, 1, 1, 1], 300, monkeypatch,
+                       jitter=0.1, seed=seed)
+        assert got == []
+
+
+def test_gns_batch_growth_doubles_while_the_noise_scale_exceeds_the_batch(monkeypatch):
+    import kungfu
+    from kungfu.policy import GNSBatchGrowth
+
+    gns = {"value": 300.0}
+    monkeypatch.setattr(kungfu, "grad_noise_scale", lambda: gns["value"], raising=False)
+    policy = GNSBatchGrowth(max_batch=64)
+    state = TrainingState(local_batch_size=8, global_batch_size=32, cluster_size=4,
+                          learning_rate=0.1)
+    seen = []
+    for epoch in range(6):
+        _actions.open_round()
+        policy.after_epoch(state)
+        got = _actions.close_round()
+        if "batch_size" in got:
+            state.local_batch_size = got["batch_size"]
+            state.global_batch_size = 4 * got["batch_size"]
+            state.learning_rate = got["learning_rate"]
+        seen.append((state.local_batch_size, round(state.learning_rate, 4)))
+        if epoch == 1:
+            gns["value"] = 40.0  # below the next global batch (64): no growth...
+        if epoch == 3:
+            gns["value"] = float("nan")  # ...nor without an estimate
+    assert seen[:2] == [(16, 0.1414), (32, 0.2)]
+    assert seen[2:] == [(32, 0.2)] * 4
+    gns["value"] = 1e6
+    _actions.open_round()
+    GNSBatchGrowth(max_batch=32).after_epoch(state)  # 64 > max_batch: stays
+    assert _actions.close_round() == {}
+
+
+def test_adascale_gain_is_between_1_and_the_scale(monkeypatch):
+    import kungfu
+    from kungfu.policy import AdaScale
+
+    stats = {"v": (float("nan"), float("nan"))}
+    monkeypatch.setattr(kungfu, "grad_noise_stats", lambda: stats["v"], raising=False)
+    policy = AdaScale(base_batch=32, base_lr=0.1)
+    state = TrainingState(global_batch_size=128)
+
+    def lr():
+        _actions.open_round()
+        policy.after_step(state)
+        return _actions.close_round()["learning_rate"]
+
+    assert lr() == pytest.approx(0.1)  # no estimate yet: gain 1
+    stats["v"] = (3200.0, 1.0)  # noise dominates: gain = (100 + 1) / (25 + 1) ~ 3.88 of 4
+    assert lr() == pytest.approx(0.1 * 101 / 26)
+    stats["v"] = (0.0, 5.0)  # no noise: a larger batch is worth no larger step
+    assert lr() == pytest.approx(0.1)
+    state.global_batch_size = 32  # the base batch: gain 1 whatever the noise
+    stats["v"] = (3200.0, 1.0)
+    assert lr() == pytest.approx(0.1)
+    assert policy.progress == pytest.approx(1 + 1 + 101 / 26 + 1)
