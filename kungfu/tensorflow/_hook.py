@@ -105,13 +105,16 @@ def _numbers(logs) -> dict:
 
 class Hook(keras.callbacks.Callback):
     """Runs policies (kf.BasePolicy) and applies their actions consistently on every worker;
-    adds the monitored estimates to Keras's logs. `data`: a kungfu.tensorflow.data.ElasticData
+    adds the monitored estimates and the cluster's numbers (`cluster_logs`: cluster_size,
+    global_batch_size, step_time, samples_per_sec, allreduce_bytes_per_sec) to Keras's logs,
+    where TensorBoard finds them. `data`: a kungfu.tensorflow.data.ElasticData
     (needed for kf.set_batch_size in model.fit); `optimizer`: for custom loops (in model.fit the
     model's optimizer is used)."""
 
     def __init__(self, *policies: BasePolicy, data=None, optimizer=None, name: str = "kungfu/hook",
                  exit_on_detach: bool = True, checkpoint: Optional[str] = None,
-                 checkpoint_every: int = 100, rank_zero_output: bool = True):
+                 checkpoint_every: int = 100, rank_zero_output: bool = True,
+                 cluster_logs: bool = True):
         super().__init__()
         if checkpoint is not None and (isinstance(checkpoint_every, bool) or not isinstance(
                 checkpoint_every, int) or checkpoint_every < 1):
@@ -140,6 +143,12 @@ class Hook(keras.callbacks.Callback):
         self._equal_after_step = False  # the model was not built at the start (_start_equal)
         # model.fit: progress output and model.save on rank 0 only (kungfu/tensorflow/callbacks.py)
         self.rank_zero_output = rank_zero_output
+        # model.fit: the cluster's numbers in Keras's logs (CLUSTER_LOG_KEYS), per step (the
+        # last step's) and per epoch (the epoch's mean step time and samples/s).
+        self.cluster_logs = cluster_logs
+        self._epoch_totals = [0.0, 0, 0.0, 0]  # seconds, samples, allreduce bytes, steps
+        self._traffic = (0, 0.0)  # the runtime's allreduce (bytes, seconds) so far
+        self._last_bytes = 0.0
         self._output: Optional[RankZeroOutput] = None
         # Resize, recovery, commits and the checkpoint (kungfu/elastic).
         self.membership = Membership(self, KerasVariables(self))
@@ -359,24 +368,66 @@ class Hook(keras.callbacks.Callback):
 
         def train_function(*args, **kwargs):
             monitor = getattr(self.optimizer, "kungfu_monitor", None)
-            if monitor is not None and not monitor.batch_known:
+            learn_monitor = monitor is not None and not monitor.batch_known
+            if learn_monitor or self.state.local_batch_size is None:
                 # Keras counts the samples of the epoch in its loss tracker: the first step's
-                # are this worker's batch size, which the noise scale needs.
+                # are this worker's batch size, which the noise scale and policies need.
                 before = _samples_counted(model)
                 logs = inner(*args, **kwargs)
                 batch = _samples_counted(model) - before
                 if batch > 0:
-                    monitor.set_batch_size(batch)
+                    if learn_monitor:
+                        monitor.set_batch_size(batch)
+                    if self.state.local_batch_size is None:
+                        self.state.local_batch_size = int(batch)
+                        self.refresh_sizes()
             else:
                 logs = inner(*args, **kwargs)
             model.kungfu_trained = True  # the next epoch logs are a training epoch's
-            estimates = monitor_logs(self.optimizer)
-            if estimates and isinstance(logs, dict):
-                logs = {**logs, **estimates}
+            extra = {**monitor_logs(self.optimizer), **self._step_logs()}
+            if extra and isinstance(logs, dict):
+                logs = {**logs, **extra}
             return logs
 
         train_function.kungfu_guarded = fn
         return train_function
+
+    def _step_logs(self) -> dict:
+        """The cluster's numbers for a step's logs: size, global batch, and the last step's
+        time, samples/s and allreduce bandwidth (bytes/s over the step)."""
+        if not self.cluster_logs:
+            return {}
+        s, m = self.state, self.state.metrics
+        out = {"cluster_size": s.cluster_size}
+        if s.global_batch_size is not None:
+            out["global_batch_size"] = s.global_batch_size
+        if "step_time" in m:
+            out["step_time"] = m["step_time"]
+            out["samples_per_sec"] = m.get("throughput", 0.0)
+            out["allreduce_bytes_per_sec"] = self._last_bytes / m["step_time"]
+        return out
+
+    def _epoch_logs(self) -> dict:
+        """The same over the epoch that ended: mean step time, samples/s, bandwidth."""
+        if not self.cluster_logs:
+            return {}
+        out = {**self._step_logs()}
+        seconds, samples, traffic, steps = self._epoch_totals
+        if seconds > 0:
+            out.update(step_time=seconds / steps, samples_per_sec=samples / seconds,
+                       allreduce_bytes_per_sec=traffic / seconds)
+        return out
+
+    def _count_traffic(self, elapsed: float, samples: int) -> None:
+        """Adds a step to the epoch's totals; reads the runtime's allreduce byte counter."""
+        nbytes = sum(c[2] for c in _peer.get().strategy_counters()) if _peer.started() else 0
+        self._last_bytes = max(nbytes - self._traffic[0], 0)
+        self._traffic = (nbytes, 0.0)
+        t = self._epoch_totals
+        t[0] += elapsed
+        t[1] += samples
+        t[2] += self._last_bytes
+        t[3] += 1
 
     def guard(self, train_step):
         """For a custom loop: `train_step` made to survive a lost peer. Call the result on the
@@ -432,6 +483,7 @@ class Hook(keras.callbacks.Callback):
 
     def before_epoch(self, epoch: Optional[int] = None) -> None:
         self._epochs_begun += 1
+        self._epoch_totals = [0.0, 0, 0.0, 0]
         if self._resumed:  # a joiner's first epoch continues the others' current one
             self._resumed = False
             return
@@ -474,6 +526,7 @@ class Hook(keras.callbacks.Callback):
             s.metrics["step_time"] = elapsed
             if samples:
                 s.metrics["throughput"] = samples / elapsed
+            self._count_traffic(elapsed, samples)
             # This worker's compute: the step less its wait for the others in the gradients'
             # allreduce (kf.Optimizer's sync-sgd measures it). Every worker's rides on the
             # agreement below: policies see them as metrics["compute_times"] next step.
@@ -552,6 +605,8 @@ class Hook(keras.callbacks.Callback):
         # Epoch metrics (validation too) over all workers while fit runs, so callbacks that
         # decide from them (EarlyStopping, ReduceLROnPlateau, ...) decide the same everywhere.
         combine_while_training(self.model, True)
+        opt = self.optimizer
+        self.model.kungfu_epoch_logs = lambda: {**monitor_logs(opt), **self._epoch_logs()}
         if self.rank_zero_output and self._output is None:
             self._output = RankZeroOutput(self.model)
             self._output.start()

@@ -72,6 +72,21 @@ def combine_metrics(model) -> None:
     model.kungfu_combine = "always"
 
 
+# What kf.Hook adds to Keras's logs besides the monitored estimates (gns, grad_variance): the
+# cluster's numbers, for TensorBoard and the progress bar (kf.Hook(cluster_logs=False): none).
+CLUSTER_LOG_KEYS = ("cluster_size", "global_batch_size", "step_time", "samples_per_sec",
+                    "allreduce_bytes_per_sec")
+
+
+def _hook_log_keys() -> frozenset:
+    from kungfu.tensorflow._monitor import LOG_KEYS
+
+    return frozenset(LOG_KEYS.values()) | frozenset(CLUSTER_LOG_KEYS)
+
+
+HOOK_LOG_KEYS = _hook_log_keys()
+
+
 def combine_while_training(model, on: bool) -> None:
     """kf.Hook and MetricAverageCallback: combine while model.fit runs."""
     _install(model)
@@ -85,19 +100,18 @@ def _install(model) -> None:
         return
 
     def combined(logs):
-        from kungfu.tensorflow._monitor import LOG_KEYS, monitor_logs
-
-        # kf.Hook adds the monitored estimates to each step's logs; Keras takes the metrics
-        # only from logs that hold nothing else.
+        # kf.Hook adds its own values (the monitored estimates, the cluster's numbers) to each
+        # step's logs; Keras takes the metrics only from logs that hold nothing else.
         if isinstance(logs, dict):
-            logs = {k: v for k, v in logs.items() if k not in LOG_KEYS.values()}
+            logs = {k: v for k, v in logs.items() if k not in HOOK_LOG_KEYS}
         if getattr(model, "kungfu_combine", None):
             out = _combined(model, lambda: own(logs))
         else:
             out = own(logs)
         if getattr(model, "kungfu_trained", False):  # a training epoch under kf.Hook ended
             model.kungfu_trained = False
-            out = {**out, **monitor_logs(model.optimizer)}
+            epoch_logs = getattr(model, "kungfu_epoch_logs", None)
+            out = {**out, **(epoch_logs() if epoch_logs else {})}
         return out
 
     combined.kungfu_combined = True

@@ -137,7 +137,9 @@ def tensorboard_gns(folder: str, hook_first: bool):
                     scalars.setdefault(value.tag, []).append(
                         float(tf.make_ndarray(value.tensor)))
     return {"scalars": scalars, "history": history.history.get("gns"),
-            "batch": float(opt.kungfu_monitor.batch_size.numpy())}
+            "batch": float(opt.kungfu_monitor.batch_size.numpy()),
+            "steps_per_epoch": -(-len(x) // 16), "params": sum(
+                int(np.prod(v.shape)) for v in model.trainable_variables)}
 
 
 def detached_identity():

@@ -68,6 +68,19 @@ def test_the_gradient_noise_scale_reaches_tensorboard_in_either_order(spawn, tmp
         assert all(math.isfinite(v) for v in gns)
         assert gns == pytest.approx(r["history"], rel=1e-6)  # what History saw, too
     assert r0["scalars"]["epoch_gns"] == r1["scalars"]["epoch_gns"]
+    # The cluster's numbers too: size, global batch, and the epoch's mean step time,
+    # samples/s and allreduce bandwidth (each step reduces the 5 float32 gradients, whatever
+    # the strategy's own traffic: at least the gradients' bytes per step).
+    for r in (r0, r1):
+        sc = r["scalars"]
+        assert sc["epoch_cluster_size"] == [2.0] * 3, sorted(sc)
+        assert sc["epoch_global_batch_size"] == [32.0] * 3
+        for key in ("epoch_step_time", "epoch_samples_per_sec", "epoch_allreduce_bytes_per_sec"):
+            assert len(sc[key]) == 3 and all(v > 0 for v in sc[key]), (key, sc[key])
+        for t, rate in zip(sc["epoch_step_time"], sc["epoch_samples_per_sec"]):
+            assert rate == pytest.approx(32 / t, rel=0.5)  # both from the same steps
+        for t, bw in zip(sc["epoch_step_time"], sc["epoch_allreduce_bytes_per_sec"]):
+            assert bw * t >= 4 * r["params"]
 
 
 def test_a_worker_a_shrink_left_out_keeps_its_rank(spawn):
