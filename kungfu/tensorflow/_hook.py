@@ -147,8 +147,8 @@ class Hook(keras.callbacks.Callback):
         # last step's) and per epoch (the epoch's mean step time and samples/s).
         self.cluster_logs = cluster_logs
         self._epoch_totals = [0.0, 0, 0.0, 0]  # seconds, samples, allreduce bytes, steps
-        self._traffic = (0, 0.0)  # the runtime's allreduce (bytes, seconds) so far
-        self._last_bytes = 0.0
+        self._traffic = 0  # bytes the runtime allreduced so far
+        self._last_bytes = 0  # ... in the last step
         self._output: Optional[RankZeroOutput] = None
         # Resize, recovery, commits and the checkpoint (kungfu/elastic).
         self.membership = Membership(self, KerasVariables(self))
@@ -178,9 +178,9 @@ class Hook(keras.callbacks.Callback):
         # (the runtime numbers successive uses of a name; a new cluster version starts over).
         winners, reports = _actions.agree(decisions, f"{self._name}/agree", self._report)
         self._report = None
-        if all(r is not None for r in reports):
-            for key in reports[0]:
-                self.state.metrics[key + "s"] = [r[key] for r in reports]
+        if all(r is not None for r in reports):  # every worker's, in rank order
+            self.state.metrics["compute_times"] = [r["compute_time"] for r in reports]
+            self.state.metrics["part_sizes"] = [r["part_size"] for r in reports]
         _actions.open_round()
         for kind in _actions.KINDS:
             if kind in winners:
@@ -421,8 +421,8 @@ class Hook(keras.callbacks.Callback):
     def _count_traffic(self, elapsed: float, samples: int) -> None:
         """Adds a step to the epoch's totals; reads the runtime's allreduce byte counter."""
         nbytes = sum(c[2] for c in _peer.get().strategy_counters()) if _peer.started() else 0
-        self._last_bytes = max(nbytes - self._traffic[0], 0)
-        self._traffic = (nbytes, 0.0)
+        self._last_bytes = max(nbytes - self._traffic, 0)  # a new native peer starts at 0
+        self._traffic = nbytes
         t = self._epoch_totals
         t[0] += elapsed
         t[1] += samples

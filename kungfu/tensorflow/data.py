@@ -150,7 +150,7 @@ class ElasticData:
     every worker (no sharding, no unseeded shuffle): it is read as a stream (module doc).
     `shuffle_buffer=N` shuffles each epoch's stream with tf.data's shuffle buffer of N samples,
     seeded by (seed, epoch); `shuffle` applies to arrays and sources, which are permuted
-    whole. Only one epoch's slice is held in memory."""
+    whole. Only the current step's slice is held in memory."""
 
     def __init__(self, x, y=None, batch_size: int = 32, shuffle: bool = True, seed: int = 0,
                  record: bool = False, shuffle_buffer: int = 0):
@@ -185,6 +185,12 @@ class ElasticData:
         if self.stream is not None:
             if self.stream.positions(0, 0, 1).size == 0:
                 raise ValueError("no samples")
+            first = self.stream._kept[0]
+            parts = first if isinstance(first, tuple) else (first,)
+            if not all(isinstance(p, (np.ndarray, np.generic)) for p in parts):
+                raise ValueError(f"ElasticData: the dataset's elements must be an array or a "
+                                 f"tuple of arrays such as (features, label), got "
+                                 f"{type(first).__name__}: map them to a tuple first")
             self._sample = self.stream.samples(np.arange(1))
         elif len(self) == 0:
             raise ValueError("no samples")

@@ -123,5 +123,7 @@ def test_bad_streams_are_refused_by_name():
         ElasticData(*arrays(), shuffle_buffer=8)
     with pytest.raises(ValueError, match="no samples"):
         ElasticData(ds.take(0))
+    with pytest.raises(ValueError, match="must be an array or a tuple of arrays.*got dict"):
+        ElasticData(ds.map(lambda x, y: {"x": x, "y": y}))
     with pytest.raises(TypeError, match="known once its first epoch"):
         len(ElasticData(ds))
