@@ -2,6 +2,10 @@
 
 `kungfu-run` writes the identity variables for each worker; users may set the tuning ones.
 Nothing else in kungfu reads the environment: the native runtime takes these values as arguments.
+
+Build time only (read by setup.py, which cannot import kungfu): KUNGFU_BUILD_TYPE (CMake build
+type, default Release) and KUNGFU_BUILD_TENSORFLOW (default 1; 0 builds the numpy-only core
+without the TensorFlow op library, which otherwise must be built or the build fails).
 """
 from __future__ import annotations
 
