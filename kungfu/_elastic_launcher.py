@@ -136,7 +136,8 @@ class ElasticLauncher(Launcher):
         for rank, spec in enumerate(cfg.peers):
             host, _, port = spec.rpartition(":")
             if host in self.here:
-                out.append(Worker(rank, host, int(port), 0))
+                # The slot on its host: the GPU it gets (Launcher._spawn) follows it.
+                out.append(Worker(rank, host, int(port), int(port) - self.opts.port_range[0]))
         return out
 
     def _apply(self, store, cfg: ClusterConfig) -> Optional[int]:

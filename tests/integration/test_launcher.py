@@ -189,6 +189,16 @@ def test_each_worker_sees_its_own_gpu(script, extra, args, expected):
     assert _devices(r.stdout) == expected, r.stdout
 
 
+def test_elastic_workers_see_the_gpu_of_their_slot(script):
+    env = env_with_repo(KUNGFU_GPU_COUNT="2")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    r = run_launcher("-q", "-w", "-np", "3", "-H", "127.0.0.1:3", "-port-range",
+                     free_port_range(3), "-builtin-config-port", free_port_range(1).split("-")[0],
+                     PY, script(SHOW_DEVICES), env=env)
+    assert r.returncode == 0, r.stderr
+    assert _devices(r.stdout) == {0: "0", 1: "1", 2: "0"}, r.stdout
+
+
 def test_two_loopback_hosts_from_one_launcher(script):
     """-H with only loopback hosts: one launcher starts them all, host-major."""
     ports = free_port_range(2, hosts=("127.0.0.1", "127.0.0.2"))
