@@ -559,7 +559,7 @@ def configure_logging(opts: Options, sink: "_Output") -> None:
         logger.removeHandler(h)
     logger.addHandler(_LogHandler(sink))
     logger.setLevel(logging.WARNING if opts.quiet else logging.DEBUG if opts.verbose
-                 else logging.INFO)
+                    else logging.INFO)
     logger.propagate = False
 
 
@@ -693,8 +693,8 @@ class Launcher:
 
     def _wait(self, run: _Running, key=None) -> None:
         code = run.proc.wait()
-        logger.debug(f"worker {run.worker.rank} ({run.worker.spec}) {_describe_exit(code)} after "
-                  f"{time.monotonic() - run.started:.1f}s")
+        logger.debug(f"worker {run.worker.rank} ({run.worker.spec}) {_describe_exit(code)} "
+                     f"after {time.monotonic() - run.started:.1f}s")
         self.events.put(("exit", run.worker.rank if key is None else key, code, time.monotonic()))
 
     def _first_failure(self, event: tuple) -> tuple:
@@ -941,7 +941,7 @@ def _free_default_ports(opts: Options, hosts: Sequence[HostSpec]) -> Optional[st
     opts.port_range = (base, base + slots - 1)
     new = "{}-{}".format(*opts.port_range)
     logger.info(f"{', '.join(taken[:3])}{' ...' if len(taken) > 3 else ''} taken (another job "
-             f"on this host?); using -port-range {new} instead of {old}")
+                f"on this host?); using -port-range {new} instead of {old}")
     return new
 
 
@@ -962,6 +962,11 @@ def run(argv: Sequence[str]) -> int:
             HostSpec("127.0.0.1", opts.np)
         ]
         configure_logging(opts, _Output(_binary(sys.stderr)))
+        if opts.gpu_per_worker:
+            try:
+                _env.GPU_COUNT.get()
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         peers = plan_workers(opts.np, hosts, opts.port_range)
         here = set(local_hosts(opts, hosts))
         mine = [w for w in peers if w.host in here]
@@ -993,6 +998,6 @@ def run(argv: Sequence[str]) -> int:
         return ElasticLauncher(opts, peers, mine, hosts, here).run()
     if not mine:
         logger.info(f"none of the {opts.np} workers is placed on {', '.join(sorted(here))} "
-                 f"(the hosts before it in -H take them all); nothing to run here")
+                    f"(the hosts before it in -H take them all); nothing to run here")
         return 0
     return Launcher(opts, peers, mine).run()

@@ -585,3 +585,10 @@ def test_taken_default_ports_move_the_job(script):
             s.close()
     assert r.returncode == 0, r.stderr
     assert "taken (another job on this host?); using -port-range" in r.stderr, r.stderr
+
+
+def test_a_bad_gpu_count_is_a_usage_error(script):
+    r = run_launcher("-np", "1", PY, script(SHOW_DEVICES),
+                     env=env_with_repo(KUNGFU_GPU_COUNT="two"))
+    assert r.returncode == 2, r.stderr
+    assert "KUNGFU_GPU_COUNT='two' is invalid" in r.stderr and "Traceback" not in r.stderr
