@@ -25,6 +25,12 @@ class CMakeBuild(build_ext):
         build_dir = os.path.abspath(os.path.join(self.build_temp, "cmake"))
         os.makedirs(build_dir, exist_ok=True)
         cfg = os.environ.get("KUNGFU_BUILD_TYPE", "Release")
+        # KUNGFU_BUILD_TENSORFLOW=0: the numpy-only core, on purpose. Otherwise CMake builds the
+        # TensorFlow op library or stops with an error that says how to install.
+        with_tf = os.environ.get("KUNGFU_BUILD_TENSORFLOW", "1").strip().lower()
+        if with_tf not in ("0", "1", "false", "true", "off", "on", "no", "yes"):
+            raise SystemExit(f"KUNGFU_BUILD_TENSORFLOW={with_tf!r}: give 0 or 1")
+        with_tf = with_tf in ("1", "true", "on", "yes")
         import pybind11
 
         args = [
@@ -32,8 +38,11 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_BUILD_TYPE={cfg}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DKUNGFU_BUILD_TENSORFLOW={'ON' if with_tf else 'OFF'}",
         ]
-        subprocess.check_call(["cmake", here] + args, cwd=build_dir)
+        if subprocess.call(["cmake", here] + args, cwd=build_dir) != 0:
+            # CMake printed why (TensorFlow not importable, say, with the command to use).
+            raise SystemExit("kungfu: CMake's configure step failed; its message above says why")
         jobs = str(os.cpu_count() or 2)
         subprocess.check_call(["cmake", "--build", ".", "-j", jobs], cwd=build_dir)
         if outdir != extdir:  # setuptools expects the module where it would have built it

@@ -52,6 +52,21 @@ STORE_WAIT = 60.0  # how long a launcher waits for the store to answer at start
 DEFAULT_HOST_COOLDOWN = 60.0  # seconds; kungfu-run -host-cooldown
 FAILURE_MERGE = 5.0  # seconds: a host's failures this close are one (a host lost at once)
 FAILURE_WINDOW = 600.0  # seconds: two failures of a host this close make it cool down
+PROGRESS_POLL = 0.5  # seconds between the store reads that follow a pending resize
+
+
+class _Resize:
+    """A version that adds workers, followed through the store until the cluster switches to
+    it: what this launcher can measure, from the moment it saw the version (its polls are
+    PROGRESS_POLL apart, so every time is that coarse)."""
+
+    def __init__(self, version: int, joiners: Set[str], seen: float):
+        self.version = version
+        self.joiners = joiners
+        self.seen = seen  # when this launcher first read the version
+        self.ready: Set[str] = set()
+        self.all_ready: Optional[float] = None
+        self.next_poll = seen
 
 
 class ElasticLauncher(Launcher):
@@ -80,6 +95,7 @@ class ElasticLauncher(Launcher):
         self.store = None  # the config store's client, once open
         self.seen = -1  # the latest cluster version seen
         self.done = False  # training finished (see _conclude)
+        self.resize: Optional[_Resize] = None  # the pending resize followed for progress lines
 
     def _store_trouble(self, e: Optional[Exception]) -> None:
         """Reports a store error once per change of message, and the recovery; not every poll."""
@@ -120,7 +136,8 @@ class ElasticLauncher(Launcher):
         for rank, spec in enumerate(cfg.peers):
             host, _, port = spec.rpartition(":")
             if host in self.here:
-                out.append(Worker(rank, host, int(port), 0))
+                # The slot on its host: the GPU it gets (Launcher._spawn) follows it.
+                out.append(Worker(rank, host, int(port), int(port) - self.opts.port_range[0]))
         return out
 
     def _apply(self, store, cfg: ClusterConfig) -> Optional[int]:
@@ -291,11 +308,15 @@ class ElasticLauncher(Launcher):
         if cfg is not None and cfg.version >= self.seen:
             # Every poll, not only on a new version: a peer whose old worker was still leaving
             # when its version came is started once that one is gone.
+            if cfg.version > self.seen:
+                self._new_version(self.latest, cfg, now)
             self.seen, self.latest = cfg.version, cfg
             code = self._apply(store, cfg)
             if code is not None:
                 self._stop(code, signal.SIGTERM, now)
                 return
+        if self.resize is not None and now >= self.resize.next_poll:
+            self._follow_resize(store, now)
         for key, when in list(self.leaving.items()):
             run = self.running[key]
             if run.returncode is None and now >= when and key not in self.stopped:
@@ -307,6 +328,49 @@ class ElasticLauncher(Launcher):
                     self._failed(run, "stopped answering", 1)
             elif run.returncode is None and now >= when + GRACE_SECONDS:
                 run.proc.kill()  # a stopped (SIGSTOP) process ignores SIGTERM
+
+    # progress of a resize -------------------------------------------------------------------
+    # The launcher sees three moments of a resize in the store (kungfu/elastic/_protocol.py):
+    # the new version, each joiner's ready/<v>/<peer> key, and switched/<v>. The training pause
+    # of the existing workers (the switch and the state broadcast) happens inside the workers;
+    # the timeline shows it, the launcher cannot.
+
+    def _new_version(self, old: Optional[ClusterConfig], cfg: ClusterConfig, now: float) -> None:
+        if self.resize is not None:
+            self._follow_resize(self.store, now)  # it may have switched since the last read
+        if self.resize is not None:
+            self.info(f"version {self.resize.version}: not switched to; version {cfg.version} "
+                      f"replaced it (resize abandoned) after {now - self.resize.seen:.1f}s")
+            self.resize = None
+        if old is None or cfg.version == 0:
+            return
+        joiners = set(cfg.peers) - set(old.peers)
+        if joiners:
+            self.resize = _Resize(cfg.version, joiners, now)
+            self.info(f"version {cfg.version}: {len(old.peers)} -> {len(cfg.peers)} workers; "
+                      f"waiting for {_plural(len(joiners), 'joiner')} to start and be ready")
+
+    def _follow_resize(self, store, now: float) -> None:
+        r = self.resize
+        r.next_poll = now + PROGRESS_POLL
+        try:
+            ready = set(store.ready_peers(r.version)) & r.joiners
+            switched = store.switched(r.version)
+        except StoreError as e:
+            self._store_trouble(e)
+            return
+        if ready - r.ready:
+            r.ready |= ready
+            self.info(f"version {r.version}: {len(r.ready)} of {len(r.joiners)} joiners ready "
+                      f"after {now - r.seen:.1f}s")
+            if r.ready == r.joiners:
+                r.all_ready = now
+        if switched:
+            after = "" if r.all_ready is None else \
+                f", {now - r.all_ready:.1f}s after the last joiner was ready"
+            self.info(f"version {r.version}: switched to {len(self.latest.peers)} workers "
+                      f"{now - r.seen:.1f}s after the version was written{after}")
+            self.resize = None
 
     def _over(self) -> bool:
         if self._alive():

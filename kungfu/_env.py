@@ -2,6 +2,10 @@
 
 `kungfu-run` writes the identity variables for each worker; users may set the tuning ones.
 Nothing else in kungfu reads the environment: the native runtime takes these values as arguments.
+
+Build time only (read by setup.py, which cannot import kungfu): KUNGFU_BUILD_TYPE (CMake build
+type, default Release) and KUNGFU_BUILD_TENSORFLOW (default 1; 0 builds the numpy-only core
+without the TensorFlow op library, which otherwise must be built or the build fails).
 """
 from __future__ import annotations
 
@@ -103,6 +107,18 @@ RECOVERY_WINDOW = Var("KUNGFU_RECOVERY_WINDOW", _positive_duration, 5.0,
                       "after a failure, how long the survivors wait for a peer that neither "
                       "checked in nor was reported dead by its launcher (then it is left out)")
 
+def _count(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise ValueError("must be a number >= 0")
+    return v
+
+
+# Read by kungfu-run itself, not by workers.
+GPU_COUNT = Var("KUNGFU_GPU_COUNT", _count, None,
+                "how many GPUs kungfu-run assumes this host has (default: counted with "
+                "`nvidia-smi -L`, or /proc/driver/nvidia/gpus); 0 turns the GPU mapping off")
+
 # Tuning: users may set these.
 OP_TIMEOUT = Var("KUNGFU_OP_TIMEOUT", _positive_duration, 300.0, "deadline of one collective")
 PEER_TIMEOUT = Var("KUNGFU_PEER_TIMEOUT", _positive_duration, 10.0,
@@ -152,7 +168,8 @@ SLOWDOWN = Var("KUNGFU_SLOWDOWN", _slowdown, [],
 ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
        ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, ETCD_CACERT, ETCD_CERT, ETCD_KEY, WATCHDOG_FD,
        RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT, PEER_TIMEOUT,
-       CONNECT_TIMEOUT, CHUNK_BYTES, PARALLELISM, SAMPLE_TIME, SAMPLE_JITTER, SLOWDOWN]
+       CONNECT_TIMEOUT, CHUNK_BYTES, PARALLELISM, GPU_COUNT, SAMPLE_TIME, SAMPLE_JITTER,
+       SLOWDOWN]
 
 
 # The variables other launchers set (torchrun, and Horovod's scripts read them too): the worker's

@@ -11,6 +11,8 @@ or TensorFlow.
 """
 from __future__ import annotations
 
+import glob
+import logging
 import os
 import queue
 import re
@@ -74,6 +76,8 @@ class Options:
     strategy: str = DEFAULT_STRATEGY
     logdir: Optional[str] = None
     quiet: bool = False
+    verbose: bool = False  # -v: debug lines too
+    gpu_per_worker: bool = True
     timeout: Optional[float] = None  # seconds
     command: List[str] = field(default_factory=list)
     help: bool = False
@@ -112,6 +116,15 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
   -logdir DIR         also write the output of worker r to DIR/rank-r.log (DIR is created)
   -q                  quiet: print no informational lines of kungfu-run (worker output and
                       errors are still printed)
+  -v                  verbose: also print debug lines of kungfu-run: the plan of workers, each
+                      worker's command and identity (rank, local rank, GPUs), each exit.
+                      kungfu-run's own lines go through Python's logging (logger "kungfu.run",
+                      on stderr); worker output is never filtered
+  -gpu-per-worker=false  leave CUDA_VISIBLE_DEVICES alone. By default, on a host with GPUs
+                      (nvidia-smi -L, or KUNGFU_GPU_COUNT=N) the worker in slot i of its host
+                      sees GPU i mod N only; when CUDA_VISIBLE_DEVICES is set to a list of
+                      several devices, it sees entry i mod (list length) of that list, and a
+                      single device given there is kept for every worker
   -timeout DURATION   stop the job after DURATION (e.g. 90, 30s, 10m, 1h30m), print one line
                       and exit with code 124 (default: no limit)
   -w                  elastic: watch the job's config store and start or stop this host's
@@ -192,6 +205,9 @@ _VALUE_FLAGS = {
     "max-restarts": "max_restarts",
     "host-cooldown": "host_cooldown",
 }
+# Flags that take no value, or =true / =false.
+_BOOL_FLAGS = {"q": "quiet", "v": "verbose", "gpu-per-worker": "gpu_per_worker", "w": "elastic",
+               "replace": "replace"}
 _HELP_FLAGS = {"h", "help"}
 _VERSION_FLAGS = {"V", "version"}
 # Other launchers' spellings (torchrun, horovodrun, mpirun) -> kungfu-run's.
@@ -260,14 +276,8 @@ def parse_args(argv: Sequence[str]) -> Options:
         if name in _HELP_FLAGS:
             opts.help = True
             return opts
-        if name == "q":
-            opts.quiet = _parse_bool(name, inline) if eq else True
-            continue
-        if name == "w":
-            opts.elastic = _parse_bool(name, inline) if eq else True
-            continue
-        if name == "replace":
-            opts.replace = _parse_bool(name, inline) if eq else True
+        if name in _BOOL_FLAGS:
+            setattr(opts, _BOOL_FLAGS[name], _parse_bool(name, inline) if eq else True)
             continue
         if name in _VERSION_FLAGS:
             opts.version = True
@@ -315,6 +325,8 @@ def parse_args(argv: Sequence[str]) -> Options:
         raise UsageError(f"no command to run (usage: {PROG} -np N [flags] [--] command args...)")
     if opts.self_host is not None and opts.nic is not None:
         raise UsageError("give only one of -self and -nic")
+    if opts.quiet and opts.verbose:
+        raise UsageError("give only one of -q and -v")
     if opts.elastic and (opts.builtin_config_port is None) == (opts.config_server is None):
         raise UsageError("-w needs exactly one of -builtin-config-port P and -config-server URL")
     if not opts.elastic and (opts.builtin_config_port is not None or opts.config_server
@@ -486,6 +498,7 @@ class _Running:
         self.log_lock = threading.Lock()
         self.readers: List[threading.Thread] = []
         self.returncode: Optional[int] = None
+        self.started = time.monotonic()
 
 
 def _exit_code(returncode: int) -> int:
@@ -519,6 +532,65 @@ def _fmt_seconds(s: float) -> str:
     return f"{s:g}s"
 
 
+# kungfu-run's own lines (never the workers' output) go through this logger: INFO by default,
+# WARNING with -q, DEBUG with -v. Errors are logged at ERROR and so survive -q.
+logger = logging.getLogger("kungfu.run")
+
+
+class _LogHandler(logging.Handler):
+    """Writes records as "kungfu-run: message" lines on an _Output, whose lock keeps them whole
+    among the workers' lines."""
+
+    def __init__(self, sink: "_Output"):
+        super().__init__()
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.sink.write(f"{PROG}: {record.getMessage()}\n".encode())
+        except Exception:
+            self.handleError(record)
+
+
+def configure_logging(opts: Options, sink: "_Output") -> None:
+    """Points the launcher's logger at `sink` (replacing an earlier sink) at the level that
+    -q / -v ask for."""
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+    logger.addHandler(_LogHandler(sink))
+    logger.setLevel(logging.WARNING if opts.quiet else logging.DEBUG if opts.verbose
+                    else logging.INFO)
+    logger.propagate = False
+
+
+GPU_PROBE_SECONDS = 5.0  # nvidia-smi answers in well under a second on a healthy host
+
+
+def gpu_count(environ=None) -> int:
+    """GPUs on this host, without importing a framework: KUNGFU_GPU_COUNT when set, else the
+    lines of `nvidia-smi -L`, else the entries of /proc/driver/nvidia/gpus; 0 when none."""
+    override = _env.GPU_COUNT.get(environ)
+    if override is not None:
+        return override
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                             timeout=GPU_PROBE_SECONDS)
+        if out.returncode == 0:
+            return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return len(glob.glob("/proc/driver/nvidia/gpus/*"))
+
+
+def visible_devices(slot: int, gpus: int, user: Optional[str]) -> Optional[str]:
+    """CUDA_VISIBLE_DEVICES for the worker in `slot` of its host, or None to leave the
+    variable as it is. `user` is the launcher's own CUDA_VISIBLE_DEVICES (None: unset)."""
+    if user is not None:
+        devices = [d.strip() for d in user.split(",") if d.strip()]
+        return devices[slot % len(devices)] if len(devices) > 1 else None
+    return str(slot % gpus) if gpus > 0 else None
+
+
 class Launcher:
     def __init__(self, opts: Options, peers: List[Worker], mine: List[Worker]):
         self.opts = opts
@@ -540,14 +612,20 @@ class Launcher:
         # Workers inherit the read end; only this process holds the write end, so the workers
         # see end of file when it dies, however it dies (kungfu/_watchdog.py).
         self._watchdog = os.pipe()
+        configure_logging(opts, self.err)
+        self.gpus = gpu_count() if opts.gpu_per_worker else 0
+        self.user_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if opts.gpu_per_worker and (self.gpus or self.user_devices is not None):
+            seen = (f"CUDA_VISIBLE_DEVICES={self.user_devices}" if self.user_devices is not None
+                    else _plural(self.gpus, "GPU"))
+            logger.debug(f"{seen}: each worker sees the device of its slot")
 
     # messages ---------------------------------------------------------------------------
     def info(self, msg: str) -> None:
-        if not self.opts.quiet:
-            self.err.write(f"{PROG}: {msg}\n".encode())
+        logger.info(msg)
 
     def error(self, msg: str) -> None:
-        self.err.write(f"{PROG}: {msg}\n".encode())
+        logger.error(msg)
 
     # signals ----------------------------------------------------------------------------
     def _on_signal(self, signum, _frame):
@@ -566,6 +644,15 @@ class Launcher:
         peers = [p.spec for p in self.peers] if peers is None else peers
         env.update(_env.worker_env(worker.spec, peers, version, self.opts.strategy))
         env.update(extra_env or {})
+        if self.opts.gpu_per_worker:
+            devices = visible_devices(worker.local_rank, self.gpus, self.user_devices)
+            if devices is not None:
+                env["CUDA_VISIBLE_DEVICES"] = devices
+        if logger.isEnabledFor(logging.DEBUG):
+            ident = " ".join(f"{k}={env[k]}" for k in (
+                _env.SELF_SPEC.name, _env.INIT_CLUSTER_VERSION.name, *_env.STANDARD_RANK_VARS,
+                "CUDA_VISIBLE_DEVICES") if k in env)
+            logger.debug(f"worker {worker.rank}: {ident}: {shlex.join(self.opts.command)}")
         env[_env.JOB_TOKEN.name] = self.opts.job_token
         env[_env.WATCHDOG_FD.name] = str(self._watchdog[0])
         env["PYTHONUNBUFFERED"] = "1"
@@ -606,6 +693,8 @@ class Launcher:
 
     def _wait(self, run: _Running, key=None) -> None:
         code = run.proc.wait()
+        logger.debug(f"worker {run.worker.rank} ({run.worker.spec}) {_describe_exit(code)} "
+                     f"after {time.monotonic() - run.started:.1f}s")
         self.events.put(("exit", run.worker.rank if key is None else key, code, time.monotonic()))
 
     def _first_failure(self, event: tuple) -> tuple:
@@ -851,10 +940,8 @@ def _free_default_ports(opts: Options, hosts: Sequence[HostSpec]) -> Optional[st
     old = "{}-{}".format(*opts.port_range)
     opts.port_range = (base, base + slots - 1)
     new = "{}-{}".format(*opts.port_range)
-    if not opts.quiet:
-        sys.stderr.write(f"{PROG}: {', '.join(taken[:3])}{' ...' if len(taken) > 3 else ''} "
-                         f"taken (another job on this host?); using -port-range {new} instead "
-                         f"of {old}\n")
+    logger.info(f"{', '.join(taken[:3])}{' ...' if len(taken) > 3 else ''} taken (another job "
+                f"on this host?); using -port-range {new} instead of {old}")
     return new
 
 
@@ -874,6 +961,12 @@ def run(argv: Sequence[str]) -> int:
         hosts = parse_hosts(opts.hosts) if opts.hosts is not None else [
             HostSpec("127.0.0.1", opts.np)
         ]
+        configure_logging(opts, _Output(_binary(sys.stderr)))
+        if opts.gpu_per_worker:
+            try:
+                _env.GPU_COUNT.get()
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         peers = plan_workers(opts.np, hosts, opts.port_range)
         here = set(local_hosts(opts, hosts))
         mine = [w for w in peers if w.host in here]
@@ -885,6 +978,10 @@ def run(argv: Sequence[str]) -> int:
                 peers = plan_workers(opts.np, hosts, opts.port_range)
                 mine = [w for w in peers if w.host in here]
         opts.job_token = job_token(opts, alone)
+        slots = ", ".join(f"{h.host}:{h.slots}" for h in hosts)
+        logger.debug(f"plan: {_plural(opts.np, 'worker')} on {slots}; this host"
+                     f" ({', '.join(sorted(here))}) starts {_ranks(mine) if mine else 'none'}"
+                     f"; strategy {opts.strategy}{'; elastic' if opts.elastic else ''}")
         if opts.logdir is not None:
             try:
                 os.makedirs(opts.logdir, exist_ok=True)
@@ -900,10 +997,7 @@ def run(argv: Sequence[str]) -> int:
 
         return ElasticLauncher(opts, peers, mine, hosts, here).run()
     if not mine:
-        if not opts.quiet:
-            sys.stderr.write(
-                f"{PROG}: none of the {opts.np} workers is placed on {', '.join(sorted(here))} "
-                f"(the hosts before it in -H take them all); nothing to run here\n"
-            )
+        logger.info(f"none of the {opts.np} workers is placed on {', '.join(sorted(here))} "
+                    f"(the hosts before it in -H take them all); nothing to run here")
         return 0
     return Launcher(opts, peers, mine).run()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -73,6 +74,26 @@ def test_schedule_runs_to_the_end(schedule_run):
 
 
 @pytest.mark.timeout(300)
+def test_launcher_prints_the_progress_of_each_growth(schedule_run):
+    """Sizes 1 -> 2 -> 4 -> 3 -> 1 -> 4: three versions add workers; for each the launcher says
+    when it saw the joiners, when they were ready and when the cluster switched, in that order."""
+    r, _ = schedule_run
+    lines = [line for line in r.stderr.splitlines() if line.startswith("kungfu-run: version ")]
+    grows = [re.match(r"kungfu-run: version (\d+): (\d+) -> (\d+) workers; waiting for (\d+) "
+                      r"joiners? to start and be ready$", line) for line in lines]
+    grows = [m.groups() for m in grows if m]
+    assert [(a, b, n) for _, a, b, n in grows] == [("1", "2", "1"), ("2", "4", "2"),
+                                                    ("1", "4", "3")], r.stderr
+    for version, _, size, n in grows:
+        mine = [line for line in lines if line.startswith(f"kungfu-run: version {version}: ")]
+        ready = [i for i, line in enumerate(mine)
+                 if re.search(rf": {n} of {n} joiners ready after \d+\.\ds$", line)]
+        switched = [i for i, line in enumerate(mine)
+                    if re.search(rf": switched to {size} workers \d+\.\ds after the version was "
+                                 r"written, \d+\.\ds after the last joiner was ready$", line)]
+        assert len(ready) == 1 and len(switched) == 1 and ready[0] < switched[0], mine
+
+
 def test_weights_identical_after_every_step(schedule_run):
     _, records = schedule_run
     for step, rows in steps_of(records).items():

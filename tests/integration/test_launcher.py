@@ -138,6 +138,67 @@ def test_informational_lines_without_q(script):
     assert r.stdout.count("sum=[3, 30]") == 2
 
 
+def test_verbose_prints_plan_identity_and_exits(script):
+    ports = free_port_range(2)
+    r = run_launcher("-v", "-np", "2", "-port-range", ports, PY, script(ALLREDUCE))
+    assert r.returncode == 0, r.stderr
+    own = [line for line in r.stderr.splitlines() if line.startswith("kungfu-run: ")]
+    assert any("plan: 2 workers on 127.0.0.1:2; this host (127.0.0.1) starts ranks 0-1" in line
+               for line in own), r.stderr
+    first = int(ports.split("-")[0])
+    for rank in range(2):
+        ident = [line for line in own if line.startswith(f"kungfu-run: worker {rank}: ")]
+        assert len(ident) == 1, r.stderr
+        assert f"KUNGFU_SELF_SPEC=127.0.0.1:{first + rank} " in ident[0]
+        assert f"RANK={rank} WORLD_SIZE=2 LOCAL_RANK={rank}" in ident[0]
+        assert ident[0].endswith(script(ALLREDUCE))
+        assert any(re.fullmatch(rf"kungfu-run: worker {rank} \(127.0.0.1:{first + rank}\) "
+                                r"exited with code 0 after \d+\.\ds", line) for line in own)
+    assert r.stdout.count("sum=[3, 30]") == 2  # worker output is untouched
+    # Without -v none of these lines; with -q none of kungfu-run's lines at all.
+    plain = run_launcher("-np", "2", "-port-range", ports, PY, script(ALLREDUCE))
+    assert "plan:" not in plain.stderr and "worker 0:" not in plain.stderr
+    quiet = run_launcher("-q", "-np", "2", "-port-range", ports, PY, script(ALLREDUCE))
+    assert "kungfu-run" not in quiet.stderr
+
+
+SHOW_DEVICES = """
+    import os
+    print("devices", os.environ.get("LOCAL_RANK"), os.environ.get("CUDA_VISIBLE_DEVICES"))
+"""
+
+
+def _devices(stdout: str) -> dict:
+    return {int(m[0]): m[1] for m in re.findall(r"^\[\d+\] devices (\d+) (\S+)$", stdout, re.M)}
+
+
+@pytest.mark.parametrize("extra,args,expected", [
+    ({"KUNGFU_GPU_COUNT": "2"}, [], {0: "0", 1: "1", 2: "0"}),
+    ({"KUNGFU_GPU_COUNT": "2", "CUDA_VISIBLE_DEVICES": "4,6,5"}, [], {0: "4", 1: "6", 2: "5"}),
+    ({"KUNGFU_GPU_COUNT": "2", "CUDA_VISIBLE_DEVICES": "3"}, [], {0: "3", 1: "3", 2: "3"}),
+    ({"KUNGFU_GPU_COUNT": "2"}, ["-gpu-per-worker=false"], {0: "None", 1: "None", 2: "None"}),
+    ({"KUNGFU_GPU_COUNT": "0"}, [], {0: "None", 1: "None", 2: "None"}),
+])
+def test_each_worker_sees_its_own_gpu(script, extra, args, expected):
+    env = env_with_repo(**extra)
+    if "CUDA_VISIBLE_DEVICES" not in extra:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    r = run_launcher("-q", *args, "-np", "3", "-port-range", free_port_range(3), PY,
+                     script(SHOW_DEVICES), env=env)
+    assert r.returncode == 0, r.stderr
+    assert _devices(r.stdout) == expected, r.stdout
+
+
+def test_elastic_workers_see_the_gpu_of_their_slot(script):
+    env = env_with_repo(KUNGFU_GPU_COUNT="2")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    r = run_launcher("-q", "-w", "-np", "3", "-H", "127.0.0.1:3", "-port-range",
+                     free_port_range(3), "-builtin-config-port", free_port_range(1).split("-")[0],
+                     PY, script(SHOW_DEVICES), env=env)
+    assert r.returncode == 0, r.stderr
+    assert _devices(r.stdout) == {0: "0", 1: "1", 2: "0"}, r.stdout
+
+
 def test_two_loopback_hosts_from_one_launcher(script):
     """-H with only loopback hosts: one launcher starts them all, host-major."""
     ports = free_port_range(2, hosts=("127.0.0.1", "127.0.0.2"))
@@ -524,3 +585,10 @@ def test_taken_default_ports_move_the_job(script):
             s.close()
     assert r.returncode == 0, r.stderr
     assert "taken (another job on this host?); using -port-range" in r.stderr, r.stderr
+
+
+def test_a_bad_gpu_count_is_a_usage_error(script):
+    r = run_launcher("-np", "1", PY, script(SHOW_DEVICES),
+                     env=env_with_repo(KUNGFU_GPU_COUNT="two"))
+    assert r.returncode == 2, r.stderr
+    assert "KUNGFU_GPU_COUNT='two' is invalid" in r.stderr and "Traceback" not in r.stderr

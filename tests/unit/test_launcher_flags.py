@@ -418,3 +418,41 @@ def test_failure_flags_need_an_elastic_job():
                  ["-host-cooldown", "5s"]):
         with pytest.raises(L.UsageError, match="for elastic jobs"):
             L.parse_args(["-np", "2", *flag, "prog"])
+
+
+def test_verbose_and_gpu_flags():
+    assert not L.parse_args(["python", "t.py"]).verbose
+    assert L.parse_args(["-v", "python", "t.py"]).verbose
+    assert not L.parse_args(["-v=false", "python", "t.py"]).verbose
+    assert L.parse_args(["python", "t.py"]).gpu_per_worker
+    assert not L.parse_args(["-gpu-per-worker=false", "python", "t.py"]).gpu_per_worker
+    assert not L.parse_args(["--gpu-per-worker=0", "python", "t.py"]).gpu_per_worker
+    with pytest.raises(L.UsageError, match="only one of -q and -v"):
+        L.parse_args(["-q", "-v", "python", "t.py"])
+    with pytest.raises(L.UsageError, match="gpu-per-worker"):
+        L.parse_args(["-gpu-per-worker=maybe", "python", "t.py"])
+
+
+def test_help_documents_verbose_and_gpu_flags():
+    assert "\n  -v " in L.HELP and '"kungfu.run"' in L.HELP
+    assert "-gpu-per-worker=false" in L.HELP and "KUNGFU_GPU_COUNT" in L.HELP
+
+
+@pytest.mark.parametrize("slot,gpus,user,expected", [
+    (0, 0, None, None),          # no GPU: nothing changes
+    (0, 2, None, "0"),
+    (3, 2, None, "1"),           # more workers than GPUs: round robin
+    (1, 4, "5", None),           # one device chosen by the user: kept for everyone
+    (1, 4, "5,7", "7"),          # the user's list, split by slot
+    (2, 0, " 5, 7 ,", "5"),
+    (0, 4, "", None),            # "no GPU" set by the user: kept
+])
+def test_visible_devices(slot, gpus, user, expected):
+    assert L.visible_devices(slot, gpus, user) == expected
+
+
+def test_gpu_count_override():
+    assert L.gpu_count({_env.GPU_COUNT.name: "3"}) == 3
+    assert L.gpu_count({_env.GPU_COUNT.name: "0"}) == 0
+    with pytest.raises(ValueError, match="KUNGFU_GPU_COUNT"):
+        L.gpu_count({_env.GPU_COUNT.name: "-1"})
