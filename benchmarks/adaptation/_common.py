@@ -27,7 +27,10 @@ def run_job(launcher: List[str], worker: List[str], env: dict, what: str) -> Lis
                "--out", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True, env=full, timeout=1000)
         if r.returncode != 0:
-            raise RuntimeError(f"{what} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+            log = Path(tempfile.mkstemp(prefix="kungfu-adaptation-", suffix=".log")[1])
+            log.write_text(r.stdout + "\n--- stderr ---\n" + r.stderr)
+            raise RuntimeError(f"{what} failed ({r.returncode}; its whole output: {log}):\n"
+                               f"{r.stderr[-3000:]}")
         return [json.loads(line) for line in out.read_text().splitlines()]
 
 

@@ -72,7 +72,7 @@ def main() -> int:
     p.add_argument("--factors", default="1.33,2,4", help="slowdowns (default 1.33,2,4)")
     p.add_argument("--runs", type=int, default=2, help="runs per arm (default 2)")
     p.add_argument("--at", type=int, default=30, help="step the slowdown starts (default 30)")
-    p.add_argument("--epochs", type=int, default=4, help="(default 4)")
+    p.add_argument("--epochs", type=int, default=7, help="(default 7)")
     p.add_argument("--batch-size", type=int, default=16, help="per worker (default 16)")
     p.add_argument("--sample-time", type=float, default=0.003,
                    help="emulated seconds of compute per sample (default 0.003)")

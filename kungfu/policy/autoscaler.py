@@ -10,8 +10,9 @@ nothing). While s exceeds `threshold` (the paper's S) it keeps the larger size a
 further; when it does not, it walks back to k and settles there. The job's slots bound it
 (kungfu-run -H); a probe that cannot start (no free slot) settles too.
 
-Throughput is measured over `window` steps, after `settle` steps at a new size (joiners trace,
-caches warm). Every worker averages its own measurement with the others' (one allreduce at each
+Throughput is the samples trained per second of wall-clock time over `window` steps (so the
+time between steps counts too), after `settle` steps at a new size (joiners trace, caches
+warm). Every worker averages its own measurement with the others' (one allreduce at each
 decision), so every worker decides the same and keeps the same state. `cost` turns on the
 cost/utility variant: instead of a fixed threshold, a worker is worth adding when the
 throughput it adds, relative to the average worker's, exceeds `cost` (the price of a worker in
@@ -20,6 +21,7 @@ threshold named as a price.
 """
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 from kungfu.policy import BasePolicy, TrainingState
@@ -40,7 +42,7 @@ class ScalingAutoscaler(BasePolicy):
         self.max_size = max_size
         self.phase = "measure"  # measure k, then probe k + d, then settled
         self.base: Optional[dict] = None  # {"k", "rate"} of the size probed from
-        self.samples: List[float] = []  # throughputs of the window being measured
+        self.mark: Optional[list] = None  # (time, samples seen) where the window began
         self.since_change = 0
         self.size: Optional[int] = None
         self.trace: List[dict] = []  # every decision: step, k, rate, s
@@ -67,18 +69,21 @@ class ScalingAutoscaler(BasePolicy):
                 self.phase = "settled"
             return  # its new workers are starting
         if state.cluster_size != self.size:  # a resize took effect (or the first step)
-            self.size, self.since_change, self.samples = state.cluster_size, 0, []
+            self.size, self.since_change, self.mark = state.cluster_size, 0, None
         self.since_change += 1
-        rate = state.metrics.get("throughput")
-        if self.since_change <= self.settle or rate is None:
+        if self.since_change <= self.settle:
             return
-        self.samples.append(rate)
-        if len(self.samples) < self.window:
+        now = time.monotonic()
+        if self.mark is None:
+            self.mark = [now, state.samples_seen, state.step]
             return
-        # Every worker decides from the same number: the mean of the workers' means.
-        mine = sum(self.samples) / len(self.samples)
+        if state.step - self.mark[2] < self.window:
+            return
+        # The job's throughput over the window, by the clock (the steps and everything between
+        # them); every worker decides from the same number, the mean of the workers' measures.
+        mine = (state.samples_seen - self.mark[1]) / max(now - self.mark[0], 1e-9)
         rate = float(kf.allreduce(mine, "avg", name="kungfu/autoscaler/rate"))
-        self.samples = []
+        self.mark = None
         k = state.cluster_size
         if self.phase == "measure":
             self.base = {"k": k, "rate": rate}
