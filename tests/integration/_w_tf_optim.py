@@ -239,7 +239,7 @@ def _digits(rank, n):
     return (train[0][rank::n], train[1][rank::n]), test
 
 
-def averaging_checks(epochs=4):
+def averaging_checks(epochs=8):
     """SMA and pair averaging train the digits MLP (and, for comparison, workers that never
     average); returns accuracies and the spread of the workers' models."""
     kf, tf, keras = _setup()
