@@ -125,6 +125,9 @@ PEER_TIMEOUT = Var("KUNGFU_PEER_TIMEOUT", _positive_duration, 10.0,
                    "silence after which a peer is declared dead")
 CONNECT_TIMEOUT = Var("KUNGFU_CONNECT_TIMEOUT", _positive_duration, 120.0,
                       "how long a worker waits for all peers to come up")
+PROGRESS_INTERVAL = Var("KUNGFU_PROGRESS_INTERVAL", parse_duration, 10.0,
+                        "while a worker waits for its peers to come up, a line on its stderr this "
+                        "often naming the peers it still waits for (0: none)")
 CHUNK_BYTES = Var("KUNGFU_CHUNK_BYTES", _positive_int, 1 << 20, "largest message; bigger tensors are pipelined")
 PARALLELISM = Var("KUNGFU_PARALLELISM", _positive_int, 2, "independent pipelines per large allreduce")
 
@@ -168,7 +171,7 @@ SLOWDOWN = Var("KUNGFU_SLOWDOWN", _slowdown, [],
 ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
        ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, ETCD_CACERT, ETCD_CERT, ETCD_KEY, WATCHDOG_FD,
        RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT, PEER_TIMEOUT,
-       CONNECT_TIMEOUT, CHUNK_BYTES, PARALLELISM, GPU_COUNT, SAMPLE_TIME, SAMPLE_JITTER,
+       CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, GPU_COUNT, SAMPLE_TIME, SAMPLE_JITTER,
        SLOWDOWN]
 
 

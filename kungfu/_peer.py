@@ -81,6 +81,7 @@ def _create(self_spec: Optional[str], peers: List[str], version: int):
         chunk_bytes=_env.CHUNK_BYTES.get(),
         parallelism=_env.PARALLELISM.get(),
         job_token=_env.JOB_TOKEN.get() or "",
+        progress_ms=int(_env.PROGRESS_INTERVAL.get() * 1000),
     )
     raise_for_status(peer.start())
     atexit.register(peer.stop)

@@ -333,3 +333,12 @@ def strangers():
         res["after_ok"] = bool(np.array_equal(got, np.arange(5) * n + n * (n - 1) // 2))
         out["probes"].append(res)
     return out
+
+
+# -- a peer that comes up late -----------------------------------------------------------------
+
+def late_peer(delay: float):
+    """The last rank starts its peer `delay` seconds after the others; all then allreduce."""
+    if os.environ["KUNGFU_SELF_SPEC"] == _peers()[-1]:
+        time.sleep(delay)
+    return kf.allreduce(np.ones(3, np.float32)).tolist()

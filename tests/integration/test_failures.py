@@ -140,6 +140,7 @@ def test_invalid_arguments_raise_value_error(spawn):
     ("KUNGFU_ALLREDUCE_STRATEGY", "FOO", ["FOO"]),
     ("KUNGFU_PEER_TIMEOUT", "soon", ["KUNGFU_PEER_TIMEOUT", "soon"]),
     ("KUNGFU_CHUNK_BYTES", "-5", ["KUNGFU_CHUNK_BYTES"]),
+    ("KUNGFU_PROGRESS_INTERVAL", "-1s", ["KUNGFU_PROGRESS_INTERVAL", "bad duration"]),
 ])
 def test_bad_environment_fails_at_init(spawn, var, value, words):
     run = spawn.run(2, W.init_only, env={var: value}, timeout=30)
@@ -168,6 +169,29 @@ def test_op_timeout(spawn, per_op, env):
         assert 0.9 <= o["seconds"] <= 2.0, (key, o)
         assert op in o["message"], (key, o)
     assert results[0]["after"] == [3, 3] and results[1]["after"] == [3, 3], results
+
+
+@pytest.mark.parametrize("interval", ["1s", "0"])
+def test_waiting_for_a_late_peer_is_reported(spawn, interval):
+    # Every KUNGFU_PROGRESS_INTERVAL the others name the peer they wait for; once it comes up the
+    # job goes on. 0 turns the lines off.
+    delay = 3.5
+    run = spawn.run(3, W.late_peer, delay, env={"KUNGFU_PROGRESS_INTERVAL": interval}, timeout=60)
+    results = run.check()
+    assert results == [[3.0, 3.0, 3.0]] * 3
+    late = run.outcomes[2].peer
+    for o in run.outcomes[:2]:
+        lines = [l for l in o.stderr.splitlines() if l.startswith("kungfu: ")]
+        if interval == "0":
+            assert lines == [], o.describe()
+            continue
+        # Lines at 1, 2 and 3 s (give or take the start-up of the processes).
+        assert 2 <= len(lines) <= 4, o.describe()
+        for i, line in enumerate(lines):
+            assert f"{o.peer} (rank {run.outcomes.index(o)}): waiting for" in line, line
+            assert late in line, line  # the late peer is named, however far dialing got
+            assert f"({i + 1} s so far; gives up after 30 s)" in line, line
+    assert not [l for l in run.outcomes[2].stderr.splitlines() if l.startswith("kungfu: ")]
 
 
 # -- (e) strangers -----------------------------------------------------------------------------

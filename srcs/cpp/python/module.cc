@@ -108,7 +108,8 @@ struct PyHandle {
 std::unique_ptr<Peer> CreatePeer(const std::string& self, const std::vector<std::string>& peers,
                                  uint64_t version, int strategy, int64_t op_timeout_ms,
                                  int64_t peer_timeout_ms, int64_t connect_timeout_ms,
-                                 size_t chunk_bytes, int parallelism, const std::string& job_token) {
+                                 size_t chunk_bytes, int parallelism, const std::string& job_token,
+                                 int64_t progress_ms) {
   PeerConfig c;
   Status s = PeerID::Parse(self, &c.self);
   for (const auto& p : peers) {
@@ -128,6 +129,7 @@ std::unique_ptr<Peer> CreatePeer(const std::string& self, const std::vector<std:
   c.chunk_bytes = chunk_bytes;
   c.parallelism = parallelism;
   c.job_token = job_token;
+  c.progress_ms = progress_ms;
   std::unique_ptr<Peer> peer;
   if (s.ok()) s = Peer::Create(c, &peer);
   if (!s.ok()) throw std::invalid_argument(s.message());
@@ -203,7 +205,7 @@ PYBIND11_MODULE(_kungfu, m) {
       .def(py::init(&CreatePeer), py::arg("self_id"), py::arg("peers"), py::arg("version"),
            py::arg("strategy"), py::arg("op_timeout_ms"), py::arg("peer_timeout_ms"),
            py::arg("connect_timeout_ms"), py::arg("chunk_bytes"), py::arg("parallelism"),
-           py::arg("job_token") = "")
+           py::arg("job_token") = "", py::arg("progress_ms") = 10000)
       .def("start",
            [](Peer& p) {
              Status s;

@@ -67,6 +67,8 @@ Peer::Peer(const PeerConfig& config)
   TransportOptions t;
   t.peer_timeout_ms = config_.peer_timeout_ms;
   t.job_token = config_.job_token;
+  t.progress_ms = config_.progress_ms;
+  t.progress = config_.progress;
   t.heartbeat_ms = std::max<int64_t>(10, std::min<int64_t>(1000, config_.peer_timeout_ms / 4));
   session_ = std::make_shared<Session>(config_.version, config_.peers, rank_, config_.strategy, t,
                                        config_.chunk_bytes, config_.parallelism);
@@ -84,6 +86,12 @@ Peer::~Peer() {
 
 namespace {
 std::atomic<Peer*> default_peer{nullptr};
+}
+
+void ProgressToStderr(const std::string& line) {
+  const std::string text = "kungfu: " + line + "\n";
+  ssize_t n = write(STDERR_FILENO, text.data(), text.size());
+  (void)n;  // nowhere to report a failed write to stderr
 }
 Peer* DefaultPeer() { return default_peer.load(); }
 void SetDefaultPeer(Peer* peer) { default_peer.store(peer); }
@@ -162,12 +170,13 @@ Status Peer::Start() {
     }
     return ResourceExhausted("cannot start the acceptor thread (out of threads or memory)");
   }
-  const TimePoint deadline = Clock::now() + std::chrono::milliseconds(config_.connect_timeout_ms);
+  const TimePoint since = Clock::now();
+  const TimePoint deadline = since + std::chrono::milliseconds(config_.connect_timeout_ms);
   Transport& t = session_->transport();
-  Status s = t.ConnectAll(deadline);
+  Status s = t.ConnectAll(since, deadline);
   if (s.code() == Code::kInvalidArgument) LingerForHellos(std::chrono::milliseconds(2000));
   KF_RETURN_IF_ERROR(s);
-  KF_RETURN_IF_ERROR(t.WaitIncoming(deadline));
+  KF_RETURN_IF_ERROR(t.WaitIncoming(since, deadline));
   return session_->ProbeDirect(deadline);
 }
 

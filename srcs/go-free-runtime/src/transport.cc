@@ -366,8 +366,23 @@ int Transport::PeerPid(int src) const {
   return cred.pid;
 }
 
-Status Transport::ConnectAll(TimePoint deadline) {
+void Transport::ReportWait(TimePoint since, TimePoint deadline, TimePoint now, TimePoint* next,
+                           const std::string& missing) const {
+  if (options_.progress_ms <= 0 || !options_.progress) return;
+  const auto every = std::chrono::milliseconds(options_.progress_ms);
+  if (*next == TimePoint()) *next = since + every;
+  if (now < *next) return;
+  while (*next <= now) *next += every;
+  auto secs = [](Clock::duration d) {
+    return std::to_string(std::chrono::duration_cast<std::chrono::seconds>(d).count());
+  };
+  options_.progress(Describe(rank_) + ": waiting for " + missing + " (" + secs(now - since) +
+                    " s so far; gives up after " + secs(deadline - since) + " s)");
+}
+
+Status Transport::ConnectAll(TimePoint since, TimePoint deadline) {
   const PeerID& self = peers_[rank_];
+  TimePoint next_report;
   for (int dst = 0; dst < size(); ++dst) {
     if (dst == rank_) continue;
     bool local = peers_[dst].host == self.host;
@@ -396,10 +411,17 @@ Status Transport::ConnectAll(TimePoint deadline) {
         // cannot help, and the message names the peer and the cause.
         if (last.code() == Code::kInvalidArgument) return last;
       }
-      if (Clock::now() >= deadline) {
+      const TimePoint now = Clock::now();
+      if (now >= deadline) {
         return DeadlineExceeded("could not connect to peer " + Describe(dst) + " in time: " +
                                 last.message());
       }
+      int unreached = 0;  // dst and every later peer but this one
+      for (int r = dst; r < size(); ++r) unreached += r != rank_;
+      ReportWait(since, deadline, now, &next_report,
+                 "peer " + Describe(dst) + " to accept a connection (" + last.message() + ")" +
+                     (unreached > 1 ? "; " + std::to_string(unreached - 1) + " later peer(s) not dialed yet"
+                                    : ""));
       std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
       backoff_ms = std::min<int64_t>(backoff_ms * 2, 50);
     }
@@ -432,20 +454,29 @@ Status Transport::AttachIncoming(int src, int fd) {
   return Status::OK();
 }
 
-Status Transport::WaitIncoming(TimePoint deadline) {
+Status Transport::WaitIncoming(TimePoint since, TimePoint deadline) {
   std::unique_lock<std::mutex> lk(mu_);
   const int want = size() - 1;
+  auto missing = [&] {
+    std::string m;
+    for (int r = 0; r < size(); ++r) {
+      if (r != rank_ && in_fds_[r] < 0) m += (m.empty() ? "" : ", ") + Describe(r);
+    }
+    return m;
+  };
+  TimePoint next_report;
   while (incoming_count_ < want && failure_.ok() && !closed_) {
-    if (incoming_cv_.wait_until(lk, deadline) == std::cv_status::timeout) break;
+    const TimePoint now = Clock::now();
+    if (now >= deadline) break;
+    ReportWait(since, deadline, now, &next_report, "these peers to connect: " + missing());
+    TimePoint until = deadline;
+    if (next_report != TimePoint() && next_report < until) until = next_report;
+    incoming_cv_.wait_until(lk, until);
   }
   if (!failure_.ok()) return failure_;
   if (closed_) return Cancelled("peer stopped while connecting");
   if (incoming_count_ < want) {
-    std::string missing;
-    for (int r = 0; r < size(); ++r) {
-      if (r != rank_ && in_fds_[r] < 0) missing += (missing.empty() ? "" : ", ") + Describe(r);
-    }
-    return DeadlineExceeded("these peers did not connect in time: " + missing);
+    return DeadlineExceeded("these peers did not connect in time: " + missing());
   }
   return Status::OK();
 }

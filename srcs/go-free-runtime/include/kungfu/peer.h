@@ -34,6 +34,9 @@
 
 namespace kungfu {
 
+// Writes "kungfu: <line>" to standard error in one write (lines of processes sharing it stay whole).
+void ProgressToStderr(const std::string& line);
+
 struct PeerConfig {
   PeerID self;
   PeerList peers;  // empty or {self}: a single process, no sockets
@@ -45,6 +48,9 @@ struct PeerConfig {
   size_t chunk_bytes = 1 << 20;         // largest message; large tensors pipeline in chunks
   int parallelism = 2;                  // independent pipelines per large allreduce
   std::string job_token;                // proved both ways in every handshake (see transport.h)
+  // While Start() waits for peers: a line every progress_ms (0: none) naming who is missing.
+  int64_t progress_ms = 10000;
+  std::function<void(const std::string&)> progress = ProgressToStderr;
 };
 
 struct OpOptions {

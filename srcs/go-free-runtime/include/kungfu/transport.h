@@ -130,6 +130,10 @@ struct TransportOptions {
   uint64_t max_unclaimed_bytes = uint64_t(4) << 30;
   // The job's secret, proved both ways in every handshake (empty: a job without one).
   std::string job_token;
+  // While ConnectAll and WaitIncoming wait for peers, one line every progress_ms (0: none) to
+  // `progress` saying who is missing, how long it has been and when the wait gives up.
+  int64_t progress_ms = 0;
+  std::function<void(const std::string&)> progress;
 };
 
 class Transport {
@@ -137,12 +141,13 @@ class Transport {
   Transport(uint64_t version, PeerList peers, int rank, TransportOptions options);
   ~Transport();
 
-  // Dials every other peer until `deadline`, retrying while they are not up yet.
-  Status ConnectAll(TimePoint deadline);
+  // Dials every other peer until `deadline`, retrying while they are not up yet. `since`: when
+  // the wait for peers began, for the progress lines.
+  Status ConnectAll(TimePoint since, TimePoint deadline);
   // Takes an accepted, handshaken stream from peer `src` and starts its reader.
   Status AttachIncoming(int src, int fd);
   // Waits until every peer's incoming stream is attached.
-  Status WaitIncoming(TimePoint deadline);
+  Status WaitIncoming(TimePoint since, TimePoint deadline);
 
   // Operation lifetime (see the protocol above). EndOp may wait for a reader mid-copy into one of
   // the operation's buffers (at most one recv(), bounded by the peer timeout).
@@ -220,6 +225,10 @@ class Transport {
     TimePoint last_send;
   };
   Status DialHandshake(int fd, int dst);  // steps 1-4 below, the dialer's side
+  // The progress line of a wait for peers that began at `since`, if one is due at `now`
+  // (`*next` is when the next one is); `missing` says who is awaited.
+  void ReportWait(TimePoint since, TimePoint deadline, TimePoint now, TimePoint* next,
+                  const std::string& missing) const;
   void ReaderLoop(int src, int fd);
   void ReadFrames(int src, int fd);
   void CutOutgoing(int dst);
