@@ -4,9 +4,16 @@ One command runs everything (it starts the workers itself):
 
     python benchmarks/keras_throughput.py --np 1,2,4
 
-For every worker count N it trains the same small ResNet-style CNN (three stages of residual
-blocks, 32x32x3 synthetic images, 10 classes) with model.fit and SGD, batch --batch-size per
-worker (64 by default, so N x 64 samples per step), in two ways, one after the other:
+For every model of --model and every worker count N it trains the model with model.fit and SGD
+on synthetic data, batch --batch-size per worker (the model's default unless given), in two
+ways:
+
+  cnn       a small ResNet-style CNN (three stages of residual blocks, 32x32x3 images, 10
+            classes; 78,714 parameters, batch 64): compute-bound, its gradients are 0.3 MB.
+  resnet50  keras.applications.ResNet50 at 32x32x3, 10 classes (23.6M parameters, 90 MB of
+            gradients in 214 tensors, batch 32).
+  dense     an MLP 1024-4096-4096-1024-10 (25.2M parameters, 96 MB of gradients in 8 tensors,
+            batch 64).
 
   kungfu  N workers under kungfu-run (`python -m kungfu.cmd -np N`), the optimizer wrapped in
           `kungfu.tensorflow.Optimizer(opt, algorithm="sync-sgd")` (gradients averaged over
@@ -27,19 +34,23 @@ overhead_interleaved = 1 - median(plain step time / kungfu step time) over the p
 least disturbed by load that comes and goes. The table shows overhead (fit rounds) and
 overhead_interleaved (per step).
 
+--repeats R measures each implementation R times at every N, the implementations taking turns
+(repeat r starts with implementation r mod 2), so that load that comes and goes falls on both.
+
 Each measurement: a warm-up fit of --warmup-steps steps (tracing, the broadcast), then --rounds
 timed rounds. A round is one epoch of 2 + --steps steps (at np=1, where plain and kungfu
 alternate, one fit() call per round); the clock runs from the end of its 2nd step to the end of
 its last one (on_train_batch_end), so per-call and per-epoch costs (creating the distributed
 iterator, first-step hand-shakes, epoch-end logs) stay out. A round's time is the slowest worker's,
 and samples/s = N x batch x steps / that time; the reported value is the median over the rounds
-(min and max also given). Both implementations use the same model, data, optimizer, XLA off,
+of all repeats (min and max also given, and each repeat's median). Both implementations use the same model, data, optimizer, XLA off,
 and the same TensorFlow thread settings (--threads).
 
 Output: one JSON line per measurement on stdout (also written to --json PATH), then a table.
-Keys: impl, np, batch_per_worker, global_batch, steps, rounds, samples_per_s (median),
-samples_per_s_min, samples_per_s_max, step_s (median seconds per step), params, threads,
-loadavg_before, loadavg_after (1-minute load average of this machine around the measurement),
+Keys: model, impl, np, batch_per_worker, global_batch, steps, rounds, samples_per_s (median),
+samples_per_s_min, samples_per_s_max, repeat_samples_per_s (each repeat's median), step_s
+(median seconds per step), params, threads, loadavg_min, loadavg_max (the lowest and highest
+1-minute load average of this machine seen before and after each run at this N),
 wall_s (the whole measurement, process start-up included; MWMS workers still running 5 s
 after all of them wrote their results are stopped), rank0_phases_s (seconds since rank
 0's process started when its model was built, warm and done), plus kungfu_vs_mwms on kungfu
@@ -49,7 +60,8 @@ interleaved_pairs, interleaved_step_s (median per step of each) on the np=1 kung
 Numbers from a machine with few cores are bounded by CPU: N workers share the cores, so the
 samples/s of both implementations fall as N grows past the core count, and what remains is how
 much each adds per step on top of the compute. Other load on the machine shows up directly;
-run the benchmark more than once.
+run the benchmark more than once. --plot PNG draws samples/s per implementation and N, one panel
+per model, whiskers from the slowest to the fastest round (needs matplotlib).
 """
 from __future__ import annotations
 
@@ -86,7 +98,21 @@ def parse_args(argv=None):
     p.add_argument("--np", default="1,2,4", help="worker counts, comma separated (default 1,2,4)")
     p.add_argument("--impl", default="kungfu,mwms",
                    help="implementations to run: kungfu, mwms or both (default kungfu,mwms)")
-    p.add_argument("--batch-size", type=int, default=64, help="samples per step per worker (64)")
+    p.add_argument("--model", default="cnn",
+                   help="models, comma separated: " + "; ".join(
+                       f"{k} ({v[2]}, batch {v[1]})" for k, v in MODELS.items())
+                   + " (default cnn)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="samples per step per worker (default: the model's, see --model)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measure every implementation this many times at each worker count, "
+                        "taking turns (1)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also draw samples/s per implementation and worker count into this PNG "
+                        "(needs matplotlib)")
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="measure nothing: print the table (and --plot) of the JSON lines an "
+                        "earlier run wrote with --json")
     p.add_argument("--steps", type=int, default=10, help="timed steps per round (10)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per measurement (5)")
     p.add_argument("--np1-rounds", type=int, default=10,
@@ -129,7 +155,33 @@ def _configure_tf(threads: int):
     return tf
 
 
-def build_model(keras):
+# The models: name -> (input shape, batch per worker by default, what it is). `cnn` is
+# compute-bound (its gradients are 0.3 MB); `resnet50` and `dense` carry about 100 MB of
+# gradients per step, where the data plane decides the step time.
+MODELS = {
+    "cnn": ((32, 32, 3), 64, "small ResNet-style CNN, 78,714 parameters"),
+    "resnet50": ((32, 32, 3), 32, "keras.applications.ResNet50 at 32x32, 10 classes, "
+                                  "23.6M parameters"),
+    "dense": ((1024,), 64, "4-layer MLP 1024-4096-4096-1024-10, 25.2M parameters"),
+}
+
+
+def build_model(keras, name: str = "cnn"):
+    """The model `name` of MODELS, with 10 output logits."""
+    if name == "resnet50":
+        return keras.applications.ResNet50(weights=None, input_shape=MODELS[name][0],
+                                           classes=10, classifier_activation=None)
+    if name == "dense":
+        L = keras.layers
+        inputs = keras.Input(shape=MODELS[name][0])
+        x = inputs
+        for width in (4096, 4096, 1024):
+            x = L.Dense(width, activation="relu")(x)
+        return keras.Model(inputs, L.Dense(10)(x), name="dense")
+    return build_cnn(keras)
+
+
+def build_cnn(keras):
     """A ResNet-style CNN for 32x32x3 inputs: a stem, then three stages (16, 32, 64 channels) of
     one residual block each (two 3x3 convolutions with batch normalisation, a projection on the
     shortcut where the shape changes), global pooling and a 10-way classifier."""
@@ -157,14 +209,19 @@ def build_model(keras):
     return keras.Model(inputs, outputs, name="small_resnet")
 
 
-def synthetic_dataset(tf, batch: int, seed: int):
-    """One fixed batch of random images and labels, repeated forever (no input-pipeline cost)."""
+def synthetic_batch(batch: int, seed: int, shape=MODELS["cnn"][0]):
+    """A batch of random inputs of `shape` and labels of 10 classes."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    x = rng.random((batch, 32, 32, 3), dtype=np.float32)
+    x = rng.random((batch,) + tuple(shape), dtype=np.float32)
     y = rng.integers(0, 10, size=(batch,), dtype=np.int64)
-    return tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(2)
+    return x, y
+
+
+def synthetic_dataset(tf, batch: int, seed: int, shape=MODELS["cnn"][0]):
+    """One fixed batch of random inputs and labels, repeated forever (no input-pipeline cost)."""
+    return tf.data.Dataset.from_tensors(synthetic_batch(batch, seed, shape)).repeat().prefetch(2)
 
 
 def compile_model(keras, model, optimizer):
@@ -235,15 +292,16 @@ def worker_kungfu(args) -> None:
 
     rank, size = kf.rank(), kf.size()
     keras.utils.set_random_seed(1234 + rank)
-    data = synthetic_dataset(tf, args.batch_size, seed=rank)
+    shape = MODELS[args.model][0]
+    data = synthetic_dataset(tf, args.batch_size, seed=rank, shape=shape)
 
-    model = build_model(keras)
+    model = build_model(keras, args.model)
     opt = Optimizer(keras.optimizers.SGD(learning_rate=0.01 * size, momentum=0.9),
                     algorithm="sync-sgd")
     compile_model(keras, model, opt)
     entries = [("kungfu", model, [BroadcastGlobalVariablesCallback()])]
     if args.with_plain:
-        plain = build_model(keras)
+        plain = build_model(keras, args.model)
         compile_model(keras, plain, keras.optimizers.SGD(learning_rate=0.01, momentum=0.9))
         entries.insert(0, ("plain", plain, []))
     phases: dict = {}
@@ -252,22 +310,20 @@ def worker_kungfu(args) -> None:
               "phases": phases}
     if args.with_plain and args.overhead_steps > 0:
         result["interleaved"] = interleaved_steps([("plain", plain), ("kungfu", model)],
-                                                  args.overhead_steps, args.batch_size, seed=rank)
+                                                  args.overhead_steps, args.batch_size, seed=rank,
+                                                  shape=shape)
         phases["interleaved_done_s"] = round(time.time() - _T0, 2)
     result["digest"] = trainable_digest(model)
     _write_result(args.out, f"kungfu-np{size}-rank{rank}", result)
 
 
-def interleaved_steps(entries, steps: int, batch: int, seed: int) -> Dict[str, List[float]]:
+def interleaved_steps(entries, steps: int, batch: int, seed: int,
+                      shape=MODELS["cnn"][0]) -> Dict[str, List[float]]:
     """Seconds per train_on_batch step of each model in entries ([(label, model)]), `steps`
     rounds of one step per model, the models taking turns step by step (round i starts at entry
     i mod len(entries): with two models, plain first in even rounds, wrapped first in odd ones),
     so that load on the machine falls on all alike."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    x = rng.random((batch, 32, 32, 3), dtype=np.float32)
-    y = rng.integers(0, 10, size=(batch,), dtype=np.int64)
+    x, y = synthetic_batch(batch, seed, shape)
     for _, m in entries:
         for _ in range(2):
             m.train_on_batch(x, y)
@@ -306,17 +362,18 @@ def worker_mwms(args) -> None:
     keras.utils.set_random_seed(1234)
     # Batches of size x --batch-size, not sharded across the workers (the data is synthetic):
     # Keras splits each into size per-worker batches of --batch-size.
-    data = synthetic_dataset(tf, size * args.batch_size, seed=task)
+    shape = MODELS[args.model][0]
+    data = synthetic_dataset(tf, size * args.batch_size, seed=task, shape=shape)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     data = data.with_options(options)
     with strategy.scope():
-        model = build_model(keras)
+        model = build_model(keras, args.model)
         compile_model(keras, model, keras.optimizers.SGD(learning_rate=0.01 * size, momentum=0.9))
         if size > 1:
             # Build the loss and optimizer state now, from a batch of the per-worker shape; see
             # _keras_mwms_workarounds.
-            model._symbolic_build(data_batch=(tf.zeros([args.batch_size, 32, 32, 3]),
+            model._symbolic_build(data_batch=(tf.zeros([args.batch_size] + list(shape)),
                                               tf.zeros([args.batch_size], tf.int64)))
             model._maybe_symbolic_build = lambda iterator=None, data_batch=None: None
     phases: dict = {}
@@ -380,7 +437,7 @@ def _worker_env() -> dict:
 
 def _common_worker_args(args, out_dir: str, np_: int) -> List[str]:
     rounds = args.np1_rounds if np_ == 1 else args.rounds
-    return ["--batch-size", str(args.batch_size), "--steps", str(args.steps),
+    return ["--model", args.model, "--batch-size", str(args.batch_size), "--steps", str(args.steps),
             "--overhead-steps", str(args.overhead_steps),
             "--rounds", str(rounds), "--warmup-steps", str(args.warmup_steps),
             "--threads", str(args.threads), "--mwms-comm", args.mwms_comm, "--out", out_dir]
@@ -516,103 +573,187 @@ def collect(out_dir: str, prefix: str, np_: int) -> Dict[str, List[float]]:
 
 
 def measurement(impl: str, np_: int, round_times: List[float], args, params: int,
-                load_before, load_after) -> dict:
+                loads: List[Optional[float]], repeats: List[List[float]]) -> dict:
+    """One row: samples/s from every timed round of every repeat (`repeats` holds each repeat's
+    round times; `round_times` all of them)."""
     samples = np_ * args.batch_size * args.steps
     rates = [samples / t for t in round_times]
+    known = [x for x in loads if x is not None]
     return {
-        "impl": impl, "np": np_, "batch_per_worker": args.batch_size,
+        "model": args.model, "impl": impl, "np": np_, "batch_per_worker": args.batch_size,
         "global_batch": np_ * args.batch_size, "steps": args.steps, "rounds": len(round_times),
         "samples_per_s": round(statistics.median(rates), 2),
         "samples_per_s_min": round(min(rates), 2), "samples_per_s_max": round(max(rates), 2),
+        "repeat_samples_per_s": [round(statistics.median([samples / t for t in ts]), 2)
+                                 for ts in repeats],
         "step_s": round(statistics.median(round_times) / args.steps, 5),
         "params": params, "threads": args.threads or "default",
-        "loadavg_before": load_before, "loadavg_after": load_after,
+        "loadavg_min": min(known) if known else None,
+        "loadavg_max": max(known) if known else None,
     }
 
 
 def print_table(rows: List[dict]) -> None:
-    by = {(r["impl"], r["np"]): r for r in rows}
-    nps = sorted({r["np"] for r in rows})
+    by = {(r["model"], r["impl"], r["np"]): r for r in rows}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        nps = sorted({r["np"] for r in rows if r["model"] == model})
+        print()
+        print(f"{model}: samples/s, median of all rounds (each repeat's median in brackets)")
+        print(f"{'np':>3} | {'kungfu':>24} | {'mwms':>24} | {'kungfu/mwms':>11} | "
+              f"{'plain':>8} | {'overhead fit / per step':>23} | load")
+        print("-" * 116)
+
+        def rate(row, width):
+            if not row:
+                return f"{'-':>{width}}"
+            reps = ",".join(f"{x:.0f}" for x in row["repeat_samples_per_s"])
+            return f"{row['samples_per_s']:.1f} [{reps}]".rjust(width)
+
+        for n in nps:
+            k, m, pl = (by.get((model, impl, n)) for impl in ("kungfu", "mwms", "plain"))
+            loads = [x for r in (k, m, pl) if r for x in (r["loadavg_min"], r["loadavg_max"])
+                     if x is not None]
+            cells = [
+                f"{n:>3}", rate(k, 24), rate(m, 24),
+                f"{k['kungfu_vs_mwms']:>10.2f}x" if k and "kungfu_vs_mwms" in k else f"{'-':>11}",
+                f"{pl['samples_per_s']:>8.1f}" if pl else f"{'-':>8}",
+                (f"{100 * k['overhead']:>14.1f}% / "
+                 + (f"{100 * k['overhead_interleaved']:.1f}%" if "overhead_interleaved" in k
+                    else "-")
+                 if k and "overhead" in k else f"{'-':>23}"),
+                f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-",
+            ]
+            print(" | ".join(cells))
     print()
-    print(f"{'np':>3} | {'kungfu samples/s':>17} | {'mwms samples/s':>15} | {'kungfu/mwms':>11} | "
-          f"{'plain samples/s':>15} | {'overhead fit / per step':>23}")
-    print("-" * 98)
-    for n in nps:
-        k, m, pl = by.get(("kungfu", n)), by.get(("mwms", n)), by.get(("plain", n))
-        cells = [
-            f"{n:>3}",
-            f"{k['samples_per_s']:>17.1f}" if k else f"{'-':>17}",
-            f"{m['samples_per_s']:>15.1f}" if m else f"{'-':>15}",
-            f"{k['kungfu_vs_mwms']:>10.2f}x" if k and "kungfu_vs_mwms" in k else f"{'-':>11}",
-            f"{pl['samples_per_s']:>15.1f}" if pl else f"{'-':>15}",
-            (f"{100 * k['overhead']:>14.1f}% / "
-             + (f"{100 * k['overhead_interleaved']:.1f}%" if "overhead_interleaved" in k
-                else "-")
-             if k and "overhead" in k else f"{'-':>23}"),
-        ]
-        print(" | ".join(cells))
-    print()
+
+
+def measure(args, n: int, impls: List[str], out_dir: str) -> Dict[str, dict]:
+    """--repeats repeats of every implementation at n workers, the implementations taking turns
+    (repeat r starts with implementation r mod len(impls)). Returns the rows by label."""
+    times: Dict[str, List[List[float]]] = {}
+    interleaved: Dict[str, List[float]] = {}
+    loads: List[Optional[float]] = []
+    walls: Dict[str, float] = {}
+    params, phases = None, {}
+    for r in range(args.repeats):
+        first = r % len(impls)
+        for impl in impls[first:] + impls[:first]:
+            loads.append(_loadavg())
+            t0 = time.monotonic()
+            (run_kungfu if impl == "kungfu" else run_mwms)(args, n, out_dir)
+            walls[impl] = walls.get(impl, 0.0) + time.monotonic() - t0
+            loads.append(_loadavg())
+            result = collect(out_dir, impl, n)
+            params = result.pop("_params")
+            phases[impl] = result.pop("_phases")
+            for label, ts in (result.pop("_interleaved") or {}).items():
+                interleaved.setdefault(label, []).extend(ts)
+            for label, ts in result.items():
+                times.setdefault(label, []).append(ts)
+    found: Dict[str, dict] = {}
+    for label, reps in times.items():
+        impl = "kungfu" if label == "plain" else label
+        row = measurement(label, n, [t for ts in reps for t in ts], args, params, loads, reps)
+        row["wall_s"] = round(walls[impl], 1)
+        row["rank0_phases_s"] = phases[impl]
+        found[label] = row
+    k = found.get("kungfu")
+    if k is not None and "plain" in times:
+        plain_t = [t for ts in times["plain"] for t in ts]
+        kungfu_t = [t for ts in times["kungfu"] for t in ts]
+        k["overhead"] = round(1 - statistics.median(p / q for p, q in zip(plain_t, kungfu_t)), 4)
+        k["overhead_best"] = round(1 - min(plain_t) / min(kungfu_t), 4)
+        if interleaved:
+            ratios = [p / q for p, q in zip(interleaved["plain"], interleaved["kungfu"])]
+            k.update({
+                "overhead_interleaved": round(1 - statistics.median(ratios), 4),
+                "interleaved_pairs": len(ratios),
+                "interleaved_step_s": {label: round(statistics.median(v), 5)
+                                       for label, v in interleaved.items()}})
+    if k is not None and "mwms" in found:
+        k["kungfu_vs_mwms"] = round(k["samples_per_s"] / found["mwms"]["samples_per_s"], 3)
+    return found
 
 
 def driver(args) -> int:
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        print_table(rows)
+        if args.plot:
+            plot(rows, args.plot)
+        return 0
     nps = [int(x) for x in args.np.split(",") if x.strip()]
     impls = [x.strip().lower() for x in args.impl.split(",") if x.strip()]
+    models = [x.strip().lower() for x in args.model.split(",") if x.strip()]
     for impl in impls:
         if impl not in ("kungfu", "mwms"):
             print(f"unknown --impl {impl!r} (kungfu, mwms)", file=sys.stderr)
             return 2
+    for model in models:
+        if model not in MODELS:
+            print(f"unknown --model {model!r} ({', '.join(MODELS)})", file=sys.stderr)
+            return 2
+    if args.repeats < 1:
+        print("--repeats must be at least 1", file=sys.stderr)
+        return 2
     out_dir = args.keep or tempfile.mkdtemp(prefix="keras_throughput.")
     os.makedirs(out_dir, exist_ok=True)
     report = JsonLines(args.json)
     rows, emit = report.rows, report.emit
     try:
-        for n in nps:
-            found: Dict[str, dict] = {}
-            for impl in impls:
-                before = _loadavg()
-                t0 = time.monotonic()
-                (run_kungfu if impl == "kungfu" else run_mwms)(args, n, out_dir)
-                wall = time.monotonic() - t0
-                after = _loadavg()
-                result = collect(out_dir, impl, n)
-                params = result.pop("_params")
-                phases = result.pop("_phases")
-                interleaved = result.pop("_interleaved")
-                for label, times in result.items():
-                    row = measurement(label, n, times, args, params, before, after)
-                    row["wall_s"] = round(wall, 1)
-                    row["rank0_phases_s"] = phases
-                    found[label] = row
-                    if label == "plain":
-                        paired = [p / k for p, k in zip(times, result["kungfu"])]
-                        found["_overhead"] = {
-                            "overhead": round(1 - statistics.median(paired), 4),
-                            "overhead_best": round(1 - min(times) / min(result["kungfu"]), 4)}
-                        if interleaved:
-                            ratios = [p / k for p, k in zip(interleaved["plain"],
-                                                            interleaved["kungfu"])]
-                            found["_overhead"].update({
-                                "overhead_interleaved": round(1 - statistics.median(ratios), 4),
-                                "interleaved_pairs": len(ratios),
-                                "interleaved_step_s": {
-                                    k: round(statistics.median(v), 5)
-                                    for k, v in interleaved.items()}})
-            k = found.get("kungfu")
-            if k is not None:
-                if "_overhead" in found:
-                    k.update(found["_overhead"])
-                if "mwms" in found:
-                    k["kungfu_vs_mwms"] = round(
-                        k["samples_per_s"] / found["mwms"]["samples_per_s"], 3)
-            for label in ("plain", "kungfu", "mwms"):
-                if found.get(label):
-                    emit(found[label])
+        for model in models:
+            margs = argparse.Namespace(**vars(args))
+            margs.model = model
+            margs.batch_size = args.batch_size or MODELS[model][1]
+            for n in nps:
+                found = measure(margs, n, impls, out_dir)
+                for label in ("plain", "kungfu", "mwms"):
+                    if found.get(label):
+                        emit(found[label])
     finally:
         report.close()
         if not args.keep:
             shutil.rmtree(out_dir, ignore_errors=True)
     print_table(rows)
+    if args.plot:
+        plot(rows, args.plot)
     return 0
+
+
+def plot(rows: List[dict], path: str) -> None:
+    """Bars of samples/s per implementation, grouped by worker count, one panel per model; the
+    whiskers span the rounds' min and max."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    impls = [i for i in ("kungfu", "mwms", "plain") if any(r["impl"] == i for r in rows)]
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        nps = sorted({r["np"] for r in rows if r["model"] == model})
+        width = 0.8 / len(impls)
+        for j, impl in enumerate(impls):
+            got = {r["np"]: r for r in rows if r["model"] == model and r["impl"] == impl}
+            xs = [i + (j - (len(impls) - 1) / 2) * width for i, n in enumerate(nps) if n in got]
+            mid = [got[n]["samples_per_s"] for n in nps if n in got]
+            lo = [got[n]["samples_per_s"] - got[n]["samples_per_s_min"] for n in nps if n in got]
+            hi = [got[n]["samples_per_s_max"] - got[n]["samples_per_s"] for n in nps if n in got]
+            ax.bar(xs, mid, width, yerr=[lo, hi], capsize=3, label=impl)
+        ax.set_xticks(range(len(nps)), [f"np={n}" for n in nps])
+        batch = next(r["batch_per_worker"] for r in rows if r["model"] == model)
+        ax.set_title(f"{model} (batch {batch} per worker)")
+        ax.set_ylabel("samples/s")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
 
 
 def main(argv=None) -> int:
