@@ -49,6 +49,7 @@ from kungfu.store import (
 
 LEAVE_GRACE = 10.0  # seconds a worker left out of the latest version may take to exit
 STORE_WAIT = 60.0  # how long a launcher waits for the store to answer at start
+STORE_PROGRESS = 10.0  # seconds between the lines that say it is still waiting
 DEFAULT_HOST_COOLDOWN = 60.0  # seconds; kungfu-run -host-cooldown
 FAILURE_MERGE = 5.0  # seconds: a host's failures this close are one (a host lost at once)
 FAILURE_WINDOW = 600.0  # seconds: two failures of a host this close make it cool down
@@ -121,14 +122,22 @@ class ElasticLauncher(Launcher):
             self.info(f"config store at {self.url}")
         store = connect(self.url, token=self.opts.job_token)
         initial = ClusterConfig(0, [w.spec for w in self.peers])
-        until = time.monotonic() + STORE_WAIT
+        start = time.monotonic()
+        said = 0  # progress lines so far, one every STORE_PROGRESS seconds
         while True:
             try:
                 store.propose(initial)  # only the first proposal of version 0 is stored
+                if said:
+                    self.info(f"the config store at {self.url} answers")
                 return store
             except StoreError as e:
-                if time.monotonic() > until:
+                waited = time.monotonic() - start
+                if waited > STORE_WAIT:
                     raise StoreError(f"the config store does not answer: {e}") from None
+                if waited >= (said + 1) * STORE_PROGRESS:
+                    said = int(waited // STORE_PROGRESS)
+                    self.info(f"waiting for the config store ({int(waited)} s so far; gives up "
+                              f"after {int(STORE_WAIT)} s): {e}")
                 time.sleep(0.5)
 
     def _local(self, cfg: ClusterConfig) -> List[Worker]:

@@ -563,6 +563,34 @@ def test_a_lost_config_store_is_reported_once(tmp_path):
     assert err.count("cannot reach the config store") == 1, err
 
 
+def test_a_late_config_store_is_waited_for_with_progress_lines():
+    """A launcher whose store is not up yet says every 10 s that it waits, and goes on once the
+    store answers (it gave up after 60 s of silence before)."""
+    port = int(free_port_range(1).split("-")[0])
+    job = subprocess.Popen(
+        launcher_cmd("-w", "-np", "1", "-H", "127.0.0.1:1", "-port-range", free_port_range(1),
+                     "-config-server", f"http://127.0.0.1:{port}", PY, "-c", "print('trained')"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with_repo())
+    server = None
+    try:
+        time.sleep(11.5)
+        server = subprocess.Popen(
+            [PY, "-c", f"import sys; from kungfu.store import server_main; "
+                       f"sys.exit(server_main(['--port', '{port}']))"],
+            env=env_with_repo(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, err = job.communicate(timeout=40)
+    finally:
+        job.kill()
+        if server is not None:
+            server.kill()
+    assert job.returncode == 0, err
+    assert "[0] trained" in out
+    waits = [l for l in err.splitlines() if "waiting for the config store" in l]
+    assert len(waits) == 1, err
+    assert "(10 s so far; gives up after 60 s)" in waits[0] and f"127.0.0.1:{port}" in waits[0]
+    assert f"the config store at http://127.0.0.1:{port} answers" in err, err
+
+
 def test_taken_default_ports_move_the_job(script):
     """Another job on this host holds the default ports: a launcher given no -port-range that
     runs the whole job moves to free ones and says so."""
