@@ -13,7 +13,7 @@ it; `time_s` is the median over the timed iterations. algbw = bytes / time,
 busbw = algbw * 2(n-1)/n (the per-link traffic of a bandwidth-optimal allreduce).
 
 --compare times torch.distributed's gloo backend in the same run, on the same workers, right
-after kungfu on each case (never concurrently).
+after kungfu on each case (never concurrently); --compare-first times it before kungfu instead.
 """
 from __future__ import annotations
 
@@ -127,6 +127,9 @@ def parse_args(argv=None):
     ap.add_argument("--min-iters", type=int, default=3)
     ap.add_argument("--compare", action="store_true",
                     help="also time torch.distributed (gloo) on the same cases, in the same run")
+    ap.add_argument("--compare-first", action="store_true",
+                    help="with --compare: time gloo before kungfu on each case instead of after "
+                         "(lets a driver alternate the order between runs)")
     ap.add_argument("--gloo-port", type=int, default=None,
                     help="gloo rendezvous port (default: first peer's port + 1000)")
     ap.add_argument("--no-table", action="store_true", help="JSON lines only")
@@ -309,6 +312,8 @@ def run_sweep(args, strategies, rep: Reporter, gloo) -> None:
         x = pattern(count, r)
         want = expected_sum(count, n)
         out = np.empty_like(x)
+        if gloo is not None and args.compare_first:
+            sweep_gloo(gloo, x, want, count, nbytes, args, rep)
         for label, strat in strategies:
             run = kungfu_buffer(x, out, label, strat, f"sweep:{nbytes}")
             out.fill(-1)
@@ -316,17 +321,21 @@ def run_sweep(args, strategies, rep: Reporter, gloo) -> None:
             agree(np.array_equal(out, want), f"kungfu {label} allreduce of {nbytes} B")
             times, iters = measure(run, args)
             rep.add("kungfu", label, "sweep", nbytes, times, iters, count=count)
-        if gloo is not None:
-            t = gloo.tensor(x.copy())
-            gloo.fused(t)()
-            agree(np.array_equal(t.numpy(), want), f"gloo allreduce of {nbytes} B")
-            del t
-            # Timed on zeros: in place, repeated sums of the pattern would grow without bound.
-            zeros = gloo.torch.zeros(count, dtype=gloo.torch.float32)
-            times, iters = measure(gloo.fused(zeros), args)
-            rep.add("gloo", "gloo", "sweep", nbytes, times, iters, count=count)
-            del zeros
+        if gloo is not None and not args.compare_first:
+            sweep_gloo(gloo, x, want, count, nbytes, args, rep)
         del x, want, out
+
+
+def sweep_gloo(gloo, x, want, count, nbytes, args, rep: Reporter) -> None:
+    t = gloo.tensor(x.copy())
+    gloo.fused(t)()
+    agree(np.array_equal(t.numpy(), want), f"gloo allreduce of {nbytes} B")
+    del t
+    # Timed on zeros: in place, repeated sums of the pattern would grow without bound.
+    zeros = gloo.torch.zeros(count, dtype=gloo.torch.float32)
+    times, iters = measure(gloo.fused(zeros), args)
+    rep.add("gloo", "gloo", "sweep", nbytes, times, iters, count=count)
+    del zeros
 
 
 def load_model(name: str) -> dict:
@@ -358,6 +367,8 @@ def run_model(args, strategies, rep: Reporter, gloo) -> None:
     outs = split_views(out, tensors)
     modes = ["fused", "per-tensor"] if args.mode == "both" else [args.mode]
     extra = dict(tensors=len(tensors))
+    if gloo is not None and args.compare_first:
+        model_gloo(gloo, x, want, tensors, modes, args, rep)
     for label, strat in strategies:
         for mode in modes:
             if mode == "fused":
@@ -369,20 +380,25 @@ def run_model(args, strategies, rep: Reporter, gloo) -> None:
             agree(np.array_equal(out, want), f"kungfu {label} {args.model} {mode}")
             times, iters = measure(run, args)
             rep.add("kungfu", label, args.model, nbytes, times, iters, mode=mode, **extra)
-    if gloo is not None:
-        torch = gloo.torch
-        for mode in modes:
-            t = gloo.tensor(x.copy())
-            tviews = list(torch.split(t, [tt["size"] for tt in tensors]))
-            (gloo.fused(t) if mode == "fused" else gloo.per_tensor(tviews))()
-            agree(np.array_equal(t.numpy(), want), f"gloo {args.model} {mode}")
-            del t, tviews
-            zeros = torch.zeros(total, dtype=torch.float32)
-            zviews = list(torch.split(zeros, [tt["size"] for tt in tensors]))
-            run = gloo.fused(zeros) if mode == "fused" else gloo.per_tensor(zviews)
-            times, iters = measure(run, args)
-            rep.add("gloo", "gloo", args.model, nbytes, times, iters, mode=mode, **extra)
-            del zeros, zviews
+    if gloo is not None and not args.compare_first:
+        model_gloo(gloo, x, want, tensors, modes, args, rep)
+
+
+def model_gloo(gloo, x, want, tensors, modes, args, rep: Reporter) -> None:
+    torch = gloo.torch
+    total, nbytes, extra = x.size, 4 * x.size, dict(tensors=len(tensors))
+    for mode in modes:
+        t = gloo.tensor(x.copy())
+        tviews = list(torch.split(t, [tt["size"] for tt in tensors]))
+        (gloo.fused(t) if mode == "fused" else gloo.per_tensor(tviews))()
+        agree(np.array_equal(t.numpy(), want), f"gloo {args.model} {mode}")
+        del t, tviews
+        zeros = torch.zeros(total, dtype=torch.float32)
+        zviews = list(torch.split(zeros, [tt["size"] for tt in tensors]))
+        run = gloo.fused(zeros) if mode == "fused" else gloo.per_tensor(zviews)
+        times, iters = measure(run, args)
+        rep.add("gloo", "gloo", args.model, nbytes, times, iters, mode=mode, **extra)
+        del zeros, zviews
 
 
 def start_gloo(args):
