@@ -253,7 +253,12 @@ class Network:
             sh("ip", "-n", ns, "link", "set", nic, "up")
             for where, dev in ((ns, nic), (sw, port)):
                 for cmd in shaping(dev, rate_bps, delay_s):
-                    sh("ip", "netns", "exec", where, *cmd)
+                    r = sh("ip", "netns", "exec", where, *cmd, check=False)
+                    if r.returncode != 0 and "netem" in cmd and "unknown" in r.stderr:
+                        raise Failed("--delay needs the kernel's netem qdisc (sch_netem), "
+                                     "which this kernel does not have")
+                    if r.returncode != 0:
+                        raise Failed(f"`{' '.join(cmd)}` in {where} failed: {r.stderr.strip()}")
 
     def destroy(self) -> List[str]:
         """Stops every process left in our namespaces, deletes them; returns those left."""
