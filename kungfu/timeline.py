@@ -31,7 +31,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from kungfu import _env
 
-__all__ = ["enabled", "span", "record", "phase", "load", "merge", "flush"]
+__all__ = ["enabled", "span", "record", "phase", "flush", "close", "load", "merge"]
 
 DRAIN_SECONDS = 1.0  # how often the background thread drains the runtime and writes
 _PY_TRACK_BASE = 1000  # Python tracks' tids; the runtime's threads are numbered from 1
@@ -226,6 +226,14 @@ def flush() -> None:
     w = _get()
     if w is not None:
         w.flush()
+
+
+def close() -> None:
+    """Ends the open phases, writes everything and closes the file (a strict JSON array then);
+    later events are not written. Runs at exit by itself; call it before `os._exit`."""
+    w = _get()
+    if w is not None:
+        w.close()
 
 
 # Hooks for kungfu/_peer.py: the native peers whose events go to this process's file.

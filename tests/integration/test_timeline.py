@@ -104,18 +104,6 @@ def test_two_workers_write_one_merged_timeline(tmp_path):
     assert waits["1"] < 200000, waits
 
 
-def test_load_tolerates_a_crashed_worker(tmp_path):
-    p = tmp_path / "h-1.trace.json"
-    p.write_text('[{"name":"a","ph":"X","ts":1,"dur":2,"pid":1,"tid":1},\n'
-                 '{"name":"b","ph":"X","ts":3,"dur":2,"pid":1,"tid":1},\n{"name":"c","ph')
-    assert [e["name"] for e in timeline.load(str(p))] == ["a", "b"]
-    (tmp_path / "h-2.trace.json").write_text('[{"name":"d","ph":"X","ts":1,"dur":2,"pid":2,"tid":1}\n]\n')
-    out, n = timeline.merge(str(tmp_path))
-    assert n == 2
-    with open(out) as f:
-        assert sorted(e["name"] for e in json.load(f)) == ["a", "b", "d"]
-
-
 def test_no_timeline_without_the_flag(tmp_path):
     ports = free_port_range(2)
     script = write_script(tmp_path, "w.py", """
@@ -126,3 +114,30 @@ def test_no_timeline_without_the_flag(tmp_path):
     r = run_launcher("-np", "2", "-port-range", ports, PY, script)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0] []" in r.stdout and "kungfu-run: timeline" not in r.stderr
+
+
+@pytest.mark.timeout(150)
+def test_events_survive_resizes(tmp_path):
+    """A job that grows 2 -> 3 and shrinks to 1 (test_custom_resize's loop): each resize
+    replaces the native peer, and no event of the old one is lost."""
+    from test_custom_resize import check_grow_then_shrink, run  # noqa: E402
+
+    out = tmp_path / "tl"
+    r, workers = run(tmp_path, "resize", "3:3,8:1", flags=("-timeline", str(out)))
+    check_grow_then_shrink(r, workers)
+    with open(out / "timeline.json") as f:
+        events = json.load(f)
+    pids = {e["pid"] for e in events}
+    assert len(pids) == 3
+    grads = [e for e in events if e.get("name") == "grad" and e.get("ph") == "X"]
+    # Steps 0-2 at size 2, 3-7 at size 3, 8-11 at size 1: one allreduce per member and step.
+    assert len(grads) == 2 * 3 + 3 * 5 + 1 * 4
+    assert all(e["args"]["status"] == "OK" and e["args"]["bytes"] == 32 for e in grads)
+    survivor = max(pids, key=lambda p: sum(e["pid"] == p for e in grads))
+    mine = sorted((e for e in grads if e["pid"] == survivor), key=lambda e: e["ts"])
+    assert len(mine) == 12
+    # Each version's peer numbers the name from 0 again: 3 steps, 5, then 4.
+    assert [e["args"]["seq"] for e in mine] == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3]
+    labels = [e["args"]["name"] for e in events
+              if e["pid"] == survivor and e.get("name") == "process_name"]
+    assert [lab.split("(version ")[1].split(",")[0] for lab in labels] == ["0", "1", "2"], labels
