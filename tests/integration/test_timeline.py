@@ -39,7 +39,8 @@ WORKER = """
 
 
 def _ops(events, pid):
-    return [e for e in events if e.get("ph") == "X" and e["pid"] == pid and e.get("cat") != "python"]
+    return [e for e in events
+            if e.get("ph") == "X" and e["pid"] == pid and e.get("cat") != "python"]
 
 
 def test_two_workers_write_one_merged_timeline(tmp_path):

@@ -587,7 +587,8 @@ Handle Peer::Broadcast(const void* send, void* recv, size_t count, DType dtype, 
 
 Handle Peer::AllGather(const void* send, size_t count, DType dtype,
                        std::shared_ptr<GatherResult> out, const OpOptions& options) {
-  return Run(Sig(OpKind::kAllGather, options), options, count * DTypeSize(dtype), [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kAllGather, options), options, count * DTypeSize(dtype),
+             [=](Session& s, const OpContext& ctx) {
     KF_RETURN_IF_ERROR(CheckDType(dtype));
     return s.AllGather(ctx, send, count, dtype, out.get());
   });
@@ -595,7 +596,8 @@ Handle Peer::AllGather(const void* send, size_t count, DType dtype,
 
 Handle Peer::Gather(const void* send, size_t count, DType dtype, int root,
                     std::shared_ptr<GatherResult> out, const OpOptions& options) {
-  return Run(Sig(OpKind::kGather, options, 0, root), options, count * DTypeSize(dtype), [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kGather, options, 0, root), options, count * DTypeSize(dtype),
+             [=](Session& s, const OpContext& ctx) {
     KF_RETURN_IF_ERROR(CheckDType(dtype));
     KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
     return s.Gather(ctx, send, count, dtype, root, out.get());
@@ -624,7 +626,8 @@ Handle Peer::Fail(const char* kind, const OpOptions& options, const Status& reas
 }
 
 Handle Peer::Consensus(const void* data, size_t bytes, bool* agreed, const OpOptions& options) {
-  return Run(Sig(OpKind::kConsensus, options), options, bytes, [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kConsensus, options), options, bytes,
+             [=](Session& s, const OpContext& ctx) {
     return s.Consensus(ctx, data, bytes, agreed);
   });
 }

@@ -64,7 +64,7 @@ struct TimelineEvent {
   // all along: an op that failed waiting), or 0 in a single process.
   int64_t wait_us = 0;
   const char* status = "OK";  // CodeName of the status
-  int track = 0;              // small id of the thread that ran it: one track's events never overlap
+  int track = 0;  // small id of the thread that ran it: one track's events never overlap
 };
 
 struct OpOptions {
