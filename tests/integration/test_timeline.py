@@ -142,3 +142,31 @@ def test_events_survive_resizes(tmp_path):
     labels = [e["args"]["name"] for e in events
               if e["pid"] == survivor and e.get("name") == "process_name"]
     assert [lab.split("(version ")[1].split(",")[0] for lab in labels] == ["0", "1", "2"], labels
+
+
+def test_a_failed_job_is_merged_too(tmp_path):
+    """Rank 1 fails after one allreduce: kungfu-run exits with its code, and still merges what
+    the workers wrote (rank 1's file, closed by its exit handlers, has the allreduce)."""
+    out = tmp_path / "tl"
+    ports = free_port_range(2)
+    script = write_script(tmp_path, "w.py", """
+        import os, sys, time
+        import numpy as np
+        import kungfu as kf
+
+        kf.allreduce(np.ones(3, dtype=np.float64), name="before")
+        print("pid", os.getpid())
+        if kf.rank() == 1:
+            sys.exit(3)
+        time.sleep(30)
+    """)
+    r = run_launcher("-np", "2", "-port-range", ports, "-timeline", str(out), PY, script)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert f"timeline: {out / 'timeline.json'}" in r.stderr
+    with open(out / "timeline.json") as f:
+        events = json.load(f)
+    (line,) = [line for line in r.stdout.splitlines() if line.startswith("[1] pid")]
+    pid1 = int(line.split()[-1])
+    (before,) = [e for e in _ops(events, pid1) if e["name"] == "before"]
+    assert before["cat"] == "allreduce" and before["args"]["bytes"] == 24
+    assert before["args"]["status"] == "OK"
