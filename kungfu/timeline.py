@@ -27,6 +27,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from kungfu import _env
@@ -179,10 +180,12 @@ def _get() -> Optional[_Writer]:
     with _lock:
         if _writer is None and not _disabled:
             directory = _env.TIMELINE.get()
-            if directory:
-                _writer = _Writer(directory)
-            else:
-                _disabled = True
+            try:
+                _writer = _Writer(directory) if directory else None
+            except OSError as e:  # training goes on without a timeline
+                warnings.warn(f"kungfu: no timeline: cannot write to {_env.TIMELINE.name}="
+                              f"{directory!r}: {e}", RuntimeWarning, stacklevel=3)
+            _disabled = _writer is None
     return _writer
 
 

@@ -84,3 +84,12 @@ def test_load_tolerates_a_crashed_worker(tmp_path):
     out, n = timeline.merge(str(tmp_path), since=1000)
     with open(out) as f:
         assert n == 1 and [e["name"] for e in json.load(f)] == ["d"]
+
+
+def test_an_unwritable_directory_warns_and_training_goes_on(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    r = run_python("from kungfu import timeline\nprint(timeline.enabled())\n",
+                   KUNGFU_TIMELINE=str(blocker / "sub"))
+    assert r.returncode == 0 and r.stdout == "False\n", r.stderr
+    assert "kungfu: no timeline: cannot write to KUNGFU_TIMELINE=" in r.stderr
