@@ -35,7 +35,9 @@ from kungfu import _env
 __all__ = ["enabled", "span", "record", "phase", "flush", "close", "load", "merge"]
 
 DRAIN_SECONDS = 1.0  # how often the background thread drains the runtime and writes
-_PY_TRACK_BASE = 1000  # Python tracks' tids; the runtime's threads are numbered from 1
+# Python tracks' tids: the runtime numbers its threads from 1 (the pool grows with blocked ops,
+# so there may be many), these start far above. They are shown first (a negative sort index).
+_PY_TRACK_BASE = 1 << 20
 
 
 def _now_us() -> int:
@@ -72,11 +74,12 @@ class _Writer:
         """Requires the lock. The tid of a track, naming it on first use."""
         tid = self._tracks.get(key)
         if tid is None:
-            tid = key if isinstance(key, int) else _PY_TRACK_BASE + len(
-                [k for k in self._tracks if not isinstance(k, int)])
+            python = sum(not isinstance(k, int) for k in self._tracks)
+            tid = key if isinstance(key, int) else _PY_TRACK_BASE + python
             self._tracks[key] = tid
             self._meta("thread_name", {"name": label}, tid)
-            self._meta("thread_sort_index", {"sort_index": tid}, tid)
+            self._meta("thread_sort_index",
+                       {"sort_index": tid if isinstance(key, int) else python - 1000}, tid)
         return tid
 
     def name_process(self, label: str) -> None:
