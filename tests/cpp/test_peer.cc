@@ -756,3 +756,29 @@ TEST(TimelineIsOffByDefault) {
   OnEveryRank(2, [&](int r) { CHECK_OK(WAIT(c[r].Barrier(kungfu::OpOptions()))); });
   for (int r = 0; r < 2; ++r) CHECK(c[r].DrainTimeline().empty());
 }
+
+// Beyond the cap, events are counted, not kept; a drain makes room again.
+TEST(TimelineDropsBeyondItsCap) {
+  kftest::ClusterOptions o;
+  o.timeline = true;
+  o.timeline_cap = 5;
+  LocalCluster c(2, o);
+  REQUIRE(c.Start());
+  OnEveryRank(2, [&](int r) {
+    for (int i = 0; i < 8; ++i) CHECK_OK(WAIT(c[r].Barrier(Opts("b" + std::to_string(i)))));
+  });
+  for (int r = 0; r < 2; ++r) {
+    uint64_t dropped = 0;
+    std::vector<kungfu::TimelineEvent> ev = c[r].DrainTimeline(&dropped);
+    REQUIRE(ev.size() == 5);
+    CHECK(dropped == 3);
+    for (int i = 0; i < 5; ++i) CHECK(ev[i].name == "b" + std::to_string(i));  // the first five
+    CHECK(c[r].DrainTimeline(&dropped).empty() && dropped == 0);
+  }
+  OnEveryRank(2, [&](int r) { CHECK_OK(WAIT(c[r].Barrier(Opts("after")))); });
+  for (int r = 0; r < 2; ++r) {
+    std::vector<kungfu::TimelineEvent> ev = c[r].DrainTimeline();
+    REQUIRE(ev.size() == 1);
+    CHECK(ev[0].name == "after");
+  }
+}

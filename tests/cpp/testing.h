@@ -327,6 +327,7 @@ struct ClusterOptions {
   size_t chunk_bytes = 1 << 20;
   int parallelism = 2;
   bool timeline = false;
+  size_t timeline_cap = 1000000;
 };
 
 // `hosts[r]` is the loopback address of rank r (127.0.0.x: every x counts as another host, so
@@ -359,6 +360,7 @@ class LocalCluster {
     c.chunk_bytes = options_.chunk_bytes;
     c.parallelism = options_.parallelism;
     c.timeline = options_.timeline;
+    c.timeline_cap = options_.timeline_cap;
     return c;
   }
 

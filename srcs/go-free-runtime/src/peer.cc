@@ -535,7 +535,7 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
       e.status = s.ok() ? "OK" : CodeName(s.code());
       e.track = TrackId();
       std::lock_guard<std::mutex> lk(timeline_mu_);
-      if (timeline_.size() < kTimelineCap) {
+      if (timeline_.size() < config_.timeline_cap) {
         timeline_.push_back(std::move(e));
       } else {
         ++timeline_dropped_;

@@ -46,6 +46,7 @@ struct PeerConfig {
   int parallelism = 2;                  // independent pipelines per large allreduce
   std::string job_token;                // proved both ways in every handshake (see transport.h)
   bool timeline = false;                // record one TimelineEvent per operation (DrainTimeline)
+  size_t timeline_cap = 1000000;        // events kept between two drains; more are dropped
 };
 
 // One operation as the timeline records it (PeerConfig::timeline). Times are in microseconds;
@@ -151,11 +152,10 @@ class Peer {
   Transport::Stats TransportStats() const;
   std::vector<StrategyCounter> StrategyCounters() const;
 
-  // The timeline events recorded since the last call, oldest first, and how many were dropped
-  // because the buffer held kTimelineCap events (in *dropped, if given). Empty when the config's
-  // timeline is off.
+  // The timeline events recorded since the last call, in the order the operations ended, and
+  // how many were dropped because the buffer held config().timeline_cap events (in *dropped,
+  // if given). Empty when the config's timeline is off.
   std::vector<TimelineEvent> DrainTimeline(uint64_t* dropped = nullptr);
-  static constexpr size_t kTimelineCap = 1000000;
 
  private:
   explicit Peer(const PeerConfig& config);
