@@ -6,7 +6,7 @@ without kungfu-run is rank 0 of a cluster of size 1.
 """
 from __future__ import annotations
 
-from kungfu import errors
+from kungfu import errors, timeline
 from kungfu._collective import (
     Handle,
     allgather,
@@ -109,6 +109,7 @@ def __dir__():
 
 __all__ = [
     "errors",
+    "timeline",
     "resize",
     "detached",
     "ResizeError",

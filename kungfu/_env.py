@@ -131,6 +131,12 @@ PROGRESS_INTERVAL = Var("KUNGFU_PROGRESS_INTERVAL", parse_duration, 10.0,
 CHUNK_BYTES = Var("KUNGFU_CHUNK_BYTES", _positive_int, 1 << 20, "largest message; bigger tensors are pipelined")
 PARALLELISM = Var("KUNGFU_PARALLELISM", _positive_int, 2, "independent pipelines per large allreduce")
 
+# Observability.
+TIMELINE = Var("KUNGFU_TIMELINE", str, None,
+               "a directory: each worker writes a Chrome trace of every collective it ran and "
+               "of the elastic phases to DIR/<host>-<pid>.trace.json (kungfu/timeline.py); "
+               "set by kungfu-run -timeline DIR")
+
 # Experiments: emulated compute, so that adaptation to stragglers can be shown on one machine.
 def _slowdown(text: str) -> list:
     """RANK:FACTOR[@STEP],... -> [(rank, factor, from_step)], sorted by step."""
@@ -171,8 +177,8 @@ SLOWDOWN = Var("KUNGFU_SLOWDOWN", _slowdown, [],
 ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
        ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, ETCD_CACERT, ETCD_CERT, ETCD_KEY, WATCHDOG_FD,
        RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT, PEER_TIMEOUT,
-       CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, GPU_COUNT, SAMPLE_TIME, SAMPLE_JITTER,
-       SLOWDOWN]
+       CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, TIMELINE, GPU_COUNT,
+       SAMPLE_TIME, SAMPLE_JITTER, SLOWDOWN]
 
 
 # The variables other launchers set (torchrun, and Horovod's scripts read them too): the worker's

@@ -75,6 +75,7 @@ class Options:
     port_range: Tuple[int, int] = DEFAULT_PORT_RANGE
     strategy: str = DEFAULT_STRATEGY
     logdir: Optional[str] = None
+    timeline: Optional[str] = None  # -timeline DIR
     quiet: bool = False
     verbose: bool = False  # -v: debug lines too
     gpu_per_worker: bool = True
@@ -114,6 +115,10 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
   -strategy S         default allreduce strategy, case-insensitive (default {strategy}):
 {strategies}
   -logdir DIR         also write the output of worker r to DIR/rank-r.log (DIR is created)
+  -timeline DIR       every worker writes a Chrome trace of each collective it runs (bytes,
+                      strategy, wait for peers) and of elastic phases to DIR/HOST-PID.trace.json
+                      (KUNGFU_TIMELINE=DIR); when the job ends kungfu-run merges this host's
+                      files into DIR/timeline.json (open it in ui.perfetto.dev)
   -q                  quiet: print no informational lines of kungfu-run (worker output and
                       errors are still printed)
   -v                  verbose: also print debug lines of kungfu-run: the plan of workers, each
@@ -197,6 +202,7 @@ _VALUE_FLAGS = {
     "port-range": "port_range",
     "strategy": "strategy",
     "logdir": "logdir",
+    "timeline": "timeline",
     "timeout": "timeout",
     "builtin-config-port": "builtin_config_port",
     "config-server": "config_server",
@@ -656,6 +662,8 @@ class Launcher:
         env[_env.JOB_TOKEN.name] = self.opts.job_token
         env[_env.WATCHDOG_FD.name] = str(self._watchdog[0])
         env["PYTHONUNBUFFERED"] = "1"
+        if self.opts.timeline is not None:
+            env[_env.TIMELINE.name] = self.opts.timeline
         log = None
         if self.opts.logdir is not None:
             log = open(os.path.join(self.opts.logdir, f"rank-{worker.rank}.log"), "wb")
@@ -731,6 +739,7 @@ class Launcher:
     # main loop --------------------------------------------------------------------------
     def run(self) -> int:
         start = time.monotonic()
+        started_at = time.time()
         previous = self._install_signal_handlers()
         try:
             return self._run(start)
@@ -743,6 +752,20 @@ class Launcher:
                 if run.log is not None:
                     with run.log_lock:
                         run.log.close()
+            if self.opts.timeline is not None:
+                self._merge_timeline(started_at)
+
+    def _merge_timeline(self, since: float) -> None:
+        """Joins the trace files this job's workers wrote here into DIR/timeline.json."""
+        from kungfu import timeline
+
+        try:
+            out, files = timeline.merge(self.opts.timeline, since=since)
+        except OSError as e:
+            self.error(f"timeline: cannot merge the workers' traces in {self.opts.timeline}: {e}")
+            return
+        self.info(f"timeline: {out} ({_plural(files, 'worker trace')}; open it in "
+                  f"ui.perfetto.dev or chrome://tracing)")
 
     def _drain(self, seconds: float = 2.0) -> None:
         """Waits for the workers' remaining output; a pipe held open by a process a worker
@@ -982,12 +1005,17 @@ def run(argv: Sequence[str]) -> int:
         logger.debug(f"plan: {_plural(opts.np, 'worker')} on {slots}; this host"
                      f" ({', '.join(sorted(here))}) starts {_ranks(mine) if mine else 'none'}"
                      f"; strategy {opts.strategy}{'; elastic' if opts.elastic else ''}")
-        if opts.logdir is not None:
+        for flag in ("logdir", "timeline"):
+            directory = getattr(opts, flag)
+            if directory is None:
+                continue
             try:
-                os.makedirs(opts.logdir, exist_ok=True)
+                os.makedirs(directory, exist_ok=True)
             except OSError as e:
                 reason = e.strerror or str(e)
-                raise UsageError(f"cannot create -logdir {opts.logdir!r}: {reason}") from None
+                raise UsageError(f"cannot create -{flag} {directory!r}: {reason}") from None
+        if opts.timeline is not None:
+            opts.timeline = os.path.abspath(opts.timeline)  # workers may change directory
     except UsageError as e:
         sys.stderr.write(f"{PROG}: {e}\n")
         sys.stderr.flush()

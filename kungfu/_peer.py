@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import threading
 from dataclasses import dataclass
 from typing import List, Optional
@@ -65,9 +66,12 @@ _member: Optional[Identity] = None  # this worker in the last cluster it was a m
 
 
 def _create(self_spec: Optional[str], peers: List[str], version: int):
-    from kungfu import _kungfu, _watchdog
+    from kungfu import _kungfu, _watchdog, timeline
 
     _watchdog.start_from_env()
+    # Before the peer: the timeline's exit handler then runs after the peer's stop (atexit
+    # runs handlers last in, first out) and takes the peer's last events.
+    record = timeline.enabled()
 
     multi = len(peers) > 1
     peer = _kungfu.Peer(
@@ -82,10 +86,22 @@ def _create(self_spec: Optional[str], peers: List[str], version: int):
         parallelism=_env.PARALLELISM.get(),
         job_token=_env.JOB_TOKEN.get() or "",
         progress_ms=int(_env.PROGRESS_INTERVAL.get() * 1000),
+        timeline=record,
     )
     raise_for_status(peer.start())
     atexit.register(peer.stop)
+    if record:
+        where = f"rank {peer.rank} {self_spec}" if multi else "alone"
+        timeline._attach(peer, f"worker {where} (version {version}, pid {os.getpid()})")
     return peer
+
+
+def _stop(peer) -> None:
+    """Stops a peer that is being replaced, keeping its timeline events."""
+    from kungfu import timeline
+
+    peer.stop()
+    timeline._detach(peer)
 
 
 def get():
@@ -134,7 +150,7 @@ def replace(self_spec: str, peers: List[str], version: int) -> None:
     with _lock:
         old, _peer = _peer, None
         if old is not None:
-            old.stop()
+            _stop(old)
         if _member is None:
             _member = identity_from_env()
         if self_spec in peers:
@@ -159,7 +175,7 @@ def solo():
     finally:
         with _lock:
             peer, _peer = _peer, None
-        peer.stop()
+        _stop(peer)
 
 
 def detached() -> bool:

@@ -38,7 +38,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from kungfu import _env, _peer
+from kungfu import _env, _peer, timeline
 from kungfu.elastic._protocol import ExpelledError, broadcast_blob, context
 from kungfu.policy import TrainingState, _actions
 from kungfu.store import ClusterConfig, StoreError
@@ -166,6 +166,7 @@ class Membership:
         self.trainer = trainer
         self.variables = variables
         self.state = State.JOINING if _peer.joining() else State.TRAINING
+        timeline.phase("elastic", self.state.value)
         self.recovering = False  # commits and recovery on (an elastic job)
         self.commits: collections.deque = collections.deque(maxlen=2)
         self.commit_seq = 0
@@ -179,6 +180,8 @@ class Membership:
         if state is not self.state and state not in _MOVES[self.state]:
             raise RuntimeError(f"kungfu: internal error: membership cannot go from "
                                f"{self.state.value} to {state.value}")
+        if state is not self.state:
+            timeline.phase("elastic", state.value)  # ends the last state's span
         self.state = state
 
     @property

@@ -60,7 +60,7 @@ from typing import List, Optional
 import keras
 import tensorflow as tf
 
-from kungfu import _peer, elastic as _elastic, errors
+from kungfu import _peer, elastic as _elastic, errors, timeline
 from kungfu.elastic import Membership
 from kungfu.policy import HOOKS, BasePolicy, TrainingState, _actions, call_hook
 from kungfu.tensorflow._monitor import monitor_logs
@@ -660,6 +660,7 @@ class Hook(keras.callbacks.Callback):
             # interpreter shutdown could wait on tf.data's threads).
             import sys
 
+            timeline.close()  # no exit handlers run: its trace file ends here
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)

@@ -2,6 +2,7 @@
 // sockets on loopback. Peers on 127.0.0.1 share a host (Unix sockets, DIRECT possible); peers on
 // 127.0.0.2/127.0.0.3 count as other hosts (TCP, host-aware trees with several hosts).
 #define KF_TESTING_CLUSTER
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -679,4 +680,105 @@ TEST(SetStrategyInstallsATreeOrFailsEverywhere) {
     d = c[r].DefaultStrategy();
     CHECK_MSG(d.first == StrategyKind::kRing && d.second.empty(), who);
   });
+}
+
+// The timeline records every operation once, with what it moved and how long it waited for its
+// peers; a drain takes what was recorded and leaves nothing behind.
+TEST(TimelineRecordsEveryOperation) {
+  kftest::ClusterOptions o;
+  o.timeline = true;
+  LocalCluster c(2, o);
+  REQUIRE(c.Start());
+  const int late = 1;
+  const auto wall0 = std::chrono::system_clock::now();
+  OnEveryRank(2, [&](int r) {
+    std::vector<float> x(1000, 1.0f), y(1000);
+    if (r == late) std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    CHECK_OK(WAIT(c[r].AllReduce(x.data(), y.data(), x.size(), DType::kFloat32, ReduceOp::kSum,
+                                 Opts("t:grad", StrategyKind::kRing))));
+    std::vector<int64_t> b(7, r);
+    CHECK_OK(WAIT(c[r].Broadcast(b.data(), b.data(), b.size(), DType::kInt64, 0,
+                                 kungfu::OpOptions())));
+    CHECK_OK(WAIT(c[r].Barrier(kungfu::OpOptions())));
+    kungfu::Status bad = WAIT(c[r].Fail("allreduce", Opts("t:bad"),
+                                        kungfu::InvalidArgument("rejected")));
+    CHECK(bad.code() == Code::kInvalidArgument);
+  });
+  const auto wall1 = std::chrono::system_clock::now();
+  const int64_t t0 =
+      std::chrono::duration_cast<std::chrono::microseconds>(wall0.time_since_epoch()).count();
+  const int64_t t1 =
+      std::chrono::duration_cast<std::chrono::microseconds>(wall1.time_since_epoch()).count();
+  for (int r = 0; r < 2; ++r) {
+    uint64_t dropped = 1;
+    std::vector<kungfu::TimelineEvent> ev = c[r].DrainTimeline(&dropped);
+    CHECK(dropped == 0);
+    // Operations from the session's start (the DIRECT probe) are not user operations.
+    std::vector<kungfu::TimelineEvent> mine;
+    for (const auto& e : ev) {
+      if (e.start_us >= t0) mine.push_back(e);
+    }
+    REQUIRE(mine.size() == 4);
+    std::sort(mine.begin(), mine.end(),
+              [](const auto& a, const auto& b) { return a.start_us < b.start_us; });
+    const auto& ar = mine[0];
+    CHECK(std::string(ar.kind) == "allreduce" && ar.name == "t:grad" && ar.seq == 0);
+    CHECK(ar.bytes == 4000 && std::string(ar.strategy) == "RING");
+    CHECK(std::string(ar.status) == "OK");
+    CHECK(ar.dur_us >= ar.wait_us && ar.wait_us >= 0 && ar.queue_us >= 0);
+    CHECK(ar.start_us + ar.dur_us <= t1);
+    if (r == late) {
+      CHECK_MSG(ar.wait_us < 200000, "the late peer waited " + std::to_string(ar.wait_us) + " us");
+    } else {
+      CHECK_MSG(ar.wait_us >= 300000, "the early peer waited " + std::to_string(ar.wait_us) +
+                                          " us for a peer 400 ms late");
+    }
+    CHECK(std::string(mine[1].kind) == "broadcast" && mine[1].name == "auto:broadcast");
+    CHECK(mine[1].bytes == 56 && std::string(mine[1].strategy) == "AUTO");
+    CHECK(std::string(mine[2].kind) == "barrier" && mine[2].name == "kungfu::barrier");
+    CHECK(mine[2].bytes == 0);
+    CHECK(mine[3].name == "t:bad" && std::string(mine[3].status) == "INVALID_ARGUMENT");
+    // One track's events never overlap.
+    for (const auto& a : ev) {
+      CHECK(a.track > 0);
+      for (const auto& b : ev) {
+        if (&a == &b || a.track != b.track) continue;
+        CHECK(a.start_us + a.dur_us <= b.start_us || b.start_us + b.dur_us <= a.start_us);
+      }
+    }
+    CHECK(c[r].DrainTimeline().empty());
+  }
+}
+
+TEST(TimelineIsOffByDefault) {
+  LocalCluster c(2);
+  REQUIRE(c.Start());
+  OnEveryRank(2, [&](int r) { CHECK_OK(WAIT(c[r].Barrier(kungfu::OpOptions()))); });
+  for (int r = 0; r < 2; ++r) CHECK(c[r].DrainTimeline().empty());
+}
+
+// Beyond the cap, events are counted, not kept; a drain makes room again.
+TEST(TimelineDropsBeyondItsCap) {
+  kftest::ClusterOptions o;
+  o.timeline = true;
+  o.timeline_cap = 5;
+  LocalCluster c(2, o);
+  REQUIRE(c.Start());
+  OnEveryRank(2, [&](int r) {
+    for (int i = 0; i < 8; ++i) CHECK_OK(WAIT(c[r].Barrier(Opts("b" + std::to_string(i)))));
+  });
+  for (int r = 0; r < 2; ++r) {
+    uint64_t dropped = 0;
+    std::vector<kungfu::TimelineEvent> ev = c[r].DrainTimeline(&dropped);
+    REQUIRE(ev.size() == 5);
+    CHECK(dropped == 3);
+    for (int i = 0; i < 5; ++i) CHECK(ev[i].name == "b" + std::to_string(i));  // the first five
+    CHECK(c[r].DrainTimeline(&dropped).empty() && dropped == 0);
+  }
+  OnEveryRank(2, [&](int r) { CHECK_OK(WAIT(c[r].Barrier(Opts("after")))); });
+  for (int r = 0; r < 2; ++r) {
+    std::vector<kungfu::TimelineEvent> ev = c[r].DrainTimeline();
+    REQUIRE(ev.size() == 1);
+    CHECK(ev[0].name == "after");
+  }
 }

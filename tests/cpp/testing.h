@@ -326,6 +326,8 @@ struct ClusterOptions {
   int64_t connect_timeout_ms = 10000;
   size_t chunk_bytes = 1 << 20;
   int parallelism = 2;
+  bool timeline = false;
+  size_t timeline_cap = 1000000;
 };
 
 // `hosts[r]` is the loopback address of rank r (127.0.0.x: every x counts as another host, so
@@ -357,6 +359,8 @@ class LocalCluster {
     c.connect_timeout_ms = options_.connect_timeout_ms;
     c.chunk_bytes = options_.chunk_bytes;
     c.parallelism = options_.parallelism;
+    c.timeline = options_.timeline;
+    c.timeline_cap = options_.timeline_cap;
     return c;
   }
 

@@ -18,14 +18,14 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
-def run(tmp_path, mode: str, schedule: str, np_: int = 2, slots: int = 3):
+def run(tmp_path, mode: str, schedule: str, np_: int = 2, slots: int = 3, flags=()):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["KUNGFU_RESIZE_TIMEOUT"] = "60"
     cmd = [sys.executable, "-m", "kungfu.cmd", "-w", "-np", str(np_), "-H", f"127.0.0.1:{slots}",
            "-builtin-config-port", str(free_ports(1)[0]), "-port-range", free_port_range(slots),
-           "-timeout", "100s", sys.executable, str(HERE / "_w_custom_resize.py"), str(tmp_path),
-           mode, schedule]
+           "-timeout", "100s", *flags, sys.executable, str(HERE / "_w_custom_resize.py"),
+           str(tmp_path), mode, schedule]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO), timeout=120,
                        check=False)
     workers = [[json.loads(line) for line in f.read_text().splitlines()]

@@ -50,9 +50,14 @@ def run_elastic(tmp_path, np_: int, slots: int, *args: str, timeout: float = 240
 
 
 @pytest.fixture(scope="module")
-def schedule_run(tmp_path_factory):
-    return run_elastic(tmp_path_factory.mktemp("elastic"), 1, 4, "--schedule", "2,4,3,1,4",
-                       "--bad-requests")
+def schedule_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("elastic")
+
+
+@pytest.fixture(scope="module")
+def schedule_run(schedule_dir):
+    return run_elastic(schedule_dir, 1, 4, "--schedule", "2,4,3,1,4", "--bad-requests",
+                       launcher_args=("-timeline", str(schedule_dir / "timeline")))
 
 
 @pytest.mark.timeout(300)
@@ -92,6 +97,35 @@ def test_launcher_prints_the_progress_of_each_growth(schedule_run):
                     if re.search(rf": switched to {size} workers \d+\.\ds after the version was "
                                  r"written, \d+\.\ds after the last joiner was ready$", line)]
         assert len(ready) == 1 and len(switched) == 1 and ready[0] < switched[0], mine
+
+
+@pytest.mark.timeout(300)
+def test_timeline_shows_every_membership_phase(schedule_run, schedule_dir):
+    """The merged timeline (kungfu-run -timeline) has each worker's membership states as spans
+    on its "elastic" track: the first worker switches once per resize (5), the joiners join,
+    the workers the shrinks left out are detached."""
+    r, _ = schedule_run
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    with open(schedule_dir / "timeline" / "timeline.json") as f:
+        events = json.load(f)
+    phases = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "elastic":
+            assert e["ph"] == "X" and e["dur"] >= 0
+            phases[e["pid"]].append(e)
+    assert len(phases) == 7  # 1 first worker, 1 + 2 + 3 joiners
+    names = {e["name"] for spans in phases.values() for e in spans}
+    assert {"joining", "training", "proposing", "waiting for joiners", "switching",
+            "detached"} <= names, names
+    first = [pid for pid, spans in phases.items()
+             if min(spans, key=lambda e: e["ts"])["name"] == "training"]
+    assert len(first) == 1
+    spans = sorted(phases[first[0]], key=lambda e: e["ts"])
+    assert sum(e["name"] == "switching" for e in spans) == 5, [e["name"] for e in spans]
+    for a, b in zip(spans, spans[1:]):  # one state at a time, each ending where the next begins
+        assert a["ts"] + a["dur"] <= b["ts"] + 1
+    # Joiners' collectives are there too, in the same trace.
+    assert {e["pid"] for e in events if e.get("cat") == "allreduce"} >= set(phases)
 
 
 def test_weights_identical_after_every_step(schedule_run):

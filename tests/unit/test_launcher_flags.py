@@ -181,13 +181,15 @@ def test_double_dash_ends_flags():
 
 def test_single_double_dash_and_equals_forms():
     a = L.parse_args(["-np", "4", "-H", "a:2,b:2", "-self", "a", "-strategy", "ring",
-                      "-port-range", "100-200", "-logdir", "d", "-timeout", "1m", "-q", "cmd"])
+                      "-port-range", "100-200", "-logdir", "d", "-timeout", "1m", "-q",
+                      "-timeline", "t", "cmd"])
     b = L.parse_args(["--np=4", "--H=a:2,b:2", "--self=a", "--strategy=RING",
-                      "--port-range", "100-200", "--logdir=d", "--timeout", "60s", "--q", "cmd"])
+                      "--port-range", "100-200", "--logdir=d", "--timeout", "60s", "--q",
+                      "--timeline=t", "cmd"])
     for o in (a, b):
         assert (o.np, o.hosts, o.self_host, o.strategy, o.port_range, o.logdir, o.timeout,
-                o.quiet, o.command) == (4, "a:2,b:2", "a", "RING", (100, 200), "d", 60.0, True,
-                                         ["cmd"])
+                o.quiet, o.timeline, o.command) == (4, "a:2,b:2", "a", "RING", (100, 200), "d",
+                                                    60.0, True, "t", ["cmd"])
 
 
 def test_defaults():
@@ -270,6 +272,8 @@ BAD = [
     (["--n", "2", "true"], "unknown flag"),
     (["-q=maybe", "true"], "-q"),
     (["-logdir", "/proc/self/kf-no/dir", "true"], "-logdir"),
+    (["-timeline", "/proc/self/kf-no/dir", "true"], "-timeline"),
+    (["-timeline=", "true"], "-timeline"),
 ]
 
 
@@ -292,7 +296,7 @@ def test_help(flag):
     assert r.stderr == ""
     text = r.stdout
     for f in ["-np", "-H", "-self", "-nic", "-port-range", "-strategy", "-logdir", "-q",
-              "-timeout"]:
+              "-timeout", "-timeline"]:
         assert f"\n  {f} " in text, f
     for fact in ["10000-11000", "127.0.0.1:N", "AUTO", "124", "rank-r.log", "kungfu-run -np 4",
                  "default 1", *L.STRATEGIES]:

@@ -109,7 +109,7 @@ std::unique_ptr<Peer> CreatePeer(const std::string& self, const std::vector<std:
                                  uint64_t version, int strategy, int64_t op_timeout_ms,
                                  int64_t peer_timeout_ms, int64_t connect_timeout_ms,
                                  size_t chunk_bytes, int parallelism, const std::string& job_token,
-                                 int64_t progress_ms) {
+                                 int64_t progress_ms, bool timeline) {
   PeerConfig c;
   Status s = PeerID::Parse(self, &c.self);
   for (const auto& p : peers) {
@@ -130,6 +130,7 @@ std::unique_ptr<Peer> CreatePeer(const std::string& self, const std::vector<std:
   c.parallelism = parallelism;
   c.job_token = job_token;
   c.progress_ms = progress_ms;
+  c.timeline = timeline;
   std::unique_ptr<Peer> peer;
   if (s.ok()) s = Peer::Create(c, &peer);
   if (!s.ok()) throw std::invalid_argument(s.message());
@@ -205,7 +206,8 @@ PYBIND11_MODULE(_kungfu, m) {
       .def(py::init(&CreatePeer), py::arg("self_id"), py::arg("peers"), py::arg("version"),
            py::arg("strategy"), py::arg("op_timeout_ms"), py::arg("peer_timeout_ms"),
            py::arg("connect_timeout_ms"), py::arg("chunk_bytes"), py::arg("parallelism"),
-           py::arg("job_token") = "", py::arg("progress_ms") = 10000)
+           py::arg("job_token") = "", py::arg("progress_ms") = 10000,
+           py::arg("timeline") = false)
       .def("start",
            [](Peer& p) {
              Status s;
@@ -320,6 +322,24 @@ PYBIND11_MODULE(_kungfu, m) {
            [](Peer& p) {
              auto d = p.DefaultStrategy();
              return py::make_tuple(static_cast<int>(d.first), d.second);
+           })
+      // The timeline events since the last call, as tuples (kind, name, seq, bytes, strategy,
+      // start_us, dur_us, queue_us, wait_us, status, track), and how many were dropped.
+      .def("drain_timeline",
+           [](Peer& p) {
+             uint64_t dropped = 0;
+             std::vector<TimelineEvent> events;
+             {
+               py::gil_scoped_release release;
+               events = p.DrainTimeline(&dropped);
+             }
+             py::list out(events.size());
+             for (size_t i = 0; i < events.size(); ++i) {
+               const TimelineEvent& e = events[i];
+               out[i] = py::make_tuple(e.kind, e.name, e.seq, e.bytes, e.strategy, e.start_us,
+                                       e.dur_us, e.queue_us, e.wait_us, e.status, e.track);
+             }
+             return py::make_tuple(out, dropped);
            })
       .def("strategy_counters", [](Peer& p) {
         py::list out;

@@ -126,7 +126,7 @@ Handle Peer::Request(int target, const std::string& name, void* dst, size_t byte
                      const OpOptions& options) {
   OpOptions o = options;
   o.name = "p2p:" + name;
-  return Run(Sig(OpKind::kRequest, o), o, [=](Session& s, const OpContext& ctx) -> Status {
+  return Run(Sig(OpKind::kRequest, o), o, bytes, [=](Session& s, const OpContext& ctx) -> Status {
     KF_RETURN_IF_ERROR(CheckRoot(target, s.size()));
     if (target == rank_) {
       std::lock_guard<std::mutex> lk(store_mu_);
@@ -473,7 +473,21 @@ OpSig Peer::Sig(OpKind kind, const OpOptions& options, int op, int root) const {
 // 1. Number the op (name, seq). 2. On a worker: BeginOp, run the body, abort the op on every
 // peer if it failed, EndOp (no receive of it is left posted into the caller's buffers), and only
 // then complete the handle, which lets the caller free its buffers.
-Handle Peer::Run(OpSig sig, const OpOptions& options, Body body, bool collective) {
+namespace {
+// A small id per thread that runs operations (pool workers, or the caller in a single process),
+// numbered in the order threads first ran one: a timeline track.
+int TrackId() {
+  static std::atomic<int> next{1};
+  thread_local int id = next.fetch_add(1);
+  return id;
+}
+int64_t Micros(Clock::duration d) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(d).count();
+}
+}  // namespace
+
+Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
+                 bool collective) {
   Handle h;
   const char* kind = OpKindName(sig.kind);
   OpContext ctx;
@@ -490,8 +504,11 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, Body body, bool collective
   ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout);
   std::shared_ptr<Session> session = session_;
   const std::string what = std::string(kind) + " '" + ctx.name + "'";
+  const TimePoint called = Clock::now();
   auto task = [=]() {
     Transport& t = session->transport();
+    const TimePoint started = Clock::now();
+    const auto wall_start = std::chrono::system_clock::now();
     t.BeginOp(ctx.name, ctx.seq, sig);
     Status s;
     try {
@@ -508,7 +525,31 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, Body body, bool collective
       // peer that cannot be reached learns of the failure itself.
       if (collective && s.code() != Code::kCancelled) t.AbortOp(ctx.name, ctx.seq, s);
     }
-    t.EndOp(ctx.name, ctx.seq);
+    int64_t wait_us = -1;
+    t.EndOp(ctx.name, ctx.seq, &wait_us);
+    if (config_.timeline) {
+      TimelineEvent e;
+      e.kind = kind;
+      e.name = ctx.name;
+      e.seq = ctx.seq;
+      e.bytes = bytes;
+      e.strategy = StrategyName(options.strategy >= 0 && IsValidStrategy(options.strategy)
+                                    ? static_cast<StrategyKind>(options.strategy)
+                                    : session->Default().first);
+      e.start_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                       wall_start.time_since_epoch()).count();
+      e.dur_us = Micros(Clock::now() - started);
+      e.queue_us = Micros(started - called);
+      e.wait_us = wait_us >= 0 ? std::min(wait_us, e.dur_us) : (session->size() > 1 ? e.dur_us : 0);
+      e.status = s.ok() ? "OK" : CodeName(s.code());
+      e.track = TrackId();
+      std::lock_guard<std::mutex> lk(timeline_mu_);
+      if (timeline_.size() < config_.timeline_cap) {
+        timeline_.push_back(std::move(e));
+      } else {
+        ++timeline_dropped_;
+      }
+    }
     h.Complete(s);
   };
   if (size() == 1) {
@@ -522,7 +563,8 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, Body body, bool collective
 
 Handle Peer::AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                        const OpOptions& options) {
-  return Run(Sig(OpKind::kAllReduce, options, static_cast<int>(op)), options, [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kAllReduce, options, static_cast<int>(op)), options,
+             count * DTypeSize(dtype), [=](Session& s, const OpContext& ctx) {
     KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
     KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
     return s.AllReduce(ctx, send, recv, count, dtype, op, options.strategy,
@@ -532,7 +574,8 @@ Handle Peer::AllReduce(const void* send, void* recv, size_t count, DType dtype, 
 
 Handle Peer::Reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, int root,
                     const OpOptions& options) {
-  return Run(Sig(OpKind::kReduce, options, static_cast<int>(op), root), options, [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kReduce, options, static_cast<int>(op), root), options,
+             count * DTypeSize(dtype), [=](Session& s, const OpContext& ctx) {
     KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
     KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
     KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
@@ -542,7 +585,8 @@ Handle Peer::Reduce(const void* send, void* recv, size_t count, DType dtype, Red
 
 Handle Peer::Broadcast(const void* send, void* recv, size_t count, DType dtype, int root,
                        const OpOptions& options) {
-  return Run(Sig(OpKind::kBroadcast, options, 0, root), options, [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kBroadcast, options, 0, root), options, count * DTypeSize(dtype),
+             [=](Session& s, const OpContext& ctx) {
     KF_RETURN_IF_ERROR(CheckDType(dtype));
     KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
     KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
@@ -552,7 +596,8 @@ Handle Peer::Broadcast(const void* send, void* recv, size_t count, DType dtype, 
 
 Handle Peer::AllGather(const void* send, size_t count, DType dtype,
                        std::shared_ptr<GatherResult> out, const OpOptions& options) {
-  return Run(Sig(OpKind::kAllGather, options), options, [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kAllGather, options), options, count * DTypeSize(dtype),
+             [=](Session& s, const OpContext& ctx) {
     KF_RETURN_IF_ERROR(CheckDType(dtype));
     return s.AllGather(ctx, send, count, dtype, out.get());
   });
@@ -560,7 +605,8 @@ Handle Peer::AllGather(const void* send, size_t count, DType dtype,
 
 Handle Peer::Gather(const void* send, size_t count, DType dtype, int root,
                     std::shared_ptr<GatherResult> out, const OpOptions& options) {
-  return Run(Sig(OpKind::kGather, options, 0, root), options, [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kGather, options, 0, root), options, count * DTypeSize(dtype),
+             [=](Session& s, const OpContext& ctx) {
     KF_RETURN_IF_ERROR(CheckDType(dtype));
     KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
     return s.Gather(ctx, send, count, dtype, root, out.get());
@@ -570,7 +616,7 @@ Handle Peer::Gather(const void* send, size_t count, DType dtype, int root,
 Handle Peer::Barrier(const OpOptions& options) {
   OpOptions o = options;
   if (o.name.empty()) o.name = "kungfu::barrier";
-  return Run(Sig(OpKind::kBarrier, o), o, [](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kBarrier, o), o, 0, [](Session& s, const OpContext& ctx) {
     uint8_t x = 1;
     return s.AllReduce(ctx, &x, &x, 1, DType::kUInt8, ReduceOp::kMax,
                        static_cast<int>(StrategyKind::kBinaryTreeStar),
@@ -585,11 +631,12 @@ Handle Peer::Fail(const char* kind, const OpOptions& options, const Status& reas
   }
   OpOptions o = options;
   if (o.name.empty() && k == OpKind::kBarrier) o.name = "kungfu::barrier";
-  return Run(Sig(k, o), o, [reason](Session&, const OpContext&) { return reason; });
+  return Run(Sig(k, o), o, 0, [reason](Session&, const OpContext&) { return reason; });
 }
 
 Handle Peer::Consensus(const void* data, size_t bytes, bool* agreed, const OpOptions& options) {
-  return Run(Sig(OpKind::kConsensus, options), options, [=](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kConsensus, options), options, bytes,
+             [=](Session& s, const OpContext& ctx) {
     return s.Consensus(ctx, data, bytes, agreed);
   });
 }
@@ -597,7 +644,8 @@ Handle Peer::Consensus(const void* data, size_t bytes, bool* agreed, const OpOpt
 Handle Peer::SetStrategy(StrategyKind kind, const Tree& tree, const OpOptions& options) {
   OpOptions o = options;
   if (o.name.empty()) o.name = "kungfu::set-strategy";
-  return Run(Sig(OpKind::kSetStrategy, o), o, [kind, tree](Session& s, const OpContext& ctx) {
+  return Run(Sig(OpKind::kSetStrategy, o), o, (1 + tree.size()) * sizeof(int32_t),
+             [kind, tree](Session& s, const OpContext& ctx) {
     // Agree first, validate after: every peer takes part in the consensus whatever it was
     // given, so a proposal that is malformed on some peers only fails as a disagreement on all.
     std::vector<int32_t> proposal{static_cast<int32_t>(kind)};
@@ -628,5 +676,14 @@ std::pair<StrategyKind, Tree> Peer::DefaultStrategy() const { return session_->D
 Transport::Stats Peer::TransportStats() const { return session_->transport().stats(); }
 
 std::vector<StrategyCounter> Peer::StrategyCounters() const { return session_->Counters(); }
+
+std::vector<TimelineEvent> Peer::DrainTimeline(uint64_t* dropped) {
+  std::vector<TimelineEvent> out;
+  std::lock_guard<std::mutex> lk(timeline_mu_);
+  out.swap(timeline_);
+  if (dropped != nullptr) *dropped = timeline_dropped_;
+  timeline_dropped_ = 0;
+  return out;
+}
 
 }  // namespace kungfu

@@ -181,6 +181,9 @@ struct Transport::OpRecord {
   Status error;              // a disagreement this peer found
   int first_src = -1;        // the first peer whose message arrived before the op began
   OpSig first_remote;
+  TimePoint begun_at{};      // when BeginOp ran
+  TimePoint first_arrival{};  // the first data or signature frame of the op from any peer
+  bool arrived = false;
   std::vector<std::string> slots;  // ids of the op's posted receives and filed messages
 };
 
@@ -246,6 +249,7 @@ void Transport::BeginOp(const std::string& name, uint64_t seq, const OpSig& sig)
   std::lock_guard<std::mutex> lk(mu_);
   OpRecord& rec = ops_[{name, seq}];
   rec.begun = true;
+  rec.begun_at = Clock::now();
   rec.sig = sig;
   if (rec.first_src >= 0 && rec.first_remote != sig && rec.error.ok()) {
     rec.error = Disagreement(Describe(rec.first_src), rec.first_remote,
@@ -253,9 +257,10 @@ void Transport::BeginOp(const std::string& name, uint64_t seq, const OpSig& sig)
   }
 }
 
-void Transport::EndOp(const std::string& name, uint64_t seq) {
+void Transport::EndOp(const std::string& name, uint64_t seq, int64_t* wait_us) {
   std::unique_lock<std::mutex> lk(mu_);
   const OpKey op{name, seq};
+  if (wait_us != nullptr) *wait_us = -1;
   Finished& fin = finished_[name];
   if (seq >= fin.below) fin.above.insert(seq);
   while (!fin.above.empty() && *fin.above.begin() == fin.below) {
@@ -265,6 +270,11 @@ void Transport::EndOp(const std::string& name, uint64_t seq) {
   aborted_.erase(op);
   auto it = ops_.find(op);
   if (it == ops_.end()) return;
+  if (wait_us != nullptr && it->second.arrived) {
+    *wait_us = std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::microseconds>(
+                                        it->second.first_arrival - it->second.begun_at)
+                                        .count());
+  }
   std::vector<std::string> ids = std::move(it->second.slots);
   ops_.erase(it);
   for (const std::string& id : ids) {
@@ -329,6 +339,12 @@ void Transport::NoteRemoteSig(int src, const OpKey& op, const net::Frame& f) {
                              rec.sig, op.first);
     for (auto& kv : slots_) kv.second->cv.notify_all();
   }
+}
+
+void Transport::NoteArrival(OpRecord* rec) {
+  if (rec->arrived) return;
+  rec->arrived = true;
+  rec->first_arrival = Clock::now();
 }
 
 void Transport::TakeUnclaimed(Slot* slot) {
@@ -817,7 +833,9 @@ void Transport::ReadFrames(int src, int fd) {
         return;
       }
       std::lock_guard<std::mutex> lk(mu_);
-      NoteRemoteSig(src, {BaseName(key.name), key.seq}, f);
+      const OpKey op{BaseName(key.name), key.seq};
+      NoteRemoteSig(src, op, f);
+      if (!IsFinished(op)) NoteArrival(&ops_[op]);
       continue;
     }
     if (f.type != net::kData) {
@@ -837,6 +855,7 @@ void Transport::ReadFrames(int src, int fd) {
       } else {
         NoteRemoteSig(src, op, f);
         OpRecord& rec = ops_[op];
+        NoteArrival(&rec);
         auto it = slots_.find(id);
         if (it != slots_.end() && it->second->state == Slot::kPosted) {
           slot = it->second;

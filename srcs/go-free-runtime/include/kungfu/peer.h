@@ -51,6 +51,27 @@ struct PeerConfig {
   // While Start() waits for peers: a line every progress_ms (0: none) naming who is missing.
   int64_t progress_ms = 10000;
   std::function<void(const std::string&)> progress = ProgressToStderr;
+  bool timeline = false;                // record one TimelineEvent per operation (DrainTimeline)
+  size_t timeline_cap = 1000000;        // events kept between two drains; more are dropped
+};
+
+// One operation as the timeline records it (PeerConfig::timeline). Times are in microseconds;
+// start_us is wall-clock (system_clock since the epoch), so traces of different processes align.
+struct TimelineEvent {
+  const char* kind = "";      // OpKindName
+  std::string name;           // the op's name ("auto:<kind>" when unnamed)
+  uint64_t seq = 0;
+  uint64_t bytes = 0;         // what the caller passed in: count x dtype size (0: barrier, fail)
+  const char* strategy = "";  // the one asked for, else the session's default (StrategyName)
+  int64_t start_us = 0;       // when a pool worker started it
+  int64_t dur_us = 0;         // from then until it ended (handle about to complete)
+  int64_t queue_us = 0;       // from the call until a pool worker started it
+  // From the start until the first data or signature frame of the op arrived from any peer (0
+  // if one arrived before it started); if none arrived, the whole duration (it waited for peers
+  // all along: an op that failed waiting), or 0 in a single process.
+  int64_t wait_us = 0;
+  const char* status = "OK";  // CodeName of the status
+  int track = 0;  // small id of the thread that ran it: one track's events never overlap
 };
 
 struct OpOptions {
@@ -137,12 +158,19 @@ class Peer {
   Transport::Stats TransportStats() const;
   std::vector<StrategyCounter> StrategyCounters() const;
 
+  // The timeline events recorded since the last call, in the order the operations ended, and
+  // how many were dropped because the buffer held config().timeline_cap events (in *dropped,
+  // if given). Empty when the config's timeline is off.
+  std::vector<TimelineEvent> DrainTimeline(uint64_t* dropped = nullptr);
+
  private:
   explicit Peer(const PeerConfig& config);
   using Body = std::function<Status(Session&, const struct OpContext&)>;
   // collective: failures other than a dead peer abort the op on every peer.
   // sig: what every peer must have called (see Transport::BeginOp); its kind names the op.
-  Handle Run(OpSig sig, const OpOptions& options, Body body, bool collective = true);
+  // bytes: what the op moves (count x dtype size), for the timeline.
+  Handle Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
+             bool collective = true);
   OpSig Sig(OpKind kind, const OpOptions& options, int op = 0, int root = -1) const;
   void AcceptLoop();
   int Admit(const std::string& src, const std::string& dst, uint64_t version, int* claimed,
@@ -179,6 +207,12 @@ class Peer {
   std::vector<std::thread> workers_;
   int idle_workers_ = 0;
   bool pool_stopping_ = false;
+
+  // Timeline (config_.timeline): events of finished ops, appended by pool workers, taken by
+  // DrainTimeline. timeline_mu_ is taken alone.
+  std::mutex timeline_mu_;
+  std::vector<TimelineEvent> timeline_;
+  uint64_t timeline_dropped_ = 0;
 };
 
 }  // namespace kungfu

@@ -152,7 +152,10 @@ class Transport {
   // Operation lifetime (see the protocol above). EndOp may wait for a reader mid-copy into one of
   // the operation's buffers (at most one recv(), bounded by the peer timeout).
   void BeginOp(const std::string& name, uint64_t seq, const OpSig& sig);
-  void EndOp(const std::string& name, uint64_t seq);
+  // *wait_us (if given): how long the op waited for its peers, i.e. from BeginOp until the first
+  // data or signature frame of it arrived from any peer (0 if one had arrived before BeginOp),
+  // in microseconds; -1 if none arrived.
+  void EndOp(const std::string& name, uint64_t seq, int64_t* wait_us = nullptr);
   // The abort or disagreement that fails operation (name, seq), or OK; waits up to `wait` for one
   // to arrive (a peer that let go of its buffers has already sent its abort).
   Status OpError(const std::string& name, uint64_t seq, std::chrono::milliseconds wait);
@@ -243,6 +246,7 @@ class Transport {
   bool IsFinished(const OpKey& op) const;
   void TrackSlot(const OpKey& op, const std::string& id);
   void NoteRemoteSig(int src, const OpKey& op, const net::Frame& f);
+  void NoteArrival(OpRecord* rec);
   void TakeUnclaimed(Slot* slot);
   std::string UnstartedFrom(int src) const;
   Status WaitState(std::unique_lock<std::mutex>& lk, Slot* slot, int src, TimePoint deadline,
