@@ -59,6 +59,7 @@ STRATEGIES = (
     "MULTI_BINARY_TREE_STAR",
     "CLIQUE",
     "DIRECT",
+    "HIERARCHICAL",
     "AUTO",
 )
 # After SIGTERM, how long a worker may take to exit before it gets SIGKILL.

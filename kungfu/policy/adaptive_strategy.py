@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from kungfu.policy import BasePolicy, TrainingState
 from kungfu.policy._actions import current_strategy, set_strategy, strategy_stats
 
-DEFAULT_CANDIDATES = ("BINARY_TREE_STAR", "RING", "STAR", "TREE", "CLIQUE")
+DEFAULT_CANDIDATES = ("BINARY_TREE_STAR", "RING", "HIERARCHICAL", "STAR", "TREE", "CLIQUE")
 
 
 class AdaptiveStrategyPolicy(BasePolicy):

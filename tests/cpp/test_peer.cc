@@ -27,7 +27,7 @@ const StrategyKind kAllStrategies[] = {
     StrategyKind::kStar,           StrategyKind::kRing,   StrategyKind::kTree,
     StrategyKind::kBinaryTree,     StrategyKind::kBinaryTreeStar,
     StrategyKind::kMultiBinaryTreeStar, StrategyKind::kClique, StrategyKind::kAuto,
-    StrategyKind::kDirect};
+    StrategyKind::kDirect,         StrategyKind::kHierarchical};
 
 struct Layout {
   const char* name;
@@ -47,6 +47,8 @@ const std::vector<Layout>& Layouts() {
       {"one host, 4 peers", {"127.0.0.1", "127.0.0.1", "127.0.0.1", "127.0.0.1"}},
       {"3 hosts, 3 peers", {"127.0.0.1", "127.0.0.2", "127.0.0.3"}},
       {"2 hosts, 4 peers interleaved", {"127.0.0.1", "127.0.0.2", "127.0.0.1", "127.0.0.2"}},
+      {"2 hosts, 1+3 peers", {"127.0.0.1", "127.0.0.2", "127.0.0.2", "127.0.0.2"}},
+      {"3 hosts, 1+1+2 peers", {"127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.3"}},
   };
   return layouts;
 }
@@ -234,8 +236,9 @@ TEST(AllReduceEveryDTypeAndOp) {
       {DType::kBool, ReduceOp::kMin},      {DType::kBool, ReduceOp::kMax},
   };
   const StrategyKind strategies[] = {StrategyKind::kRing, StrategyKind::kBinaryTreeStar,
-                                     StrategyKind::kClique, StrategyKind::kDirect};
-  for (const Layout& l : {Layouts()[1], Layouts()[4]}) {
+                                     StrategyKind::kClique, StrategyKind::kDirect,
+                                     StrategyKind::kHierarchical};
+  for (const Layout& l : {Layouts()[1], Layouts()[4], Layouts()[6]}) {
     LocalCluster c(l.hosts, SmallChunks());
     REQUIRE(c.Start());
     OnEveryRank(c.size(), [&](int r) {
@@ -258,7 +261,7 @@ TEST(AllReduceEveryDTypeAndOp) {
 }
 
 TEST(AllReduceInPlace) {
-  for (const Layout& l : {Layouts()[2], Layouts()[3]}) {
+  for (const Layout& l : {Layouts()[2], Layouts()[3], Layouts()[5], Layouts()[6]}) {
     LocalCluster c(l.hosts, SmallChunks());
     REQUIRE(c.Start());
     OnEveryRank(c.size(), [&](int r) {
@@ -282,7 +285,8 @@ TEST(AllReduceLargeBuffer) {
   const size_t count = size_t(8) << 20;
   LocalCluster c({"127.0.0.1", "127.0.0.2", "127.0.0.1"});
   REQUIRE(c.Start());
-  for (StrategyKind s : {StrategyKind::kRing, StrategyKind::kBinaryTreeStar}) {
+  for (StrategyKind s : {StrategyKind::kRing, StrategyKind::kBinaryTreeStar,
+                         StrategyKind::kHierarchical}) {
     OnEveryRank(c.size(), [&](int r) {
       std::vector<float> in(count), out(count, -1.0f);
       for (size_t i = 0; i < count; ++i) in[i] = static_cast<float>(r + static_cast<int>(i % 1000));
@@ -320,6 +324,45 @@ TEST(AllReduceLargeBuffer) {
         }
       }
     });
+  }
+}
+
+TEST(AllReduceIsBitIdenticalOnEveryPeer) {
+  // Floats whose sums round differently in every order: each peer must still end with the same
+  // bits (every element is reduced once and then copied), close to the exact sum.
+  const size_t counts[] = {1, 7, (size_t(1) << 20) + 3};
+  const StrategyKind strategies[] = {StrategyKind::kHierarchical, StrategyKind::kRing,
+                                     StrategyKind::kBinaryTreeStar, StrategyKind::kAuto};
+  for (const Layout& l : {Layouts()[4], Layouts()[5], Layouts()[6]}) {
+    LocalCluster c(l.hosts);
+    REQUIRE(c.Start());
+    const int n = c.size();
+    for (StrategyKind s : strategies) {
+      for (size_t count : counts) {
+        std::vector<std::vector<float>> out(n, std::vector<float>(count));
+        OnEveryRank(n, [&](int r) {
+          std::vector<float> in(count);
+          for (size_t i = 0; i < count; ++i) in[i] = 1.0f / static_cast<float>(3 + r + (i % 101));
+          CHECK_OK(WAIT(c[r].AllReduce(in.data(), out[r].data(), count, DType::kFloat32,
+                                       ReduceOp::kSum, Opts("bits", s))));
+        });
+        const std::string what = Describe(l, s, count, 0);
+        int bad = 0;
+        for (size_t i = 0; i < count && bad < 3; ++i) {
+          double exact = 0;
+          for (int r = 0; r < n; ++r) exact += 1.0 / (3 + r + (i % 101));
+          if (std::abs(out[0][i] - exact) > 1e-5 * exact) {
+            ++bad;
+            kftest::ReportFailure(__FILE__, __LINE__, what + ": element " + std::to_string(i) +
+                                                          " = " + kftest::Show(out[0][i]));
+          }
+        }
+        for (int r = 1; r < n; ++r) {
+          CHECK_MSG(std::memcmp(out[r].data(), out[0].data(), count * sizeof(float)) == 0,
+                    what + ": rank " + std::to_string(r) + " differs from rank 0");
+        }
+      }
+    }
   }
 }
 

@@ -19,7 +19,7 @@ const StrategyKind kAllKinds[] = {StrategyKind::kStar,           StrategyKind::k
                                   StrategyKind::kTree,           StrategyKind::kBinaryTree,
                                   StrategyKind::kBinaryTreeStar, StrategyKind::kMultiBinaryTreeStar,
                                   StrategyKind::kClique,         StrategyKind::kAuto,
-                                  StrategyKind::kDirect};
+                                  StrategyKind::kDirect,         StrategyKind::kHierarchical};
 
 // Peers on the given hosts, in order; ports distinct.
 PeerList Peers(const std::vector<std::string>& hosts) {
@@ -105,6 +105,8 @@ TEST(ParseStrategyNames) {
   CHECK_EQ(std::string(kungfu::StrategyName(StrategyKind::kMultiBinaryTreeStar)),
            std::string("MULTI_BINARY_TREE_STAR"));
   CHECK_EQ(std::string(kungfu::StrategyName(StrategyKind::kDirect)), std::string("DIRECT"));
+  CHECK_EQ(std::string(kungfu::StrategyName(StrategyKind::kHierarchical)),
+           std::string("HIERARCHICAL"));
   for (StrategyKind k : kAllKinds) CHECK(kungfu::IsValidStrategy(static_cast<int>(k)));
   CHECK(!kungfu::IsValidStrategy(-1));
   CHECK(!kungfu::IsValidStrategy(kungfu::kNumStrategies));
@@ -201,8 +203,10 @@ TEST(MakeStrategyOneHost) {
         continue;
       }
       CHECK_MSG(!s.ring, what);
-      // DIRECT allreduces by direct reads; its trees serve reduce and broadcast.
+      // DIRECT allreduces by direct reads, HIERARCHICAL by host; their trees serve reduce and
+      // broadcast.
       CHECK_MSG(s.direct == (k == StrategyKind::kDirect), what);
+      CHECK_MSG(s.hierarchical == (k == StrategyKind::kHierarchical), what);
       REQUIRE(!s.trees.empty());
       for (const Tree& t : s.trees) CHECK_MSG(kungfu::ValidateTree(t, n).ok(), what);
       switch (k) {
@@ -217,8 +221,8 @@ TEST(MakeStrategyOneHost) {
           break;
         }
         default:
-          // STAR, TREE, BINARY_TREE_STAR, MULTI_BINARY_TREE_STAR, AUTO and DIRECT all reduce to
-          // one star rooted at rank 0 on a single host.
+          // STAR, TREE, BINARY_TREE_STAR, MULTI_BINARY_TREE_STAR, AUTO, DIRECT and HIERARCHICAL
+          // all reduce to one star rooted at rank 0 on a single host.
           REQUIRE_EQ(s.trees.size(), size_t(1));
           CHECK_MSG(s.trees[0] == Tree(n, 0), what);
       }
@@ -241,6 +245,7 @@ TEST(MakeStrategyThreeUnevenHosts) {
     }
     CHECK(!s.ring);
     CHECK_MSG(s.direct == (k == StrategyKind::kDirect), what);
+    CHECK_MSG(s.hierarchical == (k == StrategyKind::kHierarchical), what);
     REQUIRE(!s.trees.empty());
     for (const Tree& t : s.trees) CHECK_MSG(kungfu::ValidateTree(t, n).ok(), what);
     switch (k) {
@@ -264,6 +269,7 @@ TEST(MakeStrategyThreeUnevenHosts) {
         break;
       case StrategyKind::kAuto:
       case StrategyKind::kDirect:
+      case StrategyKind::kHierarchical:
       case StrategyKind::kBinaryTreeStar:
         // Star inside hosts, binary tree over first ranks {0, 2, 3} rooted at 0.
         REQUIRE_EQ(s.trees.size(), size_t(1));
@@ -389,12 +395,17 @@ TEST(ResolveAuto) {
                 what + ", direct not permitted");
     }
   }
-  // Several hosts: RING from kAutoLargeBytes, BINARY_TREE_STAR below; never DIRECT.
+  // Several hosts: from kAutoLargeBytes HIERARCHICAL where some host runs several peers, RING
+  // where every host runs one; BINARY_TREE_STAR below; never DIRECT.
+  const PeerList one_each = Peers({"A", "B", "C"});
   for (bool direct_ok : {false, true}) {
     for (size_t bytes : sizes) {
       CHECK_MSG(kungfu::ResolveAuto(StrategyKind::kAuto, ThreeHosts(), bytes, direct_ok) ==
-                    (bytes >= kLarge ? StrategyKind::kRing : StrategyKind::kBinaryTreeStar),
+                    (bytes >= kLarge ? StrategyKind::kHierarchical : StrategyKind::kBinaryTreeStar),
                 "three hosts, " + std::to_string(bytes) + " bytes");
+      CHECK_MSG(kungfu::ResolveAuto(StrategyKind::kAuto, one_each, bytes, direct_ok) ==
+                    (bytes >= kLarge ? StrategyKind::kRing : StrategyKind::kBinaryTreeStar),
+                "three hosts with one peer each, " + std::to_string(bytes) + " bytes");
     }
   }
   // A single peer.

@@ -19,7 +19,8 @@ import kungfu as kf
 from kungfu import errors
 
 STRATEGIES = ["STAR", "RING", "TREE", "BINARY_TREE", "BINARY_TREE_STAR",
-              "MULTI_BINARY_TREE_STAR", "CLIQUE", "DIRECT", "AUTO"]
+              "MULTI_BINARY_TREE_STAR", "CLIQUE", "DIRECT", "HIERARCHICAL",
+              "AUTO"]
 INT_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
 FLOAT_DTYPES = ["float16", "bfloat16", "float32", "float64"]
 ALL_DTYPES = INT_DTYPES + FLOAT_DTYPES + ["bool"]

@@ -22,6 +22,8 @@ enum Phase : uint64_t {
   kCountPhase = 4,
   kDirectPhase = 5,
   kVerdictPhase = 6,
+  kLocalReducePhase = 7,  // HIERARCHICAL: to a segment's owner on this host
+  kLocalGatherPhase = 8,  // HIERARCHICAL: from a segment's owner on this host
 };
 uint64_t Tag(Phase phase, uint64_t part, uint64_t step, uint64_t chunk) {
   return phase << 60 | (part & 0xfff) << 48 | (step & 0xffff) << 32 | (chunk & 0xffffffff);
@@ -33,6 +35,11 @@ std::pair<size_t, size_t> EvenPiece(size_t n, size_t k, size_t i) {
   size_t begin = i * q + std::min(i, r);
   return {begin, begin + q + (i < r ? 1 : 0)};
 }
+
+// HIERARCHICAL: the part number under which segment j of part i runs its ring across hosts (the
+// 12-bit part field of a tag holds both; Session::AllReduceWith keeps them in range).
+constexpr size_t kMaxHierarchicalSegments = 64;
+size_t HierarchicalRingIndex(size_t part, size_t j) { return part * kMaxHierarchicalSegments + j; }
 
 size_t ChunkCount(size_t count, size_t esize, size_t chunk_bytes) {
   size_t bytes = count * esize;
@@ -58,11 +65,14 @@ Session::Session(uint64_t version, PeerList peers, int rank, StrategyKind strate
                  TransportOptions transport_options, size_t chunk_bytes, int parallelism)
     : peers_(peers),
       rank_(rank),
+      layout_(MakeHostLayout(peers)),
       default_kind_(strategy),
       counters_(kNumStrategies),
       chunk_bytes_(std::max<size_t>(chunk_bytes, 4096)),
       parallelism_(std::max(parallelism, 1)),
-      transport_(version, std::move(peers), rank, transport_options) {}
+      transport_(version, std::move(peers), rank, transport_options) {
+  for (int r = 0; r < size(); ++r) all_ranks_.push_back(r);
+}
 
 Strategy Session::StrategyFor(int requested, size_t bytes) const {
   StrategyKind kind = static_cast<StrategyKind>(requested);
@@ -131,11 +141,21 @@ Status Session::AllReduceWith(const OpContext& ctx, const void* send, void* recv
   if (parallelism_ > 1 && bytes >= 4 * chunk_bytes_) {
     parts = std::min<size_t>(parallelism_, bytes / (2 * chunk_bytes_));
   }
+  bool hierarchical = s.hierarchical;
+  if (hierarchical) {  // tags number at most 64 segments (peers per host; beyond, its tree runs)
+                       // and 64 parts
+    for (const auto& ranks : layout_.ranks_of_host) {
+      hierarchical = hierarchical && ranks.size() <= kMaxHierarchicalSegments;
+    }
+    parts = std::min(parts, 4096 / kMaxHierarchicalSegments);
+  }
   auto run_part = [&](size_t i) {
     auto [b, e] = EvenPiece(count, parts, i);
     Part p{static_cast<const char*>(send) + b * esize, static_cast<char*>(recv) + b * esize,
            e - b, count, dtype, op, i};
-    Status st = s.ring ? RingPart(ctx, p) : TreePart(ctx, p, s);
+    Status st = hierarchical ? HierarchicalPart(ctx, p)
+                : s.ring       ? RingPart(ctx, p, all_ranks_)
+                               : TreePart(ctx, p, s);
     // The other parts here and on the peers would wait for this one's messages: stop them now.
     if (!st.ok() && parts > 1 && st.code() != Code::kCancelled) transport_.AbortOp(ctx.name, ctx.seq, st);
     return st;
@@ -284,14 +304,19 @@ Status Session::ProbeDirectOp(const std::string& name, TimePoint deadline) {
   return Status::OK();
 }
 
-// Ring allreduce: reduce-scatter then allgather over ranks in order, each of the n segments
+// Ring allreduce: reduce-scatter then allgather over the members in order, each of the n segments
 // pipelined in chunks. Rank r sends segment r-k at reduce-scatter step k and ends owning segment
 // r+1; at allgather step k it receives segment r-k. The first step reads the send buffer, so no
 // initial copy is made; allgather chunks are received straight into the output.
-Status Session::RingPart(const OpContext& ctx, const Part& p) {
-  const int n = size(), r = rank_;
-  const int left = (r - 1 + n) % n, right = (r + 1) % n;
+Status Session::RingPart(const OpContext& ctx, const Part& p, const std::vector<int>& members) {
+  const int n = static_cast<int>(members.size());
+  const int r = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
   const size_t es = p.esize();
+  if (n == 1) {
+    if (p.send != p.recv && p.count > 0) std::memcpy(p.recv, p.send, p.count * es);
+    return Status::OK();
+  }
+  const int left = members[(r - 1 + n) % n], right = members[(r + 1) % n];
   struct Piece {
     size_t off, len;  // elements, relative to the part
   };
@@ -346,6 +371,95 @@ Status Session::RingPart(const OpContext& ctx, const Part& p) {
       }
     }
   }
+  return Status::OK();
+}
+
+// Hierarchical allreduce. Host h runs m_h peers; the part splits into K = max m_h segments, and on
+// host h segment j belongs to its local peer j mod m_h.
+//  1. Inside each host: every peer sends each segment it does not own to that segment's owner,
+//     which reduces them into its output.
+//  2. Across hosts: the owners of segment j (one per host) run a ring allreduce on it, in place in
+//     their outputs. The K rings run side by side, so every peer of a host carries a share of the
+//     bytes that cross between hosts, on its own streams.
+//  3. Inside each host: every owner sends its final segments to the other local peers, which
+//     receive them straight into their outputs.
+// Each segment's result is computed once (by its ring) and then copied as bytes, so every peer
+// ends with identical bits. Owners take their segments' rings in increasing j, so rings that
+// share peers never wait on each other in a cycle.
+Status Session::HierarchicalPart(const OpContext& ctx, const Part& p) {
+  const std::vector<int>& local = layout_.ranks_of_host[layout_.host_of[rank_]];
+  const size_t m = local.size(), me = static_cast<size_t>(layout_.local_rank[rank_]);
+  size_t segments = 0;
+  for (const auto& ranks : layout_.ranks_of_host) segments = std::max(segments, ranks.size());
+  const size_t es = p.esize();
+  // Calls f(chunk, offset, length) for every chunk of segment j (elements, relative to the part).
+  auto chunks_of = [&](size_t j, auto f) -> Status {
+    auto [sb, se] = EvenPiece(p.count, segments, j);
+    const size_t k = ChunkCount(se - sb, es, chunk_bytes_);
+    for (size_t c = 0; c < k; ++c) {
+      auto [cb, ce] = EvenPiece(se - sb, k, c);
+      KF_RETURN_IF_ERROR(f(c, sb + cb, ce - cb));
+    }
+    return Status::OK();
+  };
+  auto key = [&](Phase phase, size_t j, size_t c) {
+    return MsgKey{ctx.name, ctx.seq, Tag(phase, p.index, j, c)};
+  };
+  // 1. Send what others own, then post the receives of step 3 (after the sends: in place, those
+  // receives land where this peer's sent contribution was).
+  for (size_t j = 0; j < segments; ++j) {
+    if (j % m == me) continue;
+    KF_RETURN_IF_ERROR(chunks_of(j, [&](size_t c, size_t off, size_t len) {
+      return transport_.Send(local[j % m], key(kLocalReducePhase, j, c), p.Expect(len),
+                             p.send + off * es);
+    }));
+  }
+  std::vector<std::shared_ptr<Transport::Posted>> posted;
+  for (size_t j = 0; j < segments; ++j) {
+    if (j % m == me) continue;
+    chunks_of(j, [&](size_t c, size_t off, size_t len) {
+      posted.push_back(transport_.Post(local[j % m], key(kLocalGatherPhase, j, c), p.Expect(len),
+                                       p.recv + off * es));
+      return Status::OK();
+    });
+  }
+  for (size_t j = me; j < segments; j += m) {
+    KF_RETURN_IF_ERROR(chunks_of(j, [&](size_t c, size_t off, size_t len) {
+      const char* acc = p.send + off * es;
+      char* out = p.recv + off * es;
+      for (int q : local) {
+        if (q == rank_) continue;
+        Buffer in;
+        KF_RETURN_IF_ERROR(transport_.Recv(q, key(kLocalReducePhase, j, c), p.Expect(len),
+                                           ctx.deadline, &in));
+        ::kungfu::Reduce(out, acc, in.data(), len, p.dtype, p.op);
+        acc = out;
+      }
+      if (acc != out && len > 0) std::memcpy(out, acc, len * es);
+      return Status::OK();
+    }));
+  }
+  // 2. One ring per owned segment, over its owners in host order.
+  for (size_t j = me; j < segments; j += m) {
+    std::vector<int> owners;
+    for (const auto& ranks : layout_.ranks_of_host) owners.push_back(ranks[j % ranks.size()]);
+    auto [sb, se] = EvenPiece(p.count, segments, j);
+    Part seg{p.recv + sb * es, p.recv + sb * es, se - sb, p.total, p.dtype, p.op,
+             HierarchicalRingIndex(p.index, j)};
+    KF_RETURN_IF_ERROR(RingPart(ctx, seg, owners));
+  }
+  // 3.
+  for (size_t j = me; j < segments; j += m) {
+    KF_RETURN_IF_ERROR(chunks_of(j, [&](size_t c, size_t off, size_t len) {
+      for (int q : local) {
+        if (q == rank_) continue;
+        KF_RETURN_IF_ERROR(transport_.Send(q, key(kLocalGatherPhase, j, c), p.Expect(len),
+                                           p.recv + off * es));
+      }
+      return Status::OK();
+    }));
+  }
+  for (const auto& w : posted) KF_RETURN_IF_ERROR(transport_.Wait(w, ctx.deadline));
   return Status::OK();
 }
 

@@ -14,7 +14,8 @@ const char* const kNames[] = {"STAR",
                               "MULTI_BINARY_TREE_STAR",
                               "CLIQUE",
                               "AUTO",
-                              "DIRECT"};
+                              "DIRECT",
+                              "HIERARCHICAL"};
 }
 
 const char* StrategyName(StrategyKind kind) {
@@ -154,8 +155,10 @@ Strategy MakeStrategy(StrategyKind kind, const PeerList& peers) {
   switch (kind) {
     case StrategyKind::kAuto:  // callers resolve AUTO per operation; this is its small-size form
     case StrategyKind::kDirect:
+    case StrategyKind::kHierarchical:
     case StrategyKind::kBinaryTreeStar: {
       s.direct = kind == StrategyKind::kDirect;
+      s.hierarchical = kind == StrategyKind::kHierarchical;
       Tree t = HostStars(layout, n);
       BinaryTreeOver(masters, &t);
       s.trees = {t};
@@ -201,11 +204,14 @@ Strategy MakeStrategy(StrategyKind kind, const PeerList& peers) {
 StrategyKind ResolveAuto(StrategyKind kind, const PeerList& peers, size_t bytes, bool direct_ok) {
   if (kind != StrategyKind::kAuto) return kind;
   if (peers.size() <= 1) return StrategyKind::kBinaryTreeStar;
-  if (MakeHostLayout(peers).host_count() == 1) {
+  const HostLayout layout = MakeHostLayout(peers);
+  if (layout.host_count() == 1) {
     return direct_ok && bytes >= kAutoDirectMinBytes ? StrategyKind::kDirect
                                                      : StrategyKind::kBinaryTreeStar;
   }
-  return bytes >= kAutoLargeBytes ? StrategyKind::kRing : StrategyKind::kBinaryTreeStar;
+  if (bytes < kAutoLargeBytes) return StrategyKind::kBinaryTreeStar;
+  return static_cast<int>(peers.size()) > layout.host_count() ? StrategyKind::kHierarchical
+                                                              : StrategyKind::kRing;
 }
 
 }  // namespace kungfu

@@ -71,7 +71,9 @@ class Session {
                        DType dtype, ReduceOp op, const Strategy& s, const Spawner& spawn);
   Status DirectAllReduce(const OpContext& ctx, const void* send, void* recv, size_t count,
                          DType dtype, ReduceOp op);
-  Status RingPart(const OpContext& ctx, const Part& p);
+  // The ring over `members` (ranks in ring order, this peer among them).
+  Status RingPart(const OpContext& ctx, const Part& p, const std::vector<int>& members);
+  Status HierarchicalPart(const OpContext& ctx, const Part& p);
   Status TreePart(const OpContext& ctx, const Part& p, const Strategy& s);
   Status ReduceTree(const OpContext& ctx, const Part& p, const Tree& tree);
   Status BroadcastTree(const OpContext& ctx, const Part& p, const Tree& tree);
@@ -81,6 +83,8 @@ class Session {
 
   const PeerList peers_;
   const int rank_;
+  const HostLayout layout_;
+  std::vector<int> all_ranks_;  // 0..n-1: the ring of RING
   mutable std::mutex default_mu_;  // guards default_kind_, default_tree_, counters_
   StrategyKind default_kind_;
   Tree default_tree_;

@@ -20,8 +20,11 @@ enum class StrategyKind : int {
   kClique = 6,
   kAuto = 7,
   kDirect = 8,  // one host: peers copy straight from each other's memory (process_vm_readv)
+  // Reduce inside each host, allreduce across hosts with every local peer carrying a share,
+  // fan out inside each host.
+  kHierarchical = 9,
 };
-constexpr int kNumStrategies = 9;
+constexpr int kNumStrategies = 10;
 inline bool IsValidStrategy(int k) { return k >= 0 && k < kNumStrategies; }
 
 const char* StrategyName(StrategyKind kind);
@@ -44,6 +47,7 @@ struct Strategy {
   StrategyKind kind = StrategyKind::kBinaryTreeStar;
   bool ring = false;
   bool direct = false;      // allreduce by direct reads; reduce/broadcast use `trees`
+  bool hierarchical = false;  // allreduce by host (HIERARCHICAL); reduce/broadcast use `trees`
   std::vector<Tree> trees;  // empty for the ring
 
   // A tree rooted at `root` to broadcast or reduce along: one of `trees` if one has that root,
@@ -65,7 +69,9 @@ Strategy MakeStrategyFromTree(const Tree& fathers);
 // The AUTO rule, for an operation of `bytes`:
 //  - all peers on one host, direct copies permitted and bytes >= kAutoDirectMinBytes: DIRECT (each
 //    byte is copied once, process to process, instead of twice through a socket);
-//  - several hosts and bytes >= kAutoLargeBytes: RING (bandwidth-optimal);
+//  - several hosts and bytes >= kAutoLargeBytes: HIERARCHICAL when some host runs more than one
+//    peer (each byte crosses between hosts once per host pair's share, and every local peer
+//    carries a share of it), else RING (bandwidth-optimal);
 //  - otherwise BINARY_TREE_STAR (a star inside each host, a binary tree across hosts: few hops,
 //    so the lowest latency for small tensors).
 // The thresholds come from benchmarks/allreduce.py on loopback (DIRECT overtakes the star between
