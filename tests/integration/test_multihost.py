@@ -1,12 +1,13 @@
-"""Two "hosts" as two network namespaces joined by a veth pair, one kungfu-run in each.
+"""Network namespaces as "hosts", each with a veth link to a bridge; one kungfu-run in each.
 
 Needs root and iproute2 (`ip netns`). Where a namespace cannot be created the tests fail with
 the reason: they are part of what CI runs (as root). Namespace names include the pid, so runs
-in parallel do not collide; the fixture always deletes the namespaces (and with them the veth
-pair).
+in parallel do not collide; the fixture always deletes the namespaces (and with them the links).
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import shutil
@@ -30,21 +31,19 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class Hosts:
-    def __init__(self, tag: str):
-        self.ns = [f"kft{tag}a", f"kft{tag}b"]
-        self.nic = ["kfv0", "kfv1"]
+    """`count` network namespaces ("hosts"), each joined by one veth link to a bridge in a switch
+    namespace of its own, so every host reaches every other through its own link."""
+
+    def __init__(self, tag: str, count: int):
+        self.ns = [f"kft{tag}{chr(ord('a') + i)}" for i in range(count)]
+        self.switch = f"kft{tag}s"
+        self.nic = [f"kfv{i}" for i in range(count)]   # the host's end of its link
+        self.port = [f"kfp{i}" for i in range(count)]  # the switch's end
         subnet = 1 + os.getpid() % 250
-        self.ip = [f"10.199.{subnet}.1", f"10.199.{subnet}.2"]
+        self.ip = [f"10.199.{subnet}.{i + 1}" for i in range(count)]
 
-
-@pytest.fixture
-def two_hosts():
-    if shutil.which("ip") is None:
-        pytest.fail("the multi-host test needs iproute2's `ip` command (run as root in CI)")
-    hosts = Hosts(str(os.getpid()))
-    created = []
-    try:
-        for ns in hosts.ns:
+    def build(self, created: list) -> None:
+        for ns in self.ns + [self.switch]:
             r = ip("netns", "add", ns, check=False)
             if r.returncode != 0:
                 pytest.fail(
@@ -52,34 +51,56 @@ def two_hosts():
                     f"{r.stderr.strip()}"
                 )
             created.append(ns)
-        a, b = hosts.ns
-        # The veth pair is created inside the namespaces: nothing appears in the caller's one.
-        ip("-n", a, "link", "add", hosts.nic[0], "type", "veth", "peer", "name", hosts.nic[1],
-           "netns", b)
-        for ns, nic, addr in zip(hosts.ns, hosts.nic, hosts.ip):
+        sw = self.switch
+        ip("-n", sw, "link", "add", "kfbr", "type", "bridge")
+        ip("-n", sw, "link", "set", "kfbr", "up")
+        for ns, nic, port, addr in zip(self.ns, self.nic, self.port, self.ip):
+            # Each veth pair is created inside the switch namespace with its other end moved
+            # straight into the host's: nothing appears in the caller's namespace.
+            ip("-n", sw, "link", "add", port, "type", "veth", "peer", "name", nic, "netns", ns)
+            ip("-n", sw, "link", "set", port, "master", "kfbr", "up")
             ip("-n", ns, "addr", "add", f"{addr}/24", "dev", nic)
             ip("-n", ns, "link", "set", "lo", "up")
             ip("-n", ns, "link", "set", nic, "up")
+
+
+@contextlib.contextmanager
+def netns_hosts(count: int):
+    """Builds Hosts(count); always deletes its namespaces (and with them the links)."""
+    if shutil.which("ip") is None:
+        pytest.fail("the multi-host test needs iproute2's `ip` command (run as root in CI)")
+    hosts = Hosts(str(os.getpid()), count)
+    created: list = []
+    try:
+        hosts.build(created)
         yield hosts
     finally:
         for ns in created:
             ip("netns", "del", ns, check=False)
         left = ip("netns", "list", check=False).stdout
-        assert not any(ns in left for ns in hosts.ns), f"namespaces left behind: {left}"
+        assert not any(ns in left for ns in created), f"namespaces left behind: {left}"
 
 
-def launcher_env() -> dict:
+@pytest.fixture
+def two_hosts():
+    with netns_hosts(2) as hosts:
+        yield hosts
+
+
+def launcher_env(pythonpath: str = "") -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
-    env["KUNGFU_JOB_TOKEN"] = "multihost-test-secret"  # one secret for the launchers of both hosts
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["KUNGFU_JOB_TOKEN"] = "multihost-test-secret"  # one secret for the launchers of all hosts
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + [p for p in [pythonpath, env.get("PYTHONPATH")] if p])
     return env
 
 
-def run_on_both(hosts: Hosts, args_per_host, timeout: float = 60):
+def run_on_both(hosts: Hosts, args_per_host, timeout: float = 60, pythonpath: str = ""):
+    """Runs one launcher per host (args_per_host[i] in hosts.ns[i]); returns (rc, out, err)."""
     procs = [
         subprocess.Popen(["ip", "netns", "exec", ns, PY, "-m", "kungfu.cmd", *args],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=launcher_env())
+                         env=launcher_env(pythonpath))
         for ns, args in zip(hosts.ns, args_per_host)
     ]
     try:
@@ -168,3 +189,30 @@ def test_failure_on_one_host_fails_the_job_on_both(two_hosts, tmp_path):
     assert "PeerFailedError" in err_a
     assert "unexpected" not in out_a + out_b
     assert "kungfu-run: worker 3 (" in err_b and "exited with code 3" in err_b
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers", [(1, 3), (2, 2), (1, 1, 2)], ids=["1+3", "2+2", "1+1+2"])
+def test_every_strategy_across_uneven_hosts(tmp_path, workers):
+    """Every strategy, every dtype, sizes 1, 7 and 2**20 + 3, across two and three namespaces
+    with uneven workers per host: right on every peer, and bit-identical across peers."""
+    with netns_hosts(len(workers)) as hosts:
+        spec = ",".join(f"{addr}:{n}" for addr, n in zip(hosts.ip, workers))
+        np_ = sum(workers)
+        args = [["-np", str(np_), "-H", spec, "-self", addr, "-timeout", "240s", "-q",
+                 PY, str(REPO / "tests" / "integration" / "_w_multihost.py")]
+                for addr in hosts.ip]
+        env_path = str(REPO / "tests" / "integration")
+        results = run_on_both(hosts, args, timeout=270, pythonpath=env_path)
+    reports = {}
+    for rc, out, err in results:
+        assert rc == 0, f"exit {rc}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+        for rank, lines in prefixed(out).items():
+            reports[rank] = json.loads(lines[-1])
+    assert sorted(reports) == list(range(np_))
+    problems = [f for rep in reports.values() for group in rep["failures"].values() for f in group]
+    assert not problems, "\n".join(problems[:40])
+    for rank, rep in reports.items():
+        assert rep["size"] == np_ and rep["count"] == rep["expected"], (rank, rep["count"])
+    digests = {rep["digest"] for rep in reports.values()}
+    assert len(digests) == 1, f"results differ between peers: {digests}"
