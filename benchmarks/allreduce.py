@@ -230,6 +230,17 @@ def measure(run: Callable[[], object], args) -> Tuple[np.ndarray, int]:
     return kf.allreduce(times, op="max", name="bench:times"), iters
 
 
+def record(impl: str, strategy: str, case: str, nbytes: int, times: np.ndarray, n: int,
+           iters: int, warmup: int, **extra) -> dict:
+    """One measurement (a JSON line) from its per-iteration slowest-worker times."""
+    med = float(statistics.median(times))
+    algbw = nbytes / med / 1e9 if med > 0 else 0.0
+    return {"impl": impl, "strategy": strategy, "case": case, **extra, "bytes": nbytes,
+            "dtype": "float32", "np": n, "iters": iters, "warmup": warmup,
+            "time_s": med, "min_s": float(times.min()), "max_s": float(times.max()),
+            "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / n}
+
+
 class Reporter:
     def __init__(self, n: int, args):
         self.n = n
@@ -240,12 +251,8 @@ class Reporter:
 
     def add(self, impl: str, strategy: str, case: str, nbytes: int, times: np.ndarray,
             iters: int, **extra) -> None:
-        med = float(statistics.median(times))
-        algbw = nbytes / med / 1e9 if med > 0 else 0.0
-        row = {"impl": impl, "strategy": strategy, "case": case, **extra, "bytes": nbytes,
-               "dtype": "float32", "np": self.n, "iters": iters, "warmup": self.args.warmup,
-               "time_s": med, "min_s": float(times.min()), "max_s": float(times.max()),
-               "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (self.n - 1) / self.n}
+        row = record(impl, strategy, case, nbytes, times, self.n, iters, self.args.warmup,
+                     **extra)
         self.rows.append(row)
         if self.root:
             line = json.dumps(row)
