@@ -26,3 +26,9 @@ class JsonLines:
         if self._file:
             self._file.close()
             self._file = None
+
+
+def read_json_lines(path: str) -> List[dict]:
+    """The records of a JSON-lines file (a --json file), blank lines skipped."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -14,6 +14,11 @@ busbw = algbw * 2(n-1)/n (the per-link traffic of a bandwidth-optimal allreduce)
 
 --compare times torch.distributed's gloo backend in the same run, on the same workers, right
 after kungfu on each case (never concurrently); --compare-first times it before kungfu instead.
+
+--plot PNG (rank 0, needs matplotlib) draws the sweep's median time and busbw against the size,
+log-log, one line per strategy (and gloo), one column per np, and the model case as bars of
+time per implementation and mode. --from-json PATH... measures nothing: it prints the tables
+(and --plot) of saved --json files, which may come from runs at different np.
 """
 from __future__ import annotations
 
@@ -35,6 +40,11 @@ except ImportError:  # run from a source checkout without installing
     sys.path.insert(0, os.path.dirname(HERE))
     import kungfu as kf
 from kungfu import _env
+
+if HERE not in sys.path:  # imported from elsewhere (a test): the helpers beside this file
+    sys.path.insert(0, HERE)
+from _common import read_json_lines  # noqa: E402
+from _plot import pyplot, save  # noqa: E402
 
 MODELS = {"resnet50": os.path.join(HERE, "resnet50_sizes.json")}
 DEFAULT_SIZES = "4B..256MiB"
@@ -135,6 +145,12 @@ def parse_args(argv=None):
     ap.add_argument("--no-table", action="store_true", help="JSON lines only")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="rank 0 also writes the JSON lines to PATH (without launcher prefixes)")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="rank 0 draws time and busbw against size (and the model case as "
+                         "bars) to PNG (needs matplotlib)")
+    ap.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
+                    help="measure nothing: print the tables (and --plot) of these --json files "
+                         "(no kungfu-run needed)")
     args = ap.parse_args(argv)
     if args.fuse:
         args.mode = "fused"
@@ -214,6 +230,17 @@ def measure(run: Callable[[], object], args) -> Tuple[np.ndarray, int]:
     return kf.allreduce(times, op="max", name="bench:times"), iters
 
 
+def record(impl: str, strategy: str, case: str, nbytes: int, times: np.ndarray, n: int,
+           iters: int, warmup: int, **extra) -> dict:
+    """One measurement (a JSON line) from its per-iteration slowest-worker times."""
+    med = float(statistics.median(times))
+    algbw = nbytes / med / 1e9 if med > 0 else 0.0
+    return {"impl": impl, "strategy": strategy, "case": case, **extra, "bytes": nbytes,
+            "dtype": "float32", "np": n, "iters": iters, "warmup": warmup,
+            "time_s": med, "min_s": float(times.min()), "max_s": float(times.max()),
+            "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / n}
+
+
 class Reporter:
     def __init__(self, n: int, args):
         self.n = n
@@ -224,12 +251,8 @@ class Reporter:
 
     def add(self, impl: str, strategy: str, case: str, nbytes: int, times: np.ndarray,
             iters: int, **extra) -> None:
-        med = float(statistics.median(times))
-        algbw = nbytes / med / 1e9 if med > 0 else 0.0
-        row = {"impl": impl, "strategy": strategy, "case": case, **extra, "bytes": nbytes,
-               "dtype": "float32", "np": self.n, "iters": iters, "warmup": self.args.warmup,
-               "time_s": med, "min_s": float(times.min()), "max_s": float(times.max()),
-               "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (self.n - 1) / self.n}
+        row = record(impl, strategy, case, nbytes, times, self.n, iters, self.args.warmup,
+                     **extra)
         self.rows.append(row)
         if self.root:
             line = json.dumps(row)
@@ -238,40 +261,49 @@ class Reporter:
                 self.file.write(line + "\n")
                 self.file.flush()
 
-    def tables(self) -> str:
-        out = []
-        sweep = [r for r in self.rows if r["case"] == "sweep"]
-        if sweep:
-            cols = list(dict.fromkeys(f"{r['impl']}:{r['strategy']}" for r in sweep))
-            sizes = sorted({r["bytes"] for r in sweep})
-            cell = {(r["bytes"], f"{r['impl']}:{r['strategy']}"): r for r in sweep}
-            for title, fmt in (("time (median)", lambda r: human_time(r["time_s"])),
-                               ("busbw GB/s", lambda r: f"{r['busbw_GBps']:.3f}")):
-                out.append(f"\nallreduce float32 sum, np={self.n}: {title}")
-                body = [[human_bytes(s)] + [fmt(cell[(s, c)]) if (s, c) in cell else "-"
-                                            for c in cols] for s in sizes]
-                out.append(_grid(["size"] + cols, body))
-        model = [r for r in self.rows if r["case"] != "sweep"]
-        if model:
-            modes = list(dict.fromkeys(r["mode"] for r in model))
-            keys = list(dict.fromkeys((r["case"], r["impl"], r["strategy"]) for r in model))
-            cell = {(r["case"], r["impl"], r["strategy"], r["mode"]): r for r in model}
-            body = []
-            for case, impl, strat in keys:
-                line = [case, impl, strat]
-                for m in modes:
-                    r = cell.get((case, impl, strat, m))
-                    line.append(f"{r['time_s'] * 1e3:.1f}" if r else "-")
-                r = cell.get((case, impl, strat, "fused"))
-                line.append(f"{r['busbw_GBps']:.3f}" if r else "-")
-                body.append(line)
-            first = model[0]
-            out.append(f"\nmodel gradient set per iteration, np={self.n} "
-                       f"({first['tensors']} tensors, {first['bytes'] / 1e6:.1f} MB float32): "
-                       f"ms (median)")
-            out.append(_grid(["model", "impl", "strategy"] + [f"{m} ms" for m in modes]
-                             + ["fused busbw GB/s"], body))
-        return "\n".join(out)
+
+
+def tables(rows: List[dict]) -> str:
+    """The text tables of `rows`, one set per np (a single run has one np)."""
+    return "".join(tables_at(n, [r for r in rows if r["np"] == n])
+                   for n in sorted({r["np"] for r in rows}))
+
+
+def tables_at(n: int, rows: List[dict]) -> str:
+    """The sweep's time and busbw tables and the model case's table, of measurements at np=n."""
+    out = []
+    sweep = [r for r in rows if r["case"] == "sweep"]
+    if sweep:
+        cols = list(dict.fromkeys(f"{r['impl']}:{r['strategy']}" for r in sweep))
+        sizes = sorted({r["bytes"] for r in sweep})
+        cell = {(r["bytes"], f"{r['impl']}:{r['strategy']}"): r for r in sweep}
+        for title, fmt in (("time (median)", lambda r: human_time(r["time_s"])),
+                           ("busbw GB/s", lambda r: f"{r['busbw_GBps']:.3f}")):
+            out.append(f"\nallreduce float32 sum, np={n}: {title}")
+            body = [[human_bytes(s)] + [fmt(cell[(s, c)]) if (s, c) in cell else "-"
+                                        for c in cols] for s in sizes]
+            out.append(_grid(["size"] + cols, body))
+    model = [r for r in rows if r["case"] != "sweep"]
+    if model:
+        modes = list(dict.fromkeys(r["mode"] for r in model))
+        keys = list(dict.fromkeys((r["case"], r["impl"], r["strategy"]) for r in model))
+        cell = {(r["case"], r["impl"], r["strategy"], r["mode"]): r for r in model}
+        body = []
+        for case, impl, strat in keys:
+            line = [case, impl, strat]
+            for m in modes:
+                r = cell.get((case, impl, strat, m))
+                line.append(f"{r['time_s'] * 1e3:.1f}" if r else "-")
+            r = cell.get((case, impl, strat, "fused"))
+            line.append(f"{r['busbw_GBps']:.3f}" if r else "-")
+            body.append(line)
+        first = model[0]
+        out.append(f"\nmodel gradient set per iteration, np={n} "
+                   f"({first['tensors']} tensors, {first['bytes'] / 1e6:.1f} MB float32): "
+                   f"ms (median)")
+        out.append(_grid(["model", "impl", "strategy"] + [f"{m} ms" for m in modes]
+                         + ["fused busbw GB/s"], body))
+    return "\n".join(out)
 
 
 def _grid(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
@@ -280,6 +312,90 @@ def _grid(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
              "  ".join("-" * w for w in widths)]
     lines += ["  ".join(str(x).rjust(w) for x, w in zip(row, widths)) for row in body]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots (--plot)
+
+def series(r: dict) -> str:
+    """A line's (or bar's) legend label: the implementation, and kungfu's strategy."""
+    return "gloo" if r["impl"] == "gloo" else f"kungfu {r['strategy']}"
+
+
+def plot(rows: List[dict], path: str) -> None:
+    """One PNG of the measurements: for the sweep, a column per np with median time (top) and
+    busbw (bottom) against size, log-log, a line per series with the min..max range shaded; for
+    the model case, a panel of bars on the right."""
+    if not rows:
+        raise SystemExit("--plot: no measurements to draw")
+    plt = pyplot()
+    sweep = [r for r in rows if r["case"] == "sweep"]
+    model = [r for r in rows if r["case"] != "sweep"]
+    nps = sorted({r["np"] for r in sweep})
+    cols = len(nps) + (1 if model else 0)
+    fig = plt.figure(figsize=(5.2 * cols, 7.2 if sweep else 4.2))
+    grid = fig.add_gridspec(2 if sweep else 1, cols)
+    colors = {s: f"C{i}" for i, s in enumerate(dict.fromkeys(series(r) for r in rows))}
+    for j, n in enumerate(nps):
+        at_n = [r for r in sweep if r["np"] == n]
+        plot_sweep(fig.add_subplot(grid[0, j]), fig.add_subplot(grid[1, j]), at_n, n, colors)
+    if model:
+        plot_model(fig.add_subplot(grid[:, -1]), model, colors)
+    save(fig, path)
+
+
+def plot_sweep(ax_time, ax_bw, rows: List[dict], n: int, colors: dict) -> None:
+    """Median time and busbw against size at one np, a line per series."""
+    for label in dict.fromkeys(series(r) for r in rows):
+        got = sorted((r for r in rows if series(r) == label), key=lambda r: r["bytes"])
+        x = [r["bytes"] for r in got]
+        kw = dict(color=colors[label], marker="o", markersize=3, label=label)
+        ax_time.plot(x, [r["time_s"] for r in got], **kw)
+        ax_time.fill_between(x, [r["min_s"] for r in got], [r["max_s"] for r in got],
+                             color=colors[label], alpha=0.15, linewidth=0)
+        ax_bw.plot(x, [r["busbw_GBps"] for r in got], **kw)
+    sizes = sorted({r["bytes"] for r in rows})
+    ticks = sizes[::max(1, -(-len(sizes) // 8))]
+    for ax in (ax_time, ax_bw):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(ticks, [human_bytes(b) for b in ticks])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3, which="both")
+        ax.set_xlabel("message size (float32 buffer)")
+    ax_time.set_title(f"allreduce sum, np={n}")
+    ax_time.set_ylabel("time per allreduce (s, median; range shaded)")
+    ax_bw.set_ylabel("bus bandwidth (GB/s, busbw)")
+    ax_time.legend(fontsize=8)
+
+
+def plot_model(ax, rows: List[dict], colors: dict) -> None:
+    """The model case: median time per series (and np, if several) and mode, min..max whiskers;
+    bars of one series share its colour, per-tensor hatched."""
+    several = len({r["np"] for r in rows}) > 1
+    groups = list(dict.fromkeys((r["np"], series(r)) for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    cell = {(r["np"], series(r), r["mode"]): r for r in rows}
+    width = 0.8 / len(modes)
+    for k, mode in enumerate(modes):
+        for i, (n, label) in enumerate(groups):
+            r = cell.get((n, label, mode))
+            if r is None:
+                continue
+            ms = r["time_s"] * 1e3
+            ax.bar(i + (k - (len(modes) - 1) / 2) * width, ms, width, color=colors[label],
+                   hatch="//" if mode == "per-tensor" else None, edgecolor="black",
+                   yerr=[[ms - r["min_s"] * 1e3], [r["max_s"] * 1e3 - ms]], capsize=3,
+                   label=mode if i == 0 else None)
+    ax.set_xticks(range(len(groups)),
+                  [f"np={n} {label}" if several else label for n, label in groups],
+                  rotation=30, ha="right")
+    first = rows[0]
+    ax.set_title(f"{first['case']} gradient set: {first['tensors']} tensors, "
+                 f"{first['bytes'] / 1e6:.1f} MB" + ("" if several else f", np={first['np']}"))
+    ax.set_ylabel("time per iteration (ms, median; whiskers min..max)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,10 +532,22 @@ def start_gloo(args):
     return Gloo(kf.rank(), kf.size(), hosts[0], port, hosts)
 
 
+def replot(args) -> int:
+    """--from-json: the tables (and --plot) of saved runs, without measuring."""
+    rows = [r for path in args.from_json for r in read_json_lines(path)]
+    print(tables(rows).lstrip("\n"))
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot:
+        pyplot()  # without matplotlib, every worker stops before measuring
+    if args.from_json:
+        return replot(args)
     if args.compare:
-        sys.path.insert(0, HERE)
         from _gloo import load
 
         if load() is None:
@@ -447,7 +575,9 @@ def main(argv=None) -> int:
         head = f"np={n}, strategies: {', '.join(l for l, _ in strategies)}"
         if gloo is not None:
             head += f"; gloo: torch {gloo.version}"
-        print(f"\n# {head}; total {time.perf_counter() - t0:.1f}s{rep.tables()}", flush=True)
+        print(f"\n# {head}; total {time.perf_counter() - t0:.1f}s{tables(rep.rows)}", flush=True)
+    if kf.rank() == 0 and args.plot:
+        plot(rep.rows, args.plot)
     return 0
 
 

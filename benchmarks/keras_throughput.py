@@ -84,7 +84,8 @@ if REPO not in sys.path:  # run from a checkout: this repository's kungfu
 
 from kungfu._ports import free_port_block  # noqa: E402
 
-from _common import JsonLines  # noqa: E402
+from _common import JsonLines, read_json_lines  # noqa: E402
+from _plot import pyplot, save  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -676,9 +677,10 @@ def measure(args, n: int, impls: List[str], out_dir: str) -> Dict[str, dict]:
 
 
 def driver(args) -> int:
+    if args.plot:
+        pyplot()  # without matplotlib, stop before measuring
     if args.from_json:
-        with open(args.from_json) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = read_json_lines(args.from_json)
         print_table(rows)
         if args.plot:
             plot(rows, args.plot)
@@ -724,13 +726,7 @@ def driver(args) -> int:
 def plot(rows: List[dict], path: str) -> None:
     """Bars of samples/s per implementation, grouped by worker count, one panel per model; the
     whiskers span the rounds' min and max."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     models = list(dict.fromkeys(r["model"] for r in rows))
     impls = [i for i in ("kungfu", "mwms", "plain") if any(r["impl"] == i for r in rows)]
     fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), squeeze=False)
@@ -750,10 +746,7 @@ def plot(rows: List[dict], path: str) -> None:
         ax.set_ylabel("samples/s")
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend()
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save(fig, path)
 
 
 def main(argv=None) -> int:

@@ -68,11 +68,17 @@ Output: one JSON object per measurement on stdout (also --json PATH), then a tab
    "pause_s", "target_s", "within_target"}
   {"measure": "restart", "change", "time_s", "save_s", "stop_s", "relaunch_s", "startup_s",
    "restore_s", "checkpoint_bytes", "restarted_step_s"}
+  {"measure": "timeline", "step", "size", "t_end_s", "step_s", "asks"} rank 0's steps in the
+   elastic job, as columns: step number, cluster size during the step, its end (seconds since
+   the elastic job's launch), the interval since the previous step's end (null for the first);
+   asks: [{"t_s", "step", "to"}], its kf.resize calls                    (for --plot)
   {"measure": "run", "wall_s", "loadavg_before", "loadavg_after", "cpus", "params",
    "elastic_steps", "epoch_boundaries" (epochs the elastic job crossed; 0 by default: at an
    epoch boundary model.fit's tf.data iterator is rebuilt, which can stall a worker for
    seconds, see the README), ...}
-Times are seconds. On a machine with few cores the workers share them, so everything here
+Times are seconds. --plot PNG draws rank 0's timeline (cluster size and step times, the pause
+of each switch marked) and (a), (b), (c) per change as bars (needs matplotlib); --from-json PATH
+prints the table and draws the plot of a saved --json file without running anything. On a machine with few cores the workers share them, so everything here
 depends on the load: the joiners' start-up competes with the training workers for the cores
 (pending_step_s shows it), and 4 workers on 2 cores step more slowly than 2. Run it more than
 once before drawing conclusions.
@@ -80,7 +86,6 @@ once before drawing conclusions.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -88,7 +93,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -97,7 +102,8 @@ if REPO not in sys.path:  # run from a checkout: this repository's kungfu
 
 from kungfu._ports import free_port_range, free_ports  # noqa: E402
 
-from _common import JsonLines  # noqa: E402
+from _common import JsonLines, read_json_lines  # noqa: E402
+from _plot import pyplot, save  # noqa: E402
 WORKER = os.path.join(HERE, "_resize_worker.py")
 
 TARGET_PAUSE_OUT = 1.0
@@ -153,6 +159,11 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=360.0,
                    help="seconds one kungfu-run job may take before it is stopped")
     p.add_argument("--json", metavar="PATH", help="also write the JSON lines to PATH")
+    p.add_argument("--plot", metavar="PNG",
+                   help="draw rank 0's resize timeline and the (a)/(b)/(c) bars to PNG "
+                        "(needs matplotlib)")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="run nothing: print the table (and --plot) of a saved --json file")
     p.add_argument("--keep", metavar="DIR",
                    help="keep the records, checkpoints and launcher logs in DIR")
     args = p.parse_args(argv)
@@ -243,8 +254,7 @@ def read_procs(out: str, tag: str) -> List[Proc]:
     procs = []
     for name in sorted(os.listdir(out)):
         if name.startswith(tag + "-") and name.endswith(".jsonl"):
-            with open(os.path.join(out, name)) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
+            rows = read_json_lines(os.path.join(out, name))
             if rows:
                 procs.append(Proc(rows))
     return procs
@@ -302,7 +312,7 @@ def steady_steps(r0: Proc, exclude: set) -> Dict[int, List[float]]:
 
 
 def analyse_elastic(args, procs: List[Proc]):
-    """(rows, {size: normal step time}, rank 0's records)"""
+    """(rows, rank 0's records)"""
     r0 = rank0(procs)
     steps = {s["step"]: s for s in r0.steps}
     switches = [s for s in r0.steps if s["size_after"] != s["size"] and not s.get("detached")]
@@ -378,7 +388,17 @@ def analyse_elastic(args, procs: List[Proc]):
         row["within_target"] = (row["time_s"] <= row["target_s"]
                                 if row["target_s"] is not None else None)
         rows.append(row)
-    return rows, normal_s, r0
+    return rows, r0
+
+
+def timeline_row(r0: Proc, t0: float) -> dict:
+    """Rank 0's steps as columns, times in seconds since t0 (the elastic job's launch)."""
+    ends = [s["t_end"] for s in r0.steps]
+    return {"measure": "timeline", "step": [s["step"] for s in r0.steps],
+            "size": [s["size"] for s in r0.steps], "t_end_s": [_r(t - t0) for t in ends],
+            "step_s": [None] + [_r(b - a) for a, b in zip(ends, ends[1:])],
+            "asks": [{"t_s": _r(a["t"] - t0), "step": a["step"], "to": a["to"]}
+                     for a in sorted(r0.asks, key=lambda a: a["t"])]}
 
 
 def analyse_restart(change: str, saved: dict, old_job: dict, new_job: dict,
@@ -417,7 +437,26 @@ def _f(x, nd=2) -> str:
     return f"{x:.{nd}f}"
 
 
-def print_table(rows: List[dict], normal_s: Dict[int, float], run: dict) -> None:
+def change_sizes(change: str) -> Tuple[int, int]:
+    """'2->4' -> (2, 4)"""
+    old, new = change.split("->")
+    return int(old), int(new)
+
+
+def normal_steps(rows: List[dict]) -> Dict[int, float]:
+    """{size: rank 0's normal step time}, as the pause rows give it (old and new size)."""
+    out: Dict[int, float] = {}
+    for r in rows:
+        if r["measure"] == "pause":
+            old, new = change_sizes(r["change"])
+            out.update({n: v for n, v in ((old, r["step_old_s"]), (new, r["step_new_s"]))
+                        if v is not None})
+    return out
+
+
+def print_table(rows: List[dict]) -> None:
+    run = next(r for r in rows if r["measure"] == "run")
+    normal_s = normal_steps(rows)
     print()
     print(f"resize latency, {run['params']:,} parameters, batch {run['batch_size']}/worker, "
           f"{run['cpus']} cpus, load average {run['loadavg_before'][0]:.2f} before, "
@@ -490,6 +529,95 @@ def _print_rows(head: List[str], table: List[List[str]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
 
 
+# -- plot (--plot) -----------------------------------------------------------------------------
+
+
+def plot(rows: List[dict], path: str) -> None:
+    """Rank 0's timeline on the left; (a), (b) and (c) per change as bars on the right."""
+    timeline = next((r for r in rows if r["measure"] == "timeline"), None)
+    if timeline is None:
+        raise SystemExit("--plot: the records hold no timeline (written since --plot exists)")
+    plt = pyplot()
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(13, 4.6), width_ratios=[2.2, 1])
+    plot_timeline(ax, timeline, [r for r in rows if r["measure"] == "pause"])
+    plot_latencies(bars, rows)
+    run = next((r for r in rows if r["measure"] == "run"), None)
+    if run:
+        fig.suptitle(f"resize of an elastic job: {run['params']:,} parameters, batch "
+                     f"{run['batch_size']}/worker, {run['optimizer']}, {run['cpus']} cpus")
+    save(fig, path)
+
+
+def plot_timeline(ax, timeline: dict, pauses: List[dict]) -> None:
+    """Cluster size over time (steps) with each step's duration as a point on a second axis;
+    every switch's boundary shaded and labelled with its pause, the kf.resize calls dotted."""
+    t, size = timeline["t_end_s"], timeline["size"]
+    ax.step(t, size, where="pre", color="C0", label="cluster size")
+    sizes = sorted(set(size))
+    ax.set_yticks(sizes)
+    ax.set_ylim(min(sizes) - 0.5, max(sizes) + 0.5)
+    ax.set_xlabel("time since the elastic job's launch (s), at rank 0's step ends")
+    ax.set_ylabel("cluster size (workers)", color="C0")
+    at = {st: i for i, st in enumerate(timeline["step"])}
+    for p in pauses:
+        i = at.get(p["switch_step"])
+        if i is None or i + 1 >= len(t):
+            continue
+        ax.axvspan(t[i], t[i + 1], color="C3", alpha=0.25, linewidth=0)
+        # a grow's label at the top right of its span, a shrink's at the bottom left: a short
+        # --gap puts the two close together
+        old, new = change_sizes(p["change"])
+        grow = new > old
+        ax.annotate(f"{p['change']}\npause {p['pause_s']:.2f} s" if p["pause_s"] is not None
+                    else p["change"], (t[i + 1] if grow else t[i],
+                                       max(sizes) + 0.45 if grow else min(sizes) - 0.45),
+                    fontsize=7, va="top" if grow else "bottom", ha="left" if grow else "right",
+                    color="C3")
+    for a in timeline["asks"]:
+        ax.axvline(a["t_s"], color="gray", linestyle=":", linewidth=1)
+    durations = ax.twinx()
+    pts = [(x, d) for x, d in zip(t, timeline["step_s"]) if d is not None]
+    durations.plot(*zip(*pts), "o", color="C1", markersize=3, label="step time")
+    durations.set_ylabel("step time: interval between step ends (s)", color="C1")
+    durations.set_ylim(bottom=0)
+    ax.set_title("rank 0: size (line), step times (dots), switch boundaries (shaded), "
+                 "kf.resize calls (dotted)", fontsize=9)
+
+
+def plot_latencies(ax, rows: List[dict]) -> None:
+    """Per change: the median (a) pause and (b) resize -> first step over the cycles, and (c)
+    checkpoint + restart stacked by its parts."""
+    changes = list(dict.fromkeys(r["change"] for r in rows if r["measure"] == "pause"))
+    width = 0.27
+    for i, change in enumerate(changes):
+        for k, (measure, key, label) in enumerate((("pause", "pause_s", "(a) pause"),
+                                                   ("resize_to_first_step", "time_s",
+                                                    "(b) resize -> first step"))):
+            v = _median(r[key] for r in rows if r["measure"] == measure
+                        and r["change"] == change and r.get(key) is not None)
+            if v is not None:
+                ax.bar(i + (k - 1) * width, v, width, color=f"C{k + 3}",
+                       label=label if i == 0 else None)
+                ax.annotate(f"{v:.2f}", (i + (k - 1) * width, v), ha="center", va="bottom",
+                            fontsize=7)
+        restart = next((r for r in rows if r["measure"] == "restart" and r["change"] == change),
+                       None)
+        if restart:
+            bottom = 0.0
+            for j, part in enumerate(("save_s", "stop_s", "relaunch_s", "startup_s")):
+                ax.bar(i + width, restart[part], width, bottom=bottom, color=f"C{j + 6}",
+                       label=f"(c) {part[:-2]}" if i == 0 else None)
+                bottom += restart[part]
+            ax.annotate(f"{restart['time_s']:.2f}", (i + width, bottom), ha="center",
+                        va="bottom", fontsize=7)
+    ax.set_xticks(range(len(changes)), changes)
+    ax.set_xlabel("change of cluster size")
+    ax.set_ylabel("seconds (median over cycles)")
+    ax.set_title("(a) pause, (b) resize -> first step, (c) checkpoint + restart", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 # -- main -----------------------------------------------------------------------------------------
 
 
@@ -497,8 +625,21 @@ def params_of(width: int) -> int:
     return 1024 * width + width + width * width + width + width * 1024 + 1024 + 1024 + 1
 
 
+def replay(args) -> int:
+    """--from-json: the table (and --plot) of a saved run."""
+    rows = read_json_lines(args.from_json)
+    print_table(rows)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot:
+        pyplot()  # without matplotlib, stop before the jobs run
+    if args.from_json:
+        return replay(args)
     out = args.keep or tempfile.mkdtemp(prefix="resize_latency.")
     os.makedirs(out, exist_ok=True)
     report = JsonLines(args.json)
@@ -517,8 +658,8 @@ def main(argv=None) -> int:
             worker_args(args, "elastic", "elastic", out) + ["--save", ckpt_a],
             os.path.join(out, "elastic.log"))
         procs = read_procs(out, "elastic")
-        erows, normal_s, r0 = analyse_elastic(args, procs)
-        for row in erows:
+        erows, r0 = analyse_elastic(args, procs)
+        for row in erows + [timeline_row(r0, elastic["t_launch"])]:
             emit(row)
         expected = 2 * args.cycles
         got = sum(1 for r in erows if r["measure"] == "pause")
@@ -560,7 +701,9 @@ def main(argv=None) -> int:
                "elastic_steps": r0.steps[-1]["step"],
                "epoch_boundaries": r0.steps[-1].get("epoch", 0) - r0.steps[0].get("epoch", 0)}
         emit(run)
-        print_table(rows, normal_s, run)
+        print_table(rows)
+        if args.plot:
+            plot(rows, args.plot)
         return 0
     except JobFailed as e:
         print(f"resize_latency: {e}", file=sys.stderr)
