@@ -261,22 +261,28 @@ TEST(AllReduceEveryDTypeAndOp) {
 }
 
 TEST(AllReduceInPlace) {
-  for (const Layout& l : {Layouts()[2], Layouts()[3], Layouts()[5], Layouts()[6]}) {
-    LocalCluster c(l.hosts, SmallChunks());
-    REQUIRE(c.Start());
-    OnEveryRank(c.size(), [&](int r) {
-      for (StrategyKind s : kAllStrategies) {
-        if (s == StrategyKind::kDirect && !l.one_host()) continue;
-        for (size_t count : {size_t(5), size_t(10007), size_t(40000)}) {
-          const std::string what = Describe(l, s, count, r) + " in place";
-          std::vector<uint8_t> buf = Fill(DType::kFloat32, ReduceOp::kSum, r, count);
-          kungfu::Status st = WAIT(c[r].AllReduce(buf.data(), buf.data(), count, DType::kFloat32,
-                                                  ReduceOp::kSum, Opts("inplace", s)));
-          if (!CHECK_MSG(st.ok(), what + ": " + st.ToString())) continue;
-          CheckReduced(DType::kFloat32, ReduceOp::kSum, c.size(), buf.data(), count, what);
+  // With memory reads (DIRECT, HIERARCHICAL inside hosts) and without (messages only).
+  for (bool reads : {true, false}) {
+    for (const Layout& l : {Layouts()[2], Layouts()[3], Layouts()[5], Layouts()[6]}) {
+      kftest::ClusterOptions o = SmallChunks();
+      o.memory_reads = reads;
+      LocalCluster c(l.hosts, o);
+      REQUIRE(c.Start());
+      OnEveryRank(c.size(), [&](int r) {
+        for (StrategyKind s : kAllStrategies) {
+          if (s == StrategyKind::kDirect && !(l.one_host() && reads)) continue;
+          for (size_t count : {size_t(5), size_t(10007), size_t(40000)}) {
+            const std::string what = Describe(l, s, count, r) + " in place" +
+                                     (reads ? "" : ", no memory reads");
+            std::vector<uint8_t> buf = Fill(DType::kFloat32, ReduceOp::kSum, r, count);
+            kungfu::Status st = WAIT(c[r].AllReduce(buf.data(), buf.data(), count, DType::kFloat32,
+                                                    ReduceOp::kSum, Opts("inplace", s)));
+            if (!CHECK_MSG(st.ok(), what + ": " + st.ToString())) continue;
+            CheckReduced(DType::kFloat32, ReduceOp::kSum, c.size(), buf.data(), count, what);
+          }
         }
-      }
-    });
+      });
+    }
   }
 }
 
@@ -333,33 +339,37 @@ TEST(AllReduceIsBitIdenticalOnEveryPeer) {
   const size_t counts[] = {1, 7, (size_t(1) << 20) + 3};
   const StrategyKind strategies[] = {StrategyKind::kHierarchical, StrategyKind::kRing,
                                      StrategyKind::kBinaryTreeStar, StrategyKind::kAuto};
-  for (const Layout& l : {Layouts()[4], Layouts()[5], Layouts()[6]}) {
-    LocalCluster c(l.hosts);
-    REQUIRE(c.Start());
-    const int n = c.size();
-    for (StrategyKind s : strategies) {
-      for (size_t count : counts) {
-        std::vector<std::vector<float>> out(n, std::vector<float>(count));
-        OnEveryRank(n, [&](int r) {
-          std::vector<float> in(count);
-          for (size_t i = 0; i < count; ++i) in[i] = 1.0f / static_cast<float>(3 + r + (i % 101));
-          CHECK_OK(WAIT(c[r].AllReduce(in.data(), out[r].data(), count, DType::kFloat32,
-                                       ReduceOp::kSum, Opts("bits", s))));
-        });
-        const std::string what = Describe(l, s, count, 0);
-        int bad = 0;
-        for (size_t i = 0; i < count && bad < 3; ++i) {
-          double exact = 0;
-          for (int r = 0; r < n; ++r) exact += 1.0 / (3 + r + (i % 101));
-          if (std::abs(out[0][i] - exact) > 1e-5 * exact) {
-            ++bad;
-            kftest::ReportFailure(__FILE__, __LINE__, what + ": element " + std::to_string(i) +
-                                                          " = " + kftest::Show(out[0][i]));
+  for (const Layout& l : {Layouts()[0], Layouts()[4], Layouts()[5], Layouts()[6]}) {
+    for (bool reads : {true, false}) {
+      kftest::ClusterOptions o;
+      o.memory_reads = reads;
+      LocalCluster c(l.hosts, o);
+      REQUIRE(c.Start());
+      const int n = c.size();
+      for (StrategyKind s : strategies) {
+        for (size_t count : counts) {
+          std::vector<std::vector<float>> out(n, std::vector<float>(count));
+          OnEveryRank(n, [&](int r) {
+            std::vector<float> in(count);
+            for (size_t i = 0; i < count; ++i) in[i] = 1.0f / static_cast<float>(3 + r + (i % 101));
+            CHECK_OK(WAIT(c[r].AllReduce(in.data(), out[r].data(), count, DType::kFloat32,
+                                         ReduceOp::kSum, Opts("bits", s))));
+          });
+          const std::string what = Describe(l, s, count, 0) + (reads ? "" : ", no memory reads");
+          int bad = 0;
+          for (size_t i = 0; i < count && bad < 3; ++i) {
+            double exact = 0;
+            for (int r = 0; r < n; ++r) exact += 1.0 / (3 + r + (i % 101));
+            if (std::abs(out[0][i] - exact) > 1e-5 * exact) {
+              ++bad;
+              kftest::ReportFailure(__FILE__, __LINE__, what + ": element " + std::to_string(i) +
+                                                            " = " + kftest::Show(out[0][i]));
+            }
           }
-        }
-        for (int r = 1; r < n; ++r) {
-          CHECK_MSG(std::memcmp(out[r].data(), out[0].data(), count * sizeof(float)) == 0,
-                    what + ": rank " + std::to_string(r) + " differs from rank 0");
+          for (int r = 1; r < n; ++r) {
+            CHECK_MSG(std::memcmp(out[r].data(), out[0].data(), count * sizeof(float)) == 0,
+                      what + ": rank " + std::to_string(r) + " differs from rank 0");
+          }
         }
       }
     }

@@ -326,6 +326,7 @@ struct ClusterOptions {
   int64_t connect_timeout_ms = 10000;
   size_t chunk_bytes = 1 << 20;
   int parallelism = 2;
+  bool memory_reads = true;
   bool timeline = false;
   size_t timeline_cap = 1000000;
 };
@@ -359,6 +360,7 @@ class LocalCluster {
     c.connect_timeout_ms = options_.connect_timeout_ms;
     c.chunk_bytes = options_.chunk_bytes;
     c.parallelism = options_.parallelism;
+    c.memory_reads = options_.memory_reads;
     c.timeline = options_.timeline;
     c.timeline_cap = options_.timeline_cap;
     return c;

@@ -177,7 +177,7 @@ Status Peer::Start() {
   if (s.code() == Code::kInvalidArgument) LingerForHellos(std::chrono::milliseconds(2000));
   KF_RETURN_IF_ERROR(s);
   KF_RETURN_IF_ERROR(t.WaitIncoming(since, deadline));
-  return session_->ProbeDirect(deadline);
+  return session_->ProbeDirect(deadline, config_.memory_reads);
 }
 
 // A peer that gives up on a mismatch (another job token, destination or protocol) keeps

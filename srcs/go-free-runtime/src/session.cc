@@ -134,7 +134,9 @@ Status Session::AllReduceWith(const OpContext& ctx, const void* send, void* recv
           "strategy DIRECT needs every peer on one host, allowed to read the others' memory "
           "(process_vm_readv); use RING or AUTO");
     }
-    return DirectAllReduce(ctx, send, recv, count, dtype, op);
+    // One host: HIERARCHICAL with one segment per peer, every phase by memory reads.
+    return HierarchicalPart(ctx, Part{static_cast<const char*>(send), static_cast<char*>(recv),
+                                      count, count, dtype, op, 0}, true);
   }
   // Large buffers run as independent pipelines over contiguous parts.
   size_t parts = 1;
@@ -153,7 +155,7 @@ Status Session::AllReduceWith(const OpContext& ctx, const void* send, void* recv
     auto [b, e] = EvenPiece(count, parts, i);
     Part p{static_cast<const char*>(send) + b * esize, static_cast<char*>(recv) + b * esize,
            e - b, count, dtype, op, i};
-    Status st = hierarchical ? HierarchicalPart(ctx, p)
+    Status st = hierarchical ? HierarchicalPart(ctx, p, local_reads_ok_)
                 : s.ring       ? RingPart(ctx, p, all_ranks_)
                                : TreePart(ctx, p, s);
     // The other parts here and on the peers would wait for this one's messages: stop them now.
@@ -186,104 +188,35 @@ Status Session::AllReduceWith(const OpContext& ctx, const void* send, void* recv
   return first;
 }
 
-// Direct allreduce (one host). Every peer owns segment `rank` of the buffer.
-//  1. Peers tell each other their pid and buffer addresses.
-//  2. Each reduces its own segment, reading the others' send buffers straight from their memory,
-//     chunk by chunk into a cache-sized scratch buffer.
-//  3. Each tells the others its segment is final.
-//  4. Each copies every other final segment straight from its owner's output into its own.
-//  5. Each tells the others it is done reading, and returns only once all are: until then its
-//     buffers may still be read.
-// Each byte crosses between processes once (a socket copies it twice). Segments are disjoint, so
-// in-place operation (send == recv) is safe: a peer writes segment j of its output only after j's
-// owner said it no longer reads anybody's segment j.
-Status Session::DirectAllReduce(const OpContext& ctx, const void* send, void* recv, size_t count,
-                                DType dtype, ReduceOp op) {
-  const int n = size(), r = rank_;
-  const size_t es = DTypeSize(dtype);
-  // Addresses only: each peer's pid was bound to its stream's credentials by the probe, so a peer
-  // can point others only at its own memory.
-  const uint64_t mine[2] = {reinterpret_cast<uint64_t>(send), reinterpret_cast<uint64_t>(recv)};
-  const MsgExpect where_meta{dtype, count, sizeof(mine)};
-  const MsgExpect signal{dtype, count, 0};
-  auto key = [&](uint64_t step) { return MsgKey{ctx.name, ctx.seq, Tag(kDirectPhase, 0, step, 0)}; };
-  for (int i = 1; i < n; ++i) KF_RETURN_IF_ERROR(transport_.Send((r + i) % n, key(0), where_meta, mine));
-  std::vector<std::array<uint64_t, 2>> where(n);
-  for (int i = 1; i < n; ++i) {
-    const int src = (r + i) % n;
-    Buffer in;
-    KF_RETURN_IF_ERROR(transport_.Recv(src, key(0), where_meta, ctx.deadline, &in));
-    std::memcpy(where[src].data(), in.data(), sizeof(mine));
-  }
-  auto remote = [&](int src, uint64_t addr, void* dst, size_t bytes) {
-    Status st = net::ReadRemote(direct_pids_[src], addr, dst, bytes);
-    if (st.ok()) return st;
-    // A live peer lets go of its buffers only after its op failed, and it sends its abort before
-    // that: report the abort, not the peer whose memory vanished (unless that peer is gone).
-    Status op = transport_.OpError(ctx.name, ctx.seq, std::chrono::milliseconds(1000));
-    if (!op.ok()) return op;
-    return Unavailable("peer " + transport_.Describe(src) + ": " + st.message());
-  };
-  {
-    auto [b, e] = EvenPiece(count, n, r);
-    const size_t step = std::max<size_t>(1, std::min<size_t>(chunk_bytes_, 256 << 10) / es);
-    Buffer scratch(std::min(step, e - b) * es);
-    for (size_t off = b; off < e; off += step) {
-      const size_t len = std::min(step, e - off);
-      char* out = static_cast<char*>(recv) + off * es;
-      const char* acc = static_cast<const char*>(send) + off * es;
-      for (int i = 1; i < n; ++i) {
-        const int src = (r + i) % n;
-        KF_RETURN_IF_ERROR(remote(src, where[src][0] + off * es, scratch.data(), len * es));
-        ::kungfu::Reduce(out, acc, scratch.data(), len, dtype, op);
-        acc = out;
-      }
-    }
-  }
-  for (int i = 1; i < n; ++i) KF_RETURN_IF_ERROR(transport_.Send((r + i) % n, key(1), signal, nullptr));
-  for (int i = 1; i < n; ++i) {
-    const int src = (r + i) % n;
-    Buffer none;
-    KF_RETURN_IF_ERROR(transport_.Recv(src, key(1), signal, ctx.deadline, &none));
-    auto [b, e] = EvenPiece(count, n, src);
-    if (e > b) {
-      KF_RETURN_IF_ERROR(remote(src, where[src][1] + b * es, static_cast<char*>(recv) + b * es,
-                                (e - b) * es));
-    }
-  }
-  for (int i = 1; i < n; ++i) KF_RETURN_IF_ERROR(transport_.Send((r + i) % n, key(2), signal, nullptr));
-  for (int i = 1; i < n; ++i) {
-    Buffer none;
-    KF_RETURN_IF_ERROR(transport_.Recv((r + i) % n, key(2), signal, ctx.deadline, &none));
-  }
-  return Status::OK();
-}
-
-// The probe: each peer sends its pid and the address of a word holding its rank; a peer that
-// can read every other's word, from the pid that the kernel reports for that peer's Unix socket
-// (not the pid it claims), votes yes; DIRECT is on iff all vote yes.
-Status Session::ProbeDirect(TimePoint deadline) {
-  direct_ok_ = false;
-  const int n = size();
-  if (n == 1 || MakeHostLayout(peers_).host_count() != 1) return Status::OK();
+// The probe: each peer sends the peers of its host its pid and the address of a word holding its
+// rank; a peer that can read every local peer's word, from the pid that the kernel reports for
+// that peer's Unix socket (not the pid it claims), votes yes; reads are on iff all peers vote yes.
+Status Session::ProbeDirect(TimePoint deadline, bool allowed) {
+  direct_ok_ = local_reads_ok_ = false;
+  if (size() == 1) return Status::OK();
+  bool shared = false;  // some host runs several peers
+  for (const auto& ranks : layout_.ranks_of_host) shared = shared || ranks.size() > 1;
+  if (!shared) return Status::OK();
   const std::string name = "kungfu::probe-direct";
   transport_.BeginOp(name, 0, OpSig{OpKind::kInternal});
-  Status st = ProbeDirectOp(name, deadline);
+  Status st = ProbeDirectOp(name, deadline, allowed);
   transport_.EndOp(name, 0);
   return st;
 }
 
-Status Session::ProbeDirectOp(const std::string& name, TimePoint deadline) {
-  const int n = size();
+Status Session::ProbeDirectOp(const std::string& name, TimePoint deadline, bool allowed) {
+  const std::vector<int>& local = layout_.ranks_of_host[layout_.host_of[rank_]];
   probe_word_ = 0x6b756e6766750000ull ^ static_cast<uint64_t>(rank_);
   const uint64_t mine[2] = {static_cast<uint64_t>(getpid()), reinterpret_cast<uint64_t>(&probe_word_)};
   const MsgExpect meta{DType::kUInt64, 2, sizeof(mine)};
   const MsgKey key{name, 0, Tag(kDirectPhase, 0, 0, 0)};
-  for (int i = 1; i < n; ++i) KF_RETURN_IF_ERROR(transport_.Send((rank_ + i) % n, key, meta, mine));
-  uint8_t ok = 1;
-  direct_pids_.assign(n, -1);
-  for (int i = 1; i < n; ++i) {
-    const int src = (rank_ + i) % n;
+  for (int q : local) {
+    if (q != rank_) KF_RETURN_IF_ERROR(transport_.Send(q, key, meta, mine));
+  }
+  uint8_t ok = allowed ? 1 : 0;
+  direct_pids_.assign(size(), -1);
+  for (int src : local) {
+    if (src == rank_) continue;
     Buffer in;
     KF_RETURN_IF_ERROR(transport_.Recv(src, key, meta, deadline, &in));
     uint64_t theirs[2], word = 0;
@@ -300,7 +233,8 @@ Status Session::ProbeDirectOp(const std::string& name, TimePoint deadline) {
   KF_RETURN_IF_ERROR(AllReduce(ctx, &ok, &ok, 1, DType::kUInt8, ReduceOp::kMin,
                                static_cast<int>(StrategyKind::kBinaryTreeStar),
                                [](std::function<void()> f) { f(); }));
-  direct_ok_ = ok == 1;
+  local_reads_ok_ = ok == 1;
+  direct_ok_ = local_reads_ok_ && layout_.host_count() == 1;
   return Status::OK();
 }
 
@@ -376,26 +310,34 @@ Status Session::RingPart(const OpContext& ctx, const Part& p, const std::vector<
 
 // Hierarchical allreduce. Host h runs m_h peers; the part splits into K = max m_h segments, and on
 // host h segment j belongs to its local peer j mod m_h.
-//  1. Inside each host: every peer sends each segment it does not own to that segment's owner,
-//     which reduces them into its output.
+//  1. Inside each host, every segment's owner reduces the other local peers' contributions to it
+//     into its output: they send them, or (`reads`) it reads them straight from their send
+//     buffers, chunk by chunk into a cache-sized scratch buffer.
 //  2. Across hosts: the owners of segment j (one per host) run a ring allreduce on it, in place in
 //     their outputs. The K rings run side by side, so every peer of a host carries a share of the
 //     bytes that cross between hosts, on its own streams.
-//  3. Inside each host: every owner sends its final segments to the other local peers, which
-//     receive them straight into their outputs.
-// Each segment's result is computed once (by its ring) and then copied as bytes, so every peer
-// ends with identical bits. Owners take their segments' rings in increasing j, so rings that
-// share peers never wait on each other in a cycle.
-Status Session::HierarchicalPart(const OpContext& ctx, const Part& p) {
+//  3. Inside each host, every owner's final segments reach the other local peers' outputs: it
+//     sends them, or it tells them they are final and they read them from its output.
+//  4. (`reads`) Each tells its local peers it is done reading, and returns only once all are:
+//     until then its buffers may still be read.
+// With one host this is DIRECT: K = n segments, one per peer, each byte copied between processes
+// once (a socket copies it twice). Each segment's result is computed once (by its owner, or its
+// ring) and then copied as bytes, so every peer ends with identical bits. Owners take their
+// segments' rings in increasing j, so rings that share peers never wait on each other in a cycle.
+// In place (send == recv) is safe: a peer writes segment j of its output only once j's owner has
+// read or received its contribution to j.
+Status Session::HierarchicalPart(const OpContext& ctx, const Part& p, bool reads) {
   const std::vector<int>& local = layout_.ranks_of_host[layout_.host_of[rank_]];
   const size_t m = local.size(), me = static_cast<size_t>(layout_.local_rank[rank_]);
+  reads = reads && m > 1;
   size_t segments = 0;
   for (const auto& ranks : layout_.ranks_of_host) segments = std::max(segments, ranks.size());
   const size_t es = p.esize();
   // Calls f(chunk, offset, length) for every chunk of segment j (elements, relative to the part).
   auto chunks_of = [&](size_t j, auto f) -> Status {
     auto [sb, se] = EvenPiece(p.count, segments, j);
-    const size_t k = ChunkCount(se - sb, es, chunk_bytes_);
+    const size_t k = ChunkCount(se - sb, es, reads ? std::min<size_t>(chunk_bytes_, 256 << 10)
+                                                   : chunk_bytes_);
     for (size_t c = 0; c < k; ++c) {
       auto [cb, ce] = EvenPiece(se - sb, k, c);
       KF_RETURN_IF_ERROR(f(c, sb + cb, ce - cb));
@@ -405,58 +347,115 @@ Status Session::HierarchicalPart(const OpContext& ctx, const Part& p) {
   auto key = [&](Phase phase, size_t j, size_t c) {
     return MsgKey{ctx.name, ctx.seq, Tag(phase, p.index, j, c)};
   };
-  // 1. Send what others own, then post the receives of step 3 (after the sends: in place, those
-  // receives land where this peer's sent contribution was).
-  for (size_t j = 0; j < segments; ++j) {
-    if (j % m == me) continue;
-    KF_RETURN_IF_ERROR(chunks_of(j, [&](size_t c, size_t off, size_t len) {
-      return transport_.Send(local[j % m], key(kLocalReducePhase, j, c), p.Expect(len),
-                             p.send + off * es);
-    }));
-  }
+  auto others = [&](auto f) -> Status {  // f(q) for every other local peer, from the next one on
+    for (size_t i = 1; i < m; ++i) KF_RETURN_IF_ERROR(f(local[(me + i) % m]));
+    return Status::OK();
+  };
+  // Reads: the local peers' send and recv addresses (only addresses: each peer's pid was bound to
+  // its stream's credentials by the probe, so a peer can point others only at its own memory).
+  std::vector<std::array<uint64_t, 2>> where(reads ? size() : 0);
+  const MsgExpect signal{p.dtype, p.total, 0};
+  auto tell_all = [&](size_t step) {
+    return others([&](int q) { return transport_.Send(q, key(kDirectPhase, step, 0), signal, nullptr); });
+  };
+  auto hear = [&](int q, size_t step) {
+    Buffer none;
+    return transport_.Recv(q, key(kDirectPhase, step, 0), signal, ctx.deadline, &none);
+  };
+  auto remote = [&](int src, uint64_t addr, void* dst, size_t bytes) {
+    Status st = net::ReadRemote(direct_pids_[src], addr, dst, bytes);
+    if (st.ok()) return st;
+    // A live peer lets go of its buffers only after its op failed, and it sends its abort before
+    // that: report the abort, not the peer whose memory vanished (unless that peer is gone).
+    Status op = transport_.OpError(ctx.name, ctx.seq, std::chrono::milliseconds(1000));
+    if (!op.ok()) return op;
+    return Unavailable("peer " + transport_.Describe(src) + ": " + st.message());
+  };
   std::vector<std::shared_ptr<Transport::Posted>> posted;
-  for (size_t j = 0; j < segments; ++j) {
-    if (j % m == me) continue;
-    chunks_of(j, [&](size_t c, size_t off, size_t len) {
-      posted.push_back(transport_.Post(local[j % m], key(kLocalGatherPhase, j, c), p.Expect(len),
-                                       p.recv + off * es));
+  if (reads) {
+    const uint64_t mine[2] = {reinterpret_cast<uint64_t>(p.send), reinterpret_cast<uint64_t>(p.recv)};
+    const MsgExpect meta{p.dtype, p.total, sizeof(mine)};
+    KF_RETURN_IF_ERROR(others([&](int q) { return transport_.Send(q, key(kDirectPhase, 0, 0), meta, mine); }));
+    KF_RETURN_IF_ERROR(others([&](int q) {
+      Buffer in;
+      KF_RETURN_IF_ERROR(transport_.Recv(q, key(kDirectPhase, 0, 0), meta, ctx.deadline, &in));
+      std::memcpy(where[q].data(), in.data(), sizeof(mine));
       return Status::OK();
-    });
+    }));
+  } else {
+    // 1. Send what others own, then post the receives of step 3 (after the sends: in place,
+    // those receives land where this peer's sent contribution was).
+    for (size_t j = 0; j < segments; ++j) {
+      if (j % m == me) continue;
+      KF_RETURN_IF_ERROR(chunks_of(j, [&](size_t c, size_t off, size_t len) {
+        return transport_.Send(local[j % m], key(kLocalReducePhase, j, c), p.Expect(len),
+                               p.send + off * es);
+      }));
+    }
+    for (size_t j = 0; j < segments; ++j) {
+      if (j % m == me) continue;
+      chunks_of(j, [&](size_t c, size_t off, size_t len) {
+        posted.push_back(transport_.Post(local[j % m], key(kLocalGatherPhase, j, c),
+                                         p.Expect(len), p.recv + off * es));
+        return Status::OK();
+      });
+    }
   }
+  Buffer scratch(reads ? std::min<size_t>(chunk_bytes_, 256 << 10) : 0);
   for (size_t j = me; j < segments; j += m) {
     KF_RETURN_IF_ERROR(chunks_of(j, [&](size_t c, size_t off, size_t len) {
       const char* acc = p.send + off * es;
       char* out = p.recv + off * es;
-      for (int q : local) {
-        if (q == rank_) continue;
+      KF_RETURN_IF_ERROR(others([&](int q) {
         Buffer in;
-        KF_RETURN_IF_ERROR(transport_.Recv(q, key(kLocalReducePhase, j, c), p.Expect(len),
-                                           ctx.deadline, &in));
-        ::kungfu::Reduce(out, acc, in.data(), len, p.dtype, p.op);
+        if (reads) {
+          KF_RETURN_IF_ERROR(remote(q, where[q][0] + off * es, scratch.data(), len * es));
+        } else {
+          KF_RETURN_IF_ERROR(transport_.Recv(q, key(kLocalReducePhase, j, c), p.Expect(len),
+                                             ctx.deadline, &in));
+        }
+        ::kungfu::Reduce(out, acc, reads ? scratch.data() : in.data(), len, p.dtype, p.op);
         acc = out;
-      }
+        return Status::OK();
+      }));
       if (acc != out && len > 0) std::memcpy(out, acc, len * es);
       return Status::OK();
     }));
   }
   // 2. One ring per owned segment, over its owners in host order.
-  for (size_t j = me; j < segments; j += m) {
-    std::vector<int> owners;
-    for (const auto& ranks : layout_.ranks_of_host) owners.push_back(ranks[j % ranks.size()]);
-    auto [sb, se] = EvenPiece(p.count, segments, j);
-    Part seg{p.recv + sb * es, p.recv + sb * es, se - sb, p.total, p.dtype, p.op,
-             HierarchicalRingIndex(p.index, j)};
-    KF_RETURN_IF_ERROR(RingPart(ctx, seg, owners));
+  if (layout_.host_count() > 1) {
+    for (size_t j = me; j < segments; j += m) {
+      std::vector<int> owners;
+      for (const auto& ranks : layout_.ranks_of_host) owners.push_back(ranks[j % ranks.size()]);
+      auto [sb, se] = EvenPiece(p.count, segments, j);
+      Part seg{p.recv + sb * es, p.recv + sb * es, se - sb, p.total, p.dtype, p.op,
+               HierarchicalRingIndex(p.index, j)};
+      KF_RETURN_IF_ERROR(RingPart(ctx, seg, owners));
+    }
   }
   // 3.
-  for (size_t j = me; j < segments; j += m) {
-    KF_RETURN_IF_ERROR(chunks_of(j, [&](size_t c, size_t off, size_t len) {
-      for (int q : local) {
-        if (q == rank_) continue;
-        KF_RETURN_IF_ERROR(transport_.Send(q, key(kLocalGatherPhase, j, c), p.Expect(len),
-                                           p.recv + off * es));
+  if (reads) {
+    KF_RETURN_IF_ERROR(tell_all(1));
+    KF_RETURN_IF_ERROR(others([&](int q) {
+      KF_RETURN_IF_ERROR(hear(q, 1));
+      const size_t owner = static_cast<size_t>(layout_.local_rank[q]);
+      for (size_t j = owner; j < segments; j += m) {
+        auto [sb, se] = EvenPiece(p.count, segments, j);
+        if (se > sb) {
+          KF_RETURN_IF_ERROR(remote(q, where[q][1] + sb * es, p.recv + sb * es, (se - sb) * es));
+        }
       }
       return Status::OK();
+    }));
+    // 4.
+    KF_RETURN_IF_ERROR(tell_all(2));
+    return others([&](int q) { return hear(q, 2); });
+  }
+  for (size_t j = me; j < segments; j += m) {
+    KF_RETURN_IF_ERROR(chunks_of(j, [&](size_t c, size_t off, size_t len) {
+      return others([&](int q) {
+        return transport_.Send(q, key(kLocalGatherPhase, j, c), p.Expect(len), p.recv + off * es);
+      });
     }));
   }
   for (const auto& w : posted) KF_RETURN_IF_ERROR(transport_.Wait(w, ctx.deadline));

@@ -47,6 +47,9 @@ struct PeerConfig {
   int64_t connect_timeout_ms = 120000;  // how long Start() waits for every peer to come up
   size_t chunk_bytes = 1 << 20;         // largest message; large tensors pipeline in chunks
   int parallelism = 2;                  // independent pipelines per large allreduce
+  // Peers of one host may read each other's memory (process_vm_readv) where the kernel permits:
+  // DIRECT, and HIERARCHICAL inside hosts. false: they exchange messages only.
+  bool memory_reads = true;
   std::string job_token;                // proved both ways in every handshake (see transport.h)
   // While Start() waits for peers: a line every progress_ms (0: none) naming who is missing.
   int64_t progress_ms = 10000;

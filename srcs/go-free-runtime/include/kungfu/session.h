@@ -59,26 +59,26 @@ class Session {
                 GatherResult* out);
   Status Consensus(const OpContext& ctx, const void* data, size_t bytes, bool* agreed);
 
-  // Whether peers may read each other's memory (DIRECT): true only if every peer shares one host
-  // and every peer could read every other; all peers reach the same answer. Run once, after the
-  // transport is connected and before any operation.
-  Status ProbeDirect(TimePoint deadline);
+  // Whether peers of one host may read each other's memory: `allowed` and every peer could read
+  // every other peer of its host; all peers reach the same answer. DIRECT needs it and one host;
+  // HIERARCHICAL uses it inside hosts. Run once, after the transport is connected and before any
+  // operation.
+  Status ProbeDirect(TimePoint deadline, bool allowed);
   bool direct_ok() const { return direct_ok_; }
 
  private:
   struct Part;
   Status AllReduceWith(const OpContext& ctx, const void* send, void* recv, size_t count,
                        DType dtype, ReduceOp op, const Strategy& s, const Spawner& spawn);
-  Status DirectAllReduce(const OpContext& ctx, const void* send, void* recv, size_t count,
-                         DType dtype, ReduceOp op);
   // The ring over `members` (ranks in ring order, this peer among them).
   Status RingPart(const OpContext& ctx, const Part& p, const std::vector<int>& members);
-  Status HierarchicalPart(const OpContext& ctx, const Part& p);
+  // `reads`: inside the host by memory reads (local_reads_ok_), else by messages.
+  Status HierarchicalPart(const OpContext& ctx, const Part& p, bool reads);
   Status TreePart(const OpContext& ctx, const Part& p, const Strategy& s);
   Status ReduceTree(const OpContext& ctx, const Part& p, const Tree& tree);
   Status BroadcastTree(const OpContext& ctx, const Part& p, const Tree& tree);
   Status Verdict(const OpContext& ctx, const Tree& tree);
-  Status ProbeDirectOp(const std::string& name, TimePoint deadline);
+  Status ProbeDirectOp(const std::string& name, TimePoint deadline, bool allowed);
   Status ExchangeCounts(const OpContext& ctx, uint64_t count, int root, std::vector<uint64_t>* counts);
 
   const PeerList peers_;
@@ -91,9 +91,10 @@ class Session {
   std::vector<StrategyCounter> counters_;
   const size_t chunk_bytes_;
   const int parallelism_;
-  bool direct_ok_ = false;
+  bool direct_ok_ = false;       // local_reads_ok_ and one host
+  bool local_reads_ok_ = false;  // every peer may read the memory of the peers of its host
   uint64_t probe_word_ = 0;
-  std::vector<int> direct_pids_;  // per rank: the pid DIRECT reads from, bound by the probe
+  std::vector<int> direct_pids_;  // per local rank: the pid reads go to, bound by the probe
   Transport transport_;
 };
 
