@@ -50,8 +50,8 @@ Output: one JSON line per measurement on stdout (also written to --json PATH), t
 Keys: model, impl, np, batch_per_worker, global_batch, steps, rounds, samples_per_s (median),
 samples_per_s_min, samples_per_s_max, repeat_samples_per_s (each repeat's median), step_s
 (median seconds per step), params, threads, loadavg_min, loadavg_max (the lowest and highest
-1-minute load average of this machine seen before and after each run at this N),
-wall_s (the whole measurement, process start-up included; MWMS workers still running 5 s
+1-minute load average of this machine seen before and after each run at this N), busy
+(--busy: busy-looping processes running meanwhile), wall_s (the whole measurement, process start-up included; MWMS workers still running 5 s
 after all of them wrote their results are stopped), rank0_phases_s (seconds since rank
 0's process started when its model was built, warm and done), plus kungfu_vs_mwms on kungfu
 rows (ratio of medians at the same N) and overhead, overhead_best, overhead_interleaved,
@@ -132,6 +132,9 @@ def parse_args(argv=None):
                    help="kungfu allreduce strategy (kungfu-run -strategy; default: the launcher's)")
     p.add_argument("--timeout", type=float, default=600,
                    help="seconds one measurement may take before it is stopped (600)")
+    p.add_argument("--busy", type=int, default=0, metavar="K",
+                   help="run K busy-looping processes for the whole run, to measure on a loaded "
+                        "machine on purpose (0)")
     p.add_argument("--json", default=None, help="also write the JSON lines to this file")
     p.add_argument("--keep", default=None,
                    help="keep the workers' result files and logs in this directory")
@@ -699,10 +702,15 @@ def driver(args) -> int:
     if args.repeats < 1:
         print("--repeats must be at least 1", file=sys.stderr)
         return 2
+    if args.busy < 0:
+        print("--busy must be 0 or more", file=sys.stderr)
+        return 2
     out_dir = args.keep or tempfile.mkdtemp(prefix="keras_throughput.")
     os.makedirs(out_dir, exist_ok=True)
     report = JsonLines(args.json)
     rows, emit = report.rows, report.emit
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(args.busy)]
     try:
         for model in models:
             margs = argparse.Namespace(**vars(args))
@@ -712,8 +720,9 @@ def driver(args) -> int:
                 found = measure(margs, n, impls, out_dir)
                 for label in ("plain", "kungfu", "mwms"):
                     if found.get(label):
-                        emit(found[label])
+                        emit(dict(found[label], busy=args.busy))
     finally:
+        _stop(busy)
         report.close()
         if not args.keep:
             shutil.rmtree(out_dir, ignore_errors=True)
