@@ -160,9 +160,18 @@ def parse_args(argv=None):
                          "(default 300)")
     ap.add_argument("--prefix", default="kfmh",
                     help="namespace names: PREFIX0, PREFIX1, ... and PREFIXsw (default kfmh)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="set a KUNGFU_* variable for every worker, e.g. KUNGFU_PARALLELISM=4 "
+                         "(repeatable)")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="also write the JSON lines to PATH")
     args = ap.parse_args(argv)
+    args.env_vars = {}
+    for item in args.env:
+        name, eq, value = item.partition("=")
+        if not eq or not name.startswith("KUNGFU_"):
+            ap.error(f"--env {item!r}: expected KUNGFU_NAME=VALUE")
+        args.env_vars[name] = value
     if not 2 <= args.hosts <= 200:
         ap.error("--hosts must be between 2 and 200")
     try:
@@ -325,6 +334,7 @@ def run_repeat(net: Network, args, repeat: int, gloo: bool, out_dir: str,
     logs = []
     for i, (ns, addr) in enumerate(zip(net.ns, net.ip)):
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
+        env.update(args.env_vars)
         env["KUNGFU_JOB_TOKEN"] = token  # one secret for the launchers of every host
         env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p])
         env["GLOO_SOCKET_IFNAME"] = net.nic[i]  # gloo would pick by host name otherwise
@@ -463,7 +473,8 @@ def main(argv=None) -> int:
             report.emit(s)
         run = {"row": "run", "hosts": args.hosts, "workers": args.workers, "np": np_,
                "rate_bps": args.rate, "delay_s": args.delay, "bytes": nbytes,
-               "limit_s": limit, "repeats": args.repeats, "torch": torch_version,
+               "limit_s": limit, "repeats": args.repeats, "env": args.env_vars,
+               "torch": torch_version,
                "cpus": os.cpu_count(), "wall_s": round(time.time() - t0, 1),
                "loadavg_before": [round(x, 2) for x in load_before],
                "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
