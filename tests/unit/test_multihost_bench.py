@@ -45,6 +45,8 @@ def test_rate(mh, text, bps):
     (["--strategies", "RING,FASTEST"], "unknown strategy 'FASTEST'"),
     (["--prefix", "Bad-Name"], "--prefix"),
     (["--repeats", "0"], "--repeats"),
+    (["--env", "PARALLELISM=4"], "expected KUNGFU_NAME=VALUE"),
+    (["--env", "KUNGFU_PARALLELISM"], "expected KUNGFU_NAME=VALUE"),
 ])
 def test_bad_arguments(mh, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -56,11 +58,14 @@ def test_bad_arguments(mh, capsys, argv, message):
 def test_good_arguments(mh):
     a = mh.parse_args([])
     assert (a.hosts, a.workers, a.rate, a.delay, a.repeats) == (2, [2, 2], None, None, 3)
-    assert a.strategy_list == ["AUTO", "RING", "BINARY_TREE_STAR", "TREE"]
+    assert a.strategy_list == ["AUTO", "HIERARCHICAL", "RING", "BINARY_TREE_STAR", "TREE"]
     a = mh.parse_args(["--hosts", "3", "--workers-per-host", "1,3,2", "--rate", "10gbit",
                        "--delay", "0.1ms", "--strategies", "ring,binary-tree-star"])
     assert a.workers == [1, 3, 2] and a.rate == 10e9 and a.delay == pytest.approx(1e-4)
     assert a.strategy_list == ["RING", "BINARY_TREE_STAR"]
+    assert a.env_vars == {}
+    a = mh.parse_args(["--env", "KUNGFU_PARALLELISM=4", "--env", "KUNGFU_CHUNK_BYTES=1=2"])
+    assert a.env_vars == {"KUNGFU_PARALLELISM": "4", "KUNGFU_CHUNK_BYTES": "1=2"}
 
 
 def test_arms_rotate(mh):
