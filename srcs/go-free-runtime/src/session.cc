@@ -8,7 +8,6 @@
 
 #include <unistd.h>
 
-#include "net.h"
 
 namespace kungfu {
 
@@ -54,15 +53,16 @@ struct Session::Part {
   MsgExpect Expect(size_t elems) const { return MsgExpect{dtype, total, elems * esize()}; }
 };
 
-Session::Session(uint64_t version, PeerList peers, int rank, StrategyKind strategy,
-                 TransportOptions transport_options, size_t chunk_bytes, int parallelism)
-    : peers_(peers),
-      rank_(rank),
+Session::Session(std::unique_ptr<Transport> transport, StrategyKind strategy, size_t chunk_bytes,
+                 int parallelism)
+    : peers_(transport->peers()),
+      rank_(transport->rank()),
       default_kind_(strategy),
       counters_(kNumStrategies),
       chunk_bytes_(std::max<size_t>(chunk_bytes, 4096)),
       parallelism_(std::max(parallelism, 1)),
-      transport_(version, std::move(peers), rank, transport_options) {}
+      owned_transport_(std::move(transport)),
+      transport_(*owned_transport_) {}
 
 Strategy Session::StrategyFor(int requested, size_t bytes) const {
   StrategyKind kind = static_cast<StrategyKind>(requested);
@@ -181,8 +181,8 @@ Status Session::DirectAllReduce(const OpContext& ctx, const void* send, void* re
                                 DType dtype, ReduceOp op) {
   const int n = size(), r = rank_;
   const size_t es = DTypeSize(dtype);
-  // Addresses only: each peer's pid was bound to its stream's credentials by the probe, so a peer
-  // can point others only at its own memory.
+  // Addresses only: the transport reads the memory of the peer it knows at that rank (a stream's
+  // credentials), so a peer can point others only at its own memory.
   const uint64_t mine[2] = {reinterpret_cast<uint64_t>(send), reinterpret_cast<uint64_t>(recv)};
   const MsgExpect where_meta{dtype, count, sizeof(mine)};
   const MsgExpect signal{dtype, count, 0};
@@ -196,7 +196,7 @@ Status Session::DirectAllReduce(const OpContext& ctx, const void* send, void* re
     std::memcpy(where[src].data(), in.data(), sizeof(mine));
   }
   auto remote = [&](int src, uint64_t addr, void* dst, size_t bytes) {
-    Status st = net::ReadRemote(direct_pids_[src], addr, dst, bytes);
+    Status st = transport_.ReadPeerMemory(src, addr, dst, bytes);
     if (st.ok()) return st;
     // A live peer lets go of its buffers only after its op failed, and it sends its abort before
     // that: report the abort, not the peer whose memory vanished (unless that peer is gone).
@@ -240,8 +240,8 @@ Status Session::DirectAllReduce(const OpContext& ctx, const void* send, void* re
 }
 
 // The probe: each peer sends its pid and the address of a word holding its rank; a peer that
-// can read every other's word, from the pid that the kernel reports for that peer's Unix socket
-// (not the pid it claims), votes yes; DIRECT is on iff all vote yes.
+// can read every other's word through its transport (which reads the peer it vouches for, not
+// the pid the peer claims) votes yes; DIRECT is on iff all vote yes.
 Status Session::ProbeDirect(TimePoint deadline) {
   direct_ok_ = false;
   const int n = size();
@@ -261,20 +261,17 @@ Status Session::ProbeDirectOp(const std::string& name, TimePoint deadline) {
   const MsgKey key{name, 0, Tag(kDirectPhase, 0, 0, 0)};
   for (int i = 1; i < n; ++i) KF_RETURN_IF_ERROR(transport_.Send((rank_ + i) % n, key, meta, mine));
   uint8_t ok = 1;
-  direct_pids_.assign(n, -1);
   for (int i = 1; i < n; ++i) {
     const int src = (rank_ + i) % n;
     Buffer in;
     KF_RETURN_IF_ERROR(transport_.Recv(src, key, meta, deadline, &in));
     uint64_t theirs[2], word = 0;
     std::memcpy(theirs, in.data(), sizeof(theirs));
-    const int pid = transport_.PeerPid(src);
-    if (pid <= 0 || static_cast<uint64_t>(pid) != theirs[0] ||
-        !net::ReadRemote(pid, theirs[1], &word, sizeof(word)).ok() ||
+    if (!transport_.CanReadPeerMemory(src) ||
+        !transport_.ReadPeerMemory(src, theirs[1], &word, sizeof(word)).ok() ||
         word != (0x6b756e6766750000ull ^ static_cast<uint64_t>(src))) {
       ok = 0;
     }
-    direct_pids_[src] = pid;
   }
   OpContext ctx{SubOpName(name, "agree"), 0, deadline};
   KF_RETURN_IF_ERROR(AllReduce(ctx, &ok, &ok, 1, DType::kUInt8, ReduceOp::kMin,

@@ -24,8 +24,10 @@ struct OpContext {
 
 class Session {
  public:
-  Session(uint64_t version, PeerList peers, int rank, StrategyKind strategy,
-          TransportOptions transport_options, size_t chunk_bytes, int parallelism);
+  // Runs over `transport` (any implementation; the session owns it). Peers and rank are the
+  // transport's.
+  Session(std::unique_ptr<Transport> transport, StrategyKind strategy, size_t chunk_bytes,
+          int parallelism);
 
   Transport& transport() { return transport_; }
   int rank() const { return rank_; }
@@ -60,7 +62,8 @@ class Session {
   Status Consensus(const OpContext& ctx, const void* data, size_t bytes, bool* agreed);
 
   // Whether peers may read each other's memory (DIRECT): true only if every peer shares one host
-  // and every peer could read every other; all peers reach the same answer. Run once, after the
+  // and every peer could read every other through the transport (CanReadPeerMemory,
+  // ReadPeerMemory); all peers reach the same answer. Run once, after the
   // transport is connected and before any operation.
   Status ProbeDirect(TimePoint deadline);
   bool direct_ok() const { return direct_ok_; }
@@ -89,8 +92,8 @@ class Session {
   const int parallelism_;
   bool direct_ok_ = false;
   uint64_t probe_word_ = 0;
-  std::vector<int> direct_pids_;  // per rank: the pid DIRECT reads from, bound by the probe
-  Transport transport_;
+  std::unique_ptr<Transport> owned_transport_;
+  Transport& transport_;  // *owned_transport_
 };
 
 }  // namespace kungfu
