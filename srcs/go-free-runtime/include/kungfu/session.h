@@ -63,8 +63,8 @@ class Session {
 
   // Whether peers may read each other's memory (DIRECT): true only if every peer shares one host
   // and every peer could read every other through the transport (CanReadPeerMemory,
-  // ReadPeerMemory); all peers reach the same answer. Run once, after the
-  // transport is connected and before any operation.
+  // ReadPeerMemory); all peers reach the same answer. Run once, after the transport is connected
+  // and before any operation.
   Status ProbeDirect(TimePoint deadline);
   bool direct_ok() const { return direct_ok_; }
 
