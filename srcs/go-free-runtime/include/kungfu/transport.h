@@ -126,6 +126,8 @@ struct MsgExpect {
   uint64_t bytes = 0;        // payload bytes of this message
 };
 
+// Options of every implementation; those about peers' liveness, handshakes and connecting are
+// StreamTransport's (an in-process peer cannot go quiet without failing).
 struct TransportOptions {
   int64_t peer_timeout_ms = 10000;
   int64_t heartbeat_ms = 1000;
