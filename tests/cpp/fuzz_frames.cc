@@ -14,7 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kungfu/transport.h"
+#include "kungfu/stream_transport.h"
 #include "net.h"
 
 namespace {
@@ -56,7 +56,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     kungfu::TransportOptions o;
     o.peer_timeout_ms = 200;
     o.max_unclaimed_bytes = 1 << 16;
-    kungfu::Transport t(0, {{"127.0.0.1", 1}, {"127.0.0.1", 2}}, 0, o);
+    kungfu::StreamTransport t(0, {{"127.0.0.1", 1}, {"127.0.0.1", 2}}, 0, o);
     t.BeginOp("op", 0, kungfu::OpSig{kungfu::OpKind::kAllReduce});
     char buffer[256];
     auto posted = t.Post(1, {"op", 0, 0}, kungfu::MsgExpect{kungfu::DType::kUInt8, 256, 256}, buffer);

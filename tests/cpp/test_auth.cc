@@ -19,6 +19,7 @@
 
 #include "auth.h"
 #include "kungfu/peer.h"
+#include "kungfu/stream_transport.h"
 #include "net.h"
 #include "testing.h"
 

@@ -8,7 +8,7 @@
 
 #include <random>
 
-#include "kungfu/transport.h"
+#include "kungfu/stream_transport.h"
 #include "net.h"
 #include "testing.h"
 
@@ -76,7 +76,7 @@ TEST(RandomFrameStreams) {
     o.peer_timeout_ms = 2000;
     o.max_unclaimed_bytes = 1 << 16;
     kungfu::PeerList peers = {{"127.0.0.1", 1}, {"127.0.0.1", 2}};
-    kungfu::Transport t(0, peers, 0, o);
+    kungfu::StreamTransport t(0, peers, 0, o);
     int sv[2];
     REQUIRE(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
     kungfu::net::SetTimeouts(sv[1], 1000);

@@ -10,7 +10,7 @@
 
 #include "kungfu/dtype.h"
 #include "kungfu/peer.h"
-#include "kungfu/transport.h"
+#include "kungfu/stream_transport.h"
 #include "net.h"
 #include "testing.h"
 
@@ -279,11 +279,11 @@ TEST(NaNWinsMinAndMax) {
 namespace {
 
 struct FakePeer {
-  std::unique_ptr<kungfu::Transport> t;
+  std::unique_ptr<kungfu::StreamTransport> t;
   int theirs = -1;  // what the fake peer writes into
   explicit FakePeer(kungfu::TransportOptions o = kungfu::TransportOptions()) {
     kungfu::PeerList peers = {{"127.0.0.1", 1}, {"127.0.0.1", 2}};
-    t = std::make_unique<kungfu::Transport>(0, peers, 0, o);
+    t = std::make_unique<kungfu::StreamTransport>(0, peers, 0, o);
     int sv[2];
     socketpair(AF_UNIX, SOCK_STREAM, 0, sv);
     theirs = sv[1];

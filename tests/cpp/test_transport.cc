@@ -383,14 +383,17 @@ TEST(StopFailsPendingOperationsOnOtherPeers) {
 TEST(StopWhileLargeTransfersAreInFlight) {
   // A peer stops in the middle of large allreduces: the others fail, nobody hangs or crashes.
   const size_t count = size_t(4) << 20;
-  std::vector<std::vector<float>> bufs(3, std::vector<float>(count, 1.0f));
+  // One buffer per op: four in-place allreduces of one buffer at once would race on it.
+  std::vector<std::vector<std::vector<float>>> bufs(
+      3, std::vector<std::vector<float>>(4, std::vector<float>(count, 1.0f)));
   LocalCluster c(std::vector<std::string>{"127.0.0.1", "127.0.0.2", "127.0.0.1"});
   REQUIRE(c.Start());
   std::vector<std::vector<kungfu::Handle>> hs(3);
   for (int k = 0; k < 4; ++k) {
     for (int r = 0; r < 3; ++r) {
-      hs[r].push_back(c[r].AllReduce(bufs[r].data(), bufs[r].data(), count, DType::kFloat32,
-                                     ReduceOp::kSum, Opts("inflight", StrategyKind::kRing)));
+      hs[r].push_back(c[r].AllReduce(bufs[r][k].data(), bufs[r][k].data(), count,
+                                     DType::kFloat32, ReduceOp::kSum,
+                                     Opts("inflight", StrategyKind::kRing)));
     }
   }
   std::this_thread::sleep_for(Ms(20));

@@ -11,6 +11,7 @@
 #include <deque>
 
 #include "kungfu/session.h"
+#include "kungfu/stream_transport.h"
 #include "net.h"
 
 namespace kungfu {
@@ -70,8 +71,10 @@ Peer::Peer(const PeerConfig& config)
   t.progress_ms = config_.progress_ms;
   t.progress = config_.progress;
   t.heartbeat_ms = std::max<int64_t>(10, std::min<int64_t>(1000, config_.peer_timeout_ms / 4));
-  session_ = std::make_shared<Session>(config_.version, config_.peers, rank_, config_.strategy, t,
-                                       config_.chunk_bytes, config_.parallelism);
+  auto stream = std::make_unique<StreamTransport>(config_.version, config_.peers, rank_, t);
+  stream_ = stream.get();
+  session_ = std::make_shared<Session>(std::move(stream), config_.strategy, config_.chunk_bytes,
+                                       config_.parallelism);
   session_->transport().SetBlobLookup([this](const std::string& name) -> Transport::Blob {
     std::lock_guard<std::mutex> lk(store_mu_);
     auto it = store_.find(name);
@@ -172,7 +175,7 @@ Status Peer::Start() {
   }
   const TimePoint since = Clock::now();
   const TimePoint deadline = since + std::chrono::milliseconds(config_.connect_timeout_ms);
-  Transport& t = session_->transport();
+  StreamTransport& t = *stream_;
   Status s = t.ConnectAll(since, deadline);
   if (s.code() == Code::kInvalidArgument) LingerForHellos(std::chrono::milliseconds(2000));
   KF_RETURN_IF_ERROR(s);
@@ -310,7 +313,7 @@ void Peer::AcceptLoop() {
       if (keep && now >= p.deadline) {
         keep = false;
         if (p.out.empty()) {  // tell it why, if its socket takes it at once
-          const std::string why = Transport::HandshakeReply(
+          const std::string why = StreamTransport::HandshakeReply(
               Unavailable("no complete handshake within " +
                           std::to_string(kHandshakeTime.count() / 1000) + " s"));
           send(p.fd, why.data(), why.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -376,8 +379,8 @@ int Peer::Admit(const std::string& src, const std::string& dst, uint64_t version
 void Peer::Attach(int fd, bool tcp, int src) {
   SetNonBlocking(fd, false);
   net::TuneStream(fd, tcp);
-  Status s = session_->transport().AttachIncoming(src, fd);
-  const std::string reply = Transport::HandshakeReply(s);
+  Status s = stream_->AttachIncoming(src, fd);
+  const std::string reply = StreamTransport::HandshakeReply(s);
   if (s.ok()) {
     // Blocking, bounded by the stream's send timeout (set by AttachIncoming); a few bytes into
     // an empty socket buffer. The stream is the transport's now: it closes it.

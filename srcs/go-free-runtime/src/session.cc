@@ -6,9 +6,6 @@
 #include <cstring>
 #include <mutex>
 
-#include <unistd.h>
-
-#include "net.h"
 
 namespace kungfu {
 
@@ -61,16 +58,17 @@ struct Session::Part {
   MsgExpect Expect(size_t elems) const { return MsgExpect{dtype, total, elems * esize()}; }
 };
 
-Session::Session(uint64_t version, PeerList peers, int rank, StrategyKind strategy,
-                 TransportOptions transport_options, size_t chunk_bytes, int parallelism)
-    : peers_(peers),
-      rank_(rank),
-      layout_(MakeHostLayout(peers)),
+Session::Session(std::unique_ptr<Transport> transport, StrategyKind strategy, size_t chunk_bytes,
+                 int parallelism)
+    : peers_(transport->peers()),
+      rank_(transport->rank()),
+      layout_(MakeHostLayout(peers_)),
       default_kind_(strategy),
       counters_(kNumStrategies),
       chunk_bytes_(std::max<size_t>(chunk_bytes, 4096)),
       parallelism_(std::max(parallelism, 1)),
-      transport_(version, std::move(peers), rank, transport_options) {
+      owned_transport_(std::move(transport)),
+      transport_(*owned_transport_) {
   for (int r = 0; r < size(); ++r) all_ranks_.push_back(r);
 }
 
@@ -188,9 +186,10 @@ Status Session::AllReduceWith(const OpContext& ctx, const void* send, void* recv
   return first;
 }
 
-// The probe: each peer sends the peers of its host its pid and the address of a word holding its
-// rank; a peer that can read every local peer's word, from the pid that the kernel reports for
-// that peer's Unix socket (not the pid it claims), votes yes; reads are on iff all peers vote yes.
+// The probe: each peer sends the peers of its host the address of a word holding its rank; a peer
+// that can read every local peer's word through its transport (which reads the peer it vouches
+// for, e.g. the pid the kernel reports for its Unix socket, not one the peer claims) votes yes;
+// reads are on iff all peers vote yes.
 Status Session::ProbeDirect(TimePoint deadline, bool allowed) {
   direct_ok_ = local_reads_ok_ = false;
   if (size() == 1) return Status::OK();
@@ -207,27 +206,24 @@ Status Session::ProbeDirect(TimePoint deadline, bool allowed) {
 Status Session::ProbeDirectOp(const std::string& name, TimePoint deadline, bool allowed) {
   const std::vector<int>& local = layout_.ranks_of_host[layout_.host_of[rank_]];
   probe_word_ = 0x6b756e6766750000ull ^ static_cast<uint64_t>(rank_);
-  const uint64_t mine[2] = {static_cast<uint64_t>(getpid()), reinterpret_cast<uint64_t>(&probe_word_)};
-  const MsgExpect meta{DType::kUInt64, 2, sizeof(mine)};
+  const uint64_t mine = reinterpret_cast<uint64_t>(&probe_word_);
+  const MsgExpect meta{DType::kUInt64, 1, sizeof(mine)};
   const MsgKey key{name, 0, Tag(kDirectPhase, 0, 0, 0)};
   for (int q : local) {
-    if (q != rank_) KF_RETURN_IF_ERROR(transport_.Send(q, key, meta, mine));
+    if (q != rank_) KF_RETURN_IF_ERROR(transport_.Send(q, key, meta, &mine));
   }
   uint8_t ok = allowed ? 1 : 0;
-  direct_pids_.assign(size(), -1);
   for (int src : local) {
     if (src == rank_) continue;
     Buffer in;
     KF_RETURN_IF_ERROR(transport_.Recv(src, key, meta, deadline, &in));
-    uint64_t theirs[2], word = 0;
-    std::memcpy(theirs, in.data(), sizeof(theirs));
-    const int pid = transport_.PeerPid(src);
-    if (pid <= 0 || static_cast<uint64_t>(pid) != theirs[0] ||
-        !net::ReadRemote(pid, theirs[1], &word, sizeof(word)).ok() ||
+    uint64_t theirs = 0, word = 0;
+    std::memcpy(&theirs, in.data(), sizeof(theirs));
+    if (!transport_.CanReadPeerMemory(src) ||
+        !transport_.ReadPeerMemory(src, theirs, &word, sizeof(word)).ok() ||
         word != (0x6b756e6766750000ull ^ static_cast<uint64_t>(src))) {
       ok = 0;
     }
-    direct_pids_[src] = pid;
   }
   OpContext ctx{SubOpName(name, "agree"), 0, deadline};
   KF_RETURN_IF_ERROR(AllReduce(ctx, &ok, &ok, 1, DType::kUInt8, ReduceOp::kMin,
@@ -351,8 +347,8 @@ Status Session::HierarchicalPart(const OpContext& ctx, const Part& p, bool reads
     for (size_t i = 1; i < m; ++i) KF_RETURN_IF_ERROR(f(local[(me + i) % m]));
     return Status::OK();
   };
-  // Reads: the local peers' send and recv addresses (only addresses: each peer's pid was bound to
-  // its stream's credentials by the probe, so a peer can point others only at its own memory).
+  // Reads: the local peers' send and recv addresses (only addresses: the transport reads the
+  // memory of the peer it knows at that rank, so a peer can point others only at its own memory).
   std::vector<std::array<uint64_t, 2>> where(reads ? size() : 0);
   const MsgExpect signal{p.dtype, p.total, 0};
   auto tell_all = [&](size_t step) {
@@ -363,7 +359,7 @@ Status Session::HierarchicalPart(const OpContext& ctx, const Part& p, bool reads
     return transport_.Recv(q, key(kDirectPhase, step, 0), signal, ctx.deadline, &none);
   };
   auto remote = [&](int src, uint64_t addr, void* dst, size_t bytes) {
-    Status st = net::ReadRemote(direct_pids_[src], addr, dst, bytes);
+    Status st = transport_.ReadPeerMemory(src, addr, dst, bytes);
     if (st.ok()) return st;
     // A live peer lets go of its buffers only after its op failed, and it sends its abort before
     // that: report the abort, not the peer whose memory vanished (unless that peer is gone).

@@ -93,6 +93,7 @@ struct GatherResult {
 };
 
 class Session;
+class StreamTransport;
 class Peer;
 
 // The peer that framework bindings in this process use (the Python module sets it when it
@@ -186,6 +187,7 @@ class Peer {
   const PeerConfig config_;
   const int rank_;
   std::shared_ptr<Session> session_;
+  StreamTransport* stream_ = nullptr;  // session_'s transport, which it owns
 
   int listen_fds_[2] = {-1, -1};
   std::thread acceptor_;

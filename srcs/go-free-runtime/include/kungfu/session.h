@@ -24,8 +24,10 @@ struct OpContext {
 
 class Session {
  public:
-  Session(uint64_t version, PeerList peers, int rank, StrategyKind strategy,
-          TransportOptions transport_options, size_t chunk_bytes, int parallelism);
+  // Runs over `transport` (any implementation; the session owns it). Peers and rank are the
+  // transport's.
+  Session(std::unique_ptr<Transport> transport, StrategyKind strategy, size_t chunk_bytes,
+          int parallelism);
 
   Transport& transport() { return transport_; }
   int rank() const { return rank_; }
@@ -60,9 +62,9 @@ class Session {
   Status Consensus(const OpContext& ctx, const void* data, size_t bytes, bool* agreed);
 
   // Whether peers of one host may read each other's memory: `allowed` and every peer could read
-  // every other peer of its host; all peers reach the same answer. DIRECT needs it and one host;
-  // HIERARCHICAL uses it inside hosts. Run once, after the transport is connected and before any
-  // operation.
+  // every other peer of its host through the transport (CanReadPeerMemory, ReadPeerMemory); all
+  // peers reach the same answer. DIRECT needs it and one host; HIERARCHICAL uses it inside hosts.
+  // Run once, after the transport is connected and before any operation.
   Status ProbeDirect(TimePoint deadline, bool allowed);
   bool direct_ok() const { return direct_ok_; }
 
@@ -94,8 +96,8 @@ class Session {
   bool direct_ok_ = false;       // local_reads_ok_ and one host
   bool local_reads_ok_ = false;  // every peer may read the memory of the peers of its host
   uint64_t probe_word_ = 0;
-  std::vector<int> direct_pids_;  // per local rank: the pid reads go to, bound by the probe
-  Transport transport_;
+  std::unique_ptr<Transport> owned_transport_;
+  Transport& transport_;  // *owned_transport_
 };
 
 }  // namespace kungfu

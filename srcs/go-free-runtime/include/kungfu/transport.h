@@ -1,40 +1,49 @@
 // Transport: moves tagged messages between the peers of one session; knows nothing of
-// collectives.
+// collectives (gloo's split: algorithms see peers and buffers, never sockets).
 //
-// Connections: every peer dials one stream to every other peer (a Unix socket in the abstract
-// namespace when both share a host, TCP otherwise) and accepts one from each, so each ordered pair
-// has its own stream. Outgoing streams carry this peer's sends; every incoming stream has a reader
-// thread.
+// `Transport` is the interface that algorithms (Session) and Peer use. Implementations:
+//  - StreamTransport (stream_transport.h): one stream per ordered pair of peers, a Unix socket
+//    between peers on one host and TCP across hosts; what Peer builds.
+//  - InProcTransport (inproc_transport.h): the peers of one process joined through shared
+//    mailboxes; what the algorithm tests build (no sockets).
+// Both keep their rendezvous in RendezvousTransport (below), so the protocol here has one
+// implementation; they differ only in how a message reaches the peer that it is for.
 //
-// Rendezvous by name: a data message is keyed by (source, op name, sequence number, tag). The
-// reader never waits for the local operation: if a receive is posted it reads the payload straight
-// into the posted buffer, else it reads into a pooled buffer and files it. So a message for one
-// operation never blocks messages for another (no head-of-line blocking), whatever order peers
-// issue operations in.
+// Rendezvous by name: a data message is keyed by (source, op name, sequence number, tag). Its
+// arrival never waits for the local operation: if a receive is posted the payload goes straight
+// into the posted buffer, else into a pooled buffer that is filed under its key. So a message
+// for one operation never blocks messages for another (no head-of-line blocking), whatever order
+// peers issue operations in.
 //
-// Failure: a stream that closes without a goodbye, a protocol violation, or no byte (heartbeats
-// are sent every second) for peer_timeout fails the transport: every pending and future wait
-// returns an Unavailable status naming the peer. A peer that said goodbye fails only waits for it.
-// Op-level errors (peers disagree on an operation's size or dtype) are broadcast as ABORT
-// messages so every peer's instance of that operation fails with the same message.
+// Failure: a peer that dies or breaks the protocol fails the transport: every pending and future
+// wait returns an Unavailable status naming the peer (StreamTransport also fails a peer that
+// sends no byte, heartbeats included, for peer_timeout). A peer that said goodbye (Close) fails
+// only waits for it. Op-level errors (peers disagree on an operation's size or dtype) are
+// broadcast as aborts so every peer's instance of that operation fails with the same message.
 //
 // Operation lifetime and buffer ownership (what keeps a failed operation from writing into memory
 // its caller has let go of):
-//  1. BeginOp(name, seq, sig) before the operation's first message. Every frame it sends carries
-//     sig (kind, reduce op, strategy, root, digest); every data frame received for it is checked
+//  1. BeginOp(name, seq, sig) before the operation's first message. Every message it sends carries
+//     sig (kind, reduce op, strategy, root, digest); every data message received for it is checked
 //     against its own, so peers that called different operations under one name fail at once with
 //     both named, instead of computing garbage or waiting for the deadline.
-//  2. Receives are posted into the caller's buffers. A wait never returns while the reader is
-//     writing into a posted buffer; if the wait must end (deadline, abort, failure) it asks the
-//     reader to stop, and the reader discards the rest of that message (at most one recv() later).
+//  2. Receives are posted into the caller's buffers. A wait never returns while an arriving
+//     message is being copied into a posted buffer; if the wait must end (deadline, abort,
+//     failure) it asks the copy to stop, and the rest of that message is discarded (at most one
+//     recv() later on a stream; an in-process copy runs to its end).
 //  3. EndOp(name, seq) when the operation ends, however it ends: every receive it still has
-//     posted is cancelled (waiting out a reader mid-copy as in 2), every message filed for it is
-//     freed, and its name and sequence number are marked finished. Messages and aborts for a
-//     finished operation are dropped on arrival. Only after EndOp may the caller's buffers go.
+//     posted is cancelled (waiting out a copy as in 2), every message filed for it is freed, and
+//     its name and sequence number are marked finished. Messages and aborts for a finished
+//     operation are dropped on arrival. Only after EndOp may the caller's buffers go.
 // Sub-operations of one operation (consensus's two allreduces) use SubOpName(name, part): they
 // share its sequence number, signature and lifetime.
 //
-// Lock order: Transport::mu_ before nothing; each outgoing stream's send mutex is taken alone.
+// Capabilities: reading a peer's memory (DIRECT allreduce) is the transport's to offer, for the
+// peers it can vouch for: StreamTransport reads the process bound to a peer's Unix-socket
+// credentials (process_vm_readv), InProcTransport the peer's memory in this process.
+//
+// Lock order: RendezvousTransport::mu_ is never held while calling out of the transport or into
+// another one; see each implementation for its own locks.
 #pragma once
 #include <atomic>
 #include <functional>
@@ -46,7 +55,6 @@
 #include <mutex>
 #include <set>
 #include <string>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -55,10 +63,6 @@
 #include "kungfu/status.h"
 
 namespace kungfu {
-namespace net {
-struct Frame;
-}
-
 using Clock = std::chrono::steady_clock;
 using TimePoint = Clock::time_point;
 
@@ -122,6 +126,8 @@ struct MsgExpect {
   uint64_t bytes = 0;        // payload bytes of this message
 };
 
+// Options of every implementation; those about peers' liveness, handshakes and connecting are
+// StreamTransport's (an in-process peer cannot go quiet without failing).
 struct TransportOptions {
   int64_t peer_timeout_ms = 10000;
   int64_t heartbeat_ms = 1000;
@@ -138,44 +144,37 @@ struct TransportOptions {
 
 class Transport {
  public:
-  Transport(uint64_t version, PeerList peers, int rank, TransportOptions options);
-  ~Transport();
+  virtual ~Transport() = default;
 
-  // Dials every other peer until `deadline`, retrying while they are not up yet. `since`: when
-  // the wait for peers began, for the progress lines.
-  Status ConnectAll(TimePoint since, TimePoint deadline);
-  // Takes an accepted, handshaken stream from peer `src` and starts its reader.
-  Status AttachIncoming(int src, int fd);
-  // Waits until every peer's incoming stream is attached.
-  Status WaitIncoming(TimePoint since, TimePoint deadline);
-
-  // Operation lifetime (see the protocol above). EndOp may wait for a reader mid-copy into one of
-  // the operation's buffers (at most one recv(), bounded by the peer timeout).
-  void BeginOp(const std::string& name, uint64_t seq, const OpSig& sig);
+  // Operation lifetime (see the protocol above). EndOp may wait for a copy into one of the
+  // operation's buffers (on a stream: at most one recv(), bounded by the peer timeout).
+  virtual void BeginOp(const std::string& name, uint64_t seq, const OpSig& sig) = 0;
   // *wait_us (if given): how long the op waited for its peers, i.e. from BeginOp until the first
-  // data or signature frame of it arrived from any peer (0 if one had arrived before BeginOp),
+  // data or signature message of it arrived from any peer (0 if one had arrived before BeginOp),
   // in microseconds; -1 if none arrived.
-  void EndOp(const std::string& name, uint64_t seq, int64_t* wait_us = nullptr);
+  virtual void EndOp(const std::string& name, uint64_t seq, int64_t* wait_us = nullptr) = 0;
   // The abort or disagreement that fails operation (name, seq), or OK; waits up to `wait` for one
   // to arrive (a peer that let go of its buffers has already sent its abort).
-  Status OpError(const std::string& name, uint64_t seq, std::chrono::milliseconds wait);
-  // The pid of the process at the other end of peer src's incoming stream (a Unix socket's
-  // credentials), or -1 when it is not known (TCP).
-  int PeerPid(int src) const;
+  virtual Status OpError(const std::string& name, uint64_t seq,
+                         std::chrono::milliseconds wait) = 0;
 
-  // Sends one data message; blocks only while the OS send buffer is full.
-  Status Send(int dst, const MsgKey& key, const MsgExpect& meta, const void* data);
+  // Sends one data message; blocks only while the way to `dst` is full (an OS send buffer).
+  virtual Status Send(int dst, const MsgKey& key, const MsgExpect& meta, const void* data) = 0;
   // Waits for a message and returns its payload in `out`.
-  Status Recv(int src, const MsgKey& key, const MsgExpect& expect, TimePoint deadline,
-              Buffer* out);
+  virtual Status Recv(int src, const MsgKey& key, const MsgExpect& expect, TimePoint deadline,
+                      Buffer* out) = 0;
 
-  // A receive straight into `dst` (expect.bytes long): Post, then Wait. The reader fills `dst`
-  // whenever the message arrives; `dst` must stay valid until Wait returns.
-  struct Posted;
-  std::shared_ptr<Posted> Post(int src, const MsgKey& key, const MsgExpect& expect, void* dst);
-  Status Wait(const std::shared_ptr<Posted>& posted, TimePoint deadline);
+  // A receive straight into `dst` (expect.bytes long): Post, then Wait. The message is copied
+  // into `dst` whenever it arrives; `dst` must stay valid until Wait returns (or EndOp, for a
+  // receive never waited for). Posted is the implementation's handle.
+  struct Posted {
+    virtual ~Posted() = default;
+  };
+  virtual std::shared_ptr<Posted> Post(int src, const MsgKey& key, const MsgExpect& expect,
+                                       void* dst) = 0;
+  virtual Status Wait(const std::shared_ptr<Posted>& posted, TimePoint deadline) = 0;
 
-  // Peer-to-peer store: the reader thread answers a request for blob `name` with what `lookup`
+  // Peer-to-peer store: a request for blob `name` from a peer is answered with what `lookup`
   // returns (nullptr: no such blob). Set once, before the transport connects.
   // A blob's bytes stay valid and unchanged while any copy of its pointer lives (its control
   // block owns or pins the memory: a copy, or a lent tensor).
@@ -185,15 +184,15 @@ class Transport {
   };
   using Blob = std::shared_ptr<const BlobBytes>;
   using BlobLookup = std::function<Blob(const std::string& name)>;
-  void SetBlobLookup(BlobLookup lookup) { lookup_ = std::move(lookup); }
+  virtual void SetBlobLookup(BlobLookup lookup) = 0;
   // Asks peer `dst` for blob `blob`; the answer arrives as a data message with `key`, to be Posted
   // for before calling this.
-  Status SendRequest(int dst, const MsgKey& key, const std::string& blob);
+  virtual Status SendRequest(int dst, const MsgKey& key, const std::string& blob) = 0;
 
   // Fails this operation (name, seq) on every peer with `reason`, this one included.
-  void AbortOp(const std::string& name, uint64_t seq, const Status& reason);
+  virtual void AbortOp(const std::string& name, uint64_t seq, const Status& reason) = 0;
   // The first fatal error, or OK.
-  Status failure() const;
+  virtual Status failure() const = 0;
   // What the transport holds for operations: all zero between operations, whatever failed.
   struct Stats {
     uint64_t unclaimed_bytes = 0;  // messages no operation has taken yet
@@ -201,141 +200,135 @@ class Transport {
     size_t ops = 0;                // operation records (begun, or messages arrived for)
     size_t aborts = 0;             // aborts of unfinished operations
   };
-  Stats stats() const;
-  // Says goodbye to every peer and closes all streams; pending waits fail with Cancelled.
-  void Close();
+  virtual Stats stats() const = 0;
+  // Says goodbye to every peer and lets go of them; pending waits fail with Cancelled.
+  virtual void Close() = 0;
 
-  int rank() const { return rank_; }
-  int size() const { return static_cast<int>(peers_.size()); }
-  uint64_t version() const { return version_; }
-  const PeerList& peers() const { return peers_; }
-  std::string Describe(int rank) const;  // "host:port (rank r)"
+  // Whether this peer can read peer src's memory (DIRECT), and a read of `bytes` at `addr` in
+  // src's address space into `dst`. Only memory src itself pointed this peer at (in a message)
+  // may be read; a transport says yes only for a peer whose identity it can vouch for.
+  virtual bool CanReadPeerMemory(int /*src*/) const { return false; }
+  virtual Status ReadPeerMemory(int src, uint64_t addr, void* dst, size_t bytes);
 
-  // The handshake's frames, for the listener's side (AcceptHandshake) and for tests.
-  static std::string HandshakeReply(const Status& verdict);  // a refusal, or step 4's OK
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual uint64_t version() const = 0;
+  virtual const PeerList& peers() const = 0;
+  virtual std::string Describe(int rank) const = 0;  // "host:port (rank r)"
+};
 
- private:
+// The rendezvous that every implementation shares: slots of posted receives and filed messages,
+// operation records and signatures, finished operations, aborts, and the bound on unclaimed
+// bytes. An implementation moves messages: it implements the Send* hooks, and hands what arrives
+// from peer src to the On*/AdmitData/FileData calls (from a reader thread, or from the sending
+// peer's own thread in process).
+class RendezvousTransport : public Transport {
+ public:
+  RendezvousTransport(uint64_t version, PeerList peers, int rank, TransportOptions options);
+  ~RendezvousTransport() override;  // out of line: the records are complete only there
+
+  void BeginOp(const std::string& name, uint64_t seq, const OpSig& sig) override;
+  void EndOp(const std::string& name, uint64_t seq, int64_t* wait_us = nullptr) override;
+  Status OpError(const std::string& name, uint64_t seq, std::chrono::milliseconds wait) override;
+  Status Send(int dst, const MsgKey& key, const MsgExpect& meta, const void* data) override;
+  Status Recv(int src, const MsgKey& key, const MsgExpect& expect, TimePoint deadline,
+              Buffer* out) override;
+  std::shared_ptr<Posted> Post(int src, const MsgKey& key, const MsgExpect& expect,
+                               void* dst) override;
+  Status Wait(const std::shared_ptr<Posted>& posted, TimePoint deadline) override;
+  void SetBlobLookup(BlobLookup lookup) override { lookup_ = std::move(lookup); }
+  Status SendRequest(int dst, const MsgKey& key, const std::string& blob) override;
+  void AbortOp(const std::string& name, uint64_t seq, const Status& reason) override;
+  Status failure() const override;
+  Stats stats() const override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return static_cast<int>(peers_.size()); }
+  uint64_t version() const override { return version_; }
+  const PeerList& peers() const override { return peers_; }
+  std::string Describe(int rank) const override;
+
+ protected:
   struct Slot;
-  struct OpRecord;
-  struct Finished {  // finished sequence numbers of one name: all below `below`, and `above`
-    uint64_t below = 0;
-    std::set<uint64_t> above;
-  };
   using OpKey = std::pair<std::string, uint64_t>;  // base name, seq
-  struct Outgoing {
-    std::mutex mu;          // one frame at a time
-    std::atomic<int> fd{-1};  // read without mu only by CutOutgoing
-    TimePoint last_send;
+  static constexpr uint64_t kMaxAbortMessage = 64 << 10;  // bytes of an abort's reason, at most
+
+  // What an implementation provides: one message to peer dst. sig: the op's signature, or none.
+  virtual Status SendData(int dst, const MsgKey& key, const MsgExpect& meta, const void* data,
+                          const OpSig& sig) = 0;
+  virtual Status SendBlobRequest(int dst, const MsgKey& key, const std::string& blob) = 0;
+  // Best effort: a peer that cannot be reached fails on its own. `reason` is what dst's op fails
+  // with (OnAbort there), at most kMaxAbortMessage / 2 bytes of message.
+  virtual void SendAbort(int dst, const MsgKey& key, const Status& reason) = 0;
+  // Tells peer dst what this peer called for the op of `key` (a wait that went long). Without
+  // blocking: false if the way is busy now and it should be tried again.
+  virtual bool Announce(int dst, const MsgKey& key, const OpSig& sig) = 0;
+  // Under mu_, as the transport fails or closes: wake the implementation's own waits.
+  virtual void WakeLocked() {}
+
+  // A data message from src about to arrive: where its payload goes.
+  //  kDrop: nowhere (its op is over here, or it failed a posted receive's checks).
+  //  kPosted: into dst (expect.bytes), for which the posted receive is held; copy it, checking
+  //    *cancel between pieces, then EndCopy, whatever happens.
+  //  kFile: into a Buffer, then FileData.
+  //  kOverCap: nowhere: the transport failed (too many unclaimed bytes).
+  struct Admission {
+    enum What { kDrop, kPosted, kFile, kOverCap } what = kDrop;
+    std::shared_ptr<Slot> slot;
+    char* dst = nullptr;
+    const std::atomic<bool>* cancel = nullptr;
   };
-  Status DialHandshake(int fd, int dst);  // steps 1-4 below, the dialer's side
-  // The progress line of a wait for peers that began at `since`, if one is due at `now`
-  // (`*next` is when the next one is); `missing` says who is awaited.
-  void ReportWait(TimePoint since, TimePoint deadline, TimePoint now, TimePoint* next,
-                  const std::string& missing) const;
-  void ReaderLoop(int src, int fd);
-  void ReadFrames(int src, int fd);
-  void CutOutgoing(int dst);
-  void HeartbeatLoop();
+  Admission AdmitData(int src, const MsgKey& key, const MsgExpect& meta, const OpSig& sig,
+                      const std::string& who);
+  // The copy of a kPosted admission ended: done with the buffer (`abandoned`: stopped at *cancel).
+  void EndCopy(const Admission& a, const Status& result, bool abandoned);
+  void FileData(int src, const MsgKey& key, const MsgExpect& meta, Buffer payload);
+  void OnAbort(const MsgKey& key, const Status& reason);
+  void OnSig(int src, const MsgKey& key, const OpSig& sig);
+  void OnMissing(int src, const MsgKey& key);
+  void OnBye(int src);
+  Blob LookupBlob(const std::string& name) const { return lookup_ ? lookup_(name) : nullptr; }
+  // Fails the transport with s (the first failure stays); returns the failure.
   Status Fail(const Status& s);
-  Status SendFrame(int dst, uint8_t type, const MsgKey& key, const MsgExpect& meta,
-                   const void* payload, uint64_t payload_len, bool wait_for_stream = true,
-                   const OpSig& sig = OpSig());
-  std::string SlotId(int src, const MsgKey& key) const;
-  // These require mu_.
-  Status OpErrorLocked(const OpKey& op) const;
-  bool IsFinished(const OpKey& op) const;
-  void TrackSlot(const OpKey& op, const std::string& id);
-  void NoteRemoteSig(int src, const OpKey& op, const net::Frame& f);
-  void NoteArrival(OpRecord* rec);
-  void TakeUnclaimed(Slot* slot);
-  std::string UnstartedFrom(int src) const;
-  Status WaitState(std::unique_lock<std::mutex>& lk, Slot* slot, int src, TimePoint deadline,
-                   const MsgKey& key);
+  // Marks the transport closed and wakes every wait; false if it already was.
+  bool MarkClosed();
 
   const uint64_t version_;
   const PeerList peers_;
   const int rank_;
   const TransportOptions options_;
 
-  BlobLookup lookup_;
-  std::vector<std::unique_ptr<Outgoing>> out_;
-  std::vector<int> in_fds_;
-  std::vector<std::thread> readers_;
-  std::thread heartbeat_;
-
-  mutable std::mutex mu_;
-  std::condition_variable incoming_cv_;
-  std::condition_variable stop_cv_;
-  int incoming_count_ = 0;
+  mutable std::mutex mu_;  // guards what follows, and the slots' and records' state
   bool closed_ = false;
   Status failure_;
   std::vector<bool> peer_left_;
+
+ private:
+  struct OpRecord;
+  struct PostedRecv;
+  struct Finished {  // finished sequence numbers of one name: all below `below`, and `above`
+    uint64_t below = 0;
+    std::set<uint64_t> above;
+  };
+  std::string SlotId(int src, const MsgKey& key) const;
+  // These require mu_.
+  void WakeAllLocked();
+  Status OpErrorLocked(const OpKey& op) const;
+  bool IsFinished(const OpKey& op) const;
+  void TrackSlot(const OpKey& op, const std::string& id);
+  void NoteRemoteSig(int src, const OpKey& op, const OpSig& theirs);
+  void NoteArrival(OpRecord* rec);
+  void TakeUnclaimed(Slot* slot);
+  std::string UnstartedFrom(int src) const;
+  Status WaitState(std::unique_lock<std::mutex>& lk, Slot* slot, int src, TimePoint deadline,
+                   const MsgKey& key);
+
+  BlobLookup lookup_;
   std::unordered_map<std::string, std::shared_ptr<Slot>> slots_;
   std::map<OpKey, Status> aborted_;
   std::map<OpKey, OpRecord> ops_;  // begun operations, and those peers sent messages for
   std::unordered_map<std::string, Finished> finished_;
   uint64_t unclaimed_bytes_ = 0;
-};
-
-// Stream handshake. Every stream starts with it; no other frame is parsed before it ends, and a
-// peer without the job's token (TransportOptions::job_token; empty is a token too, so peers
-// without one talk only to peers without one) never gets a stream attached.
-//  1. The dialer sends a hello: name "src>dst", its cluster version, and a 32-byte nonce from
-//     the kernel's random source.
-//  2. The listener checks destination, cluster version and membership. It refuses with a reply
-//     carrying the status (another cluster version is Unavailable, retryable: in a resize, peers
-//     of version v+1 dial peers still in v; anything else is InvalidArgument, final) and closes.
-//     Otherwise it replies with its own nonce and HMAC-SHA256(token, "accept" | transcript),
-//     transcript = protocol | cluster version | length-prefixed name | dialer's nonce |
-//     listener's nonce.
-//  3. The dialer checks that proof in constant time. Wrong: it sends a refusal frame (kAuth with
-//     the status), closes, and gives up on that peer at once ("peer X refused this peer: wrong job
-//     token (KUNGFU_JOB_TOKEN differs)"). Right: it sends HMAC-SHA256(token, "dial" | transcript).
-//  4. The listener checks that proof in constant time, attaches the stream (AttachIncoming), and
-//     replies OK, or refuses (a wrong token; a peer already connected) and closes.
-// A reply the dialer cannot parse (bad magic, a name over kMaxNameLen, wrong lengths, an unknown
-// status) is InvalidArgument, naming the peer: it gives up at once, as on a refusal.
-// Fresh nonces on both sides make every proof good for one stream only; the role labels keep one
-// side's proof from being replayed as the other's. The listener reads nothing beyond the frame of
-// the current step, and its peer (Peer::AcceptLoop) gives the whole handshake 2 s from accept.
-//
-// AcceptHandshake is the listener's side as a state machine without I/O: fed the bytes that
-// arrive, it says how many more it wants and what to send, so one thread runs many handshakes
-// at once and a stranger costs no thread.
-class AcceptHandshake {
- public:
-  // Checks a hello's claims; returns the dialer's rank, or -1 with the refusal in *why.
-  using Admit = std::function<int(const std::string& src, const std::string& dst,
-                                  uint64_t version, Status* why)>;
-  AcceptHandshake(const std::string& token, Admit admit);
-
-  enum class State { kHello, kProof, kDone, kRefused };
-  State state() const { return state_; }
-  // How many bytes to read next (at most what the current frame has left); 0 once it is over.
-  size_t want() const;
-  // Takes bytes read (at most want()); appends any reply to *out.
-  void Feed(const char* data, size_t n, std::string* out);
-  int src() const { return src_; }                 // kDone: the dialer's rank
-  const Status& refusal() const { return refusal_; }  // kRefused: why
-
- private:
-  void Refuse(const Status& why, std::string* out);
-  void OnHeader(std::string* out);
-  void OnBody(std::string* out);
-
-  const std::string token_;
-  Admit admit_;
-  State state_ = State::kHello;
-  bool header_done_ = false;  // of the current step's frame
-  std::string buf_;           // what has arrived of the current piece (header, then body)
-  size_t need_;               // the current piece's size
-  uint32_t flags_ = 0;
-  uint32_t name_len_ = 0;
-  uint64_t version_ = 0;
-  std::string transcript_;
-  std::string src_name_;      // the hello's "src"
-  int src_ = -1;
-  Status refusal_;
 };
 
 }  // namespace kungfu

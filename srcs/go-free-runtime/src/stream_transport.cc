@@ -1,0 +1,688 @@
+#include "kungfu/stream_transport.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "auth.h"
+#include "net.h"
+
+namespace kungfu {
+
+namespace {
+// The pid of the process at the other end of a Unix socket, from the kernel; -1 if none (TCP).
+int CredentialsPid(int fd) {
+  struct ucred cred {};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.pid <= 0) return -1;
+  return cred.pid;
+}
+}  // namespace
+
+StreamTransport::StreamTransport(uint64_t version, PeerList peers, int rank,
+                                 TransportOptions options)
+    : RendezvousTransport(version, std::move(peers), rank, std::move(options)) {
+  for (size_t i = 0; i < peers_.size(); ++i) out_.push_back(std::make_unique<Outgoing>());
+  in_fds_.assign(peers_.size(), -1);
+  in_pids_.assign(peers_.size(), -1);
+}
+
+StreamTransport::~StreamTransport() { Close(); }
+
+int StreamTransport::PeerPid(int src) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (src < 0 || src >= size()) return -1;
+  return in_pids_[src];
+}
+
+Status StreamTransport::ReadPeerMemory(int src, uint64_t addr, void* dst, size_t bytes) {
+  const int pid = PeerPid(src);
+  if (pid <= 0) return Unavailable("the memory of peer " + Describe(src) + " cannot be read");
+  return net::ReadRemote(pid, addr, dst, bytes);
+}
+
+void StreamTransport::WakeLocked() {
+  incoming_cv_.notify_all();
+  stop_cv_.notify_all();
+}
+
+void StreamTransport::ReportWait(TimePoint since, TimePoint deadline, TimePoint now, TimePoint* next,
+                           const std::string& missing) const {
+  if (options_.progress_ms <= 0 || !options_.progress) return;
+  const auto every = std::chrono::milliseconds(options_.progress_ms);
+  if (*next == TimePoint()) *next = since + every;
+  if (now < *next) return;
+  while (*next <= now) *next += every;
+  auto secs = [](Clock::duration d) {
+    return std::to_string(std::chrono::duration_cast<std::chrono::seconds>(d).count());
+  };
+  options_.progress(Describe(rank_) + ": waiting for " + missing + " (" + secs(now - since) +
+                    " s so far; gives up after " + secs(deadline - since) + " s)");
+}
+
+Status StreamTransport::ConnectAll(TimePoint since, TimePoint deadline) {
+  const PeerID& self = peers_[rank_];
+  TimePoint next_report;
+  for (int dst = 0; dst < size(); ++dst) {
+    if (dst == rank_) continue;
+    bool local = peers_[dst].host == self.host;
+    Status last;
+    // Peers of a new cluster version start within moments of each other: retry soon at first,
+    // then back off.
+    int64_t backoff_ms = 2;
+    while (true) {
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (closed_) return Cancelled("peer stopped while connecting");
+      }
+      int fd = -1;
+      last = net::Dial(peers_[dst], local, &fd);
+      if (last.ok()) {
+        net::SetTimeouts(fd, options_.peer_timeout_ms);
+        last = DialHandshake(fd, dst);
+        if (last.ok()) {
+          std::lock_guard<std::mutex> lk(out_[dst]->mu);
+          out_[dst]->fd = fd;
+          out_[dst]->last_send = Clock::now();
+          break;
+        }
+        close(fd);
+        // Refused for good (a wrong token, destination or protocol; a malformed reply): retrying
+        // cannot help, and the message names the peer and the cause.
+        if (last.code() == Code::kInvalidArgument) return last;
+      }
+      const TimePoint now = Clock::now();
+      if (now >= deadline) {
+        return DeadlineExceeded("could not connect to peer " + Describe(dst) + " in time: " +
+                                last.message());
+      }
+      int unreached = 0;  // dst and every later peer but this one
+      for (int r = dst; r < size(); ++r) unreached += r != rank_;
+      ReportWait(since, deadline, now, &next_report,
+                 "peer " + Describe(dst) + " to accept a connection (" + last.message() + ")" +
+                     (unreached > 1 ? "; " + std::to_string(unreached - 1) + " later peer(s) not dialed yet"
+                                    : ""));
+      std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
+      backoff_ms = std::min<int64_t>(backoff_ms * 2, 50);
+    }
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!heartbeat_.joinable() && !closed_) {
+    try {
+      heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+    } catch (const std::exception& e) {
+      return ResourceExhausted(std::string("cannot start the heartbeat thread: ") + e.what());
+    }
+  }
+  return Status::OK();
+}
+
+Status StreamTransport::AttachIncoming(int src, int fd) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (closed_) return Cancelled("peer stopped");
+  if (src < 0 || src >= size() || src == rank_) return InvalidArgument("bad source rank");
+  if (in_fds_[src] >= 0) return InvalidArgument("already connected");
+  net::SetTimeouts(fd, options_.peer_timeout_ms);
+  try {
+    readers_.emplace_back([this, src, fd] { ReaderLoop(src, fd); });
+  } catch (const std::exception& e) {  // out of threads: an error for this peer, not an abort
+    return ResourceExhausted(std::string("cannot start a reader thread: ") + e.what());
+  }
+  in_fds_[src] = fd;
+  in_pids_[src] = CredentialsPid(fd);
+  ++incoming_count_;
+  incoming_cv_.notify_all();
+  return Status::OK();
+}
+
+Status StreamTransport::WaitIncoming(TimePoint since, TimePoint deadline) {
+  std::unique_lock<std::mutex> lk(mu_);
+  const int want = size() - 1;
+  auto missing = [&] {
+    std::string m;
+    for (int r = 0; r < size(); ++r) {
+      if (r != rank_ && in_fds_[r] < 0) m += (m.empty() ? "" : ", ") + Describe(r);
+    }
+    return m;
+  };
+  TimePoint next_report;
+  while (incoming_count_ < want && failure_.ok() && !closed_) {
+    const TimePoint now = Clock::now();
+    if (now >= deadline) break;
+    ReportWait(since, deadline, now, &next_report, "these peers to connect: " + missing());
+    TimePoint until = deadline;
+    if (next_report != TimePoint() && next_report < until) until = next_report;
+    incoming_cv_.wait_until(lk, until);
+  }
+  if (!failure_.ok()) return failure_;
+  if (closed_) return Cancelled("peer stopped while connecting");
+  if (incoming_count_ < want) {
+    return DeadlineExceeded("these peers did not connect in time: " + missing());
+  }
+  return Status::OK();
+}
+
+Status StreamTransport::SendFrame(int dst, uint8_t type, const MsgKey& key, const MsgExpect& meta,
+                            const void* payload, uint64_t payload_len, bool wait_for_stream,
+                            const OpSig& sig) {
+  Outgoing& o = *out_[dst];
+  net::Frame f{};
+  f.magic = net::kMagic;
+  f.proto = net::kProto;
+  f.type = type;
+  f.dtype = static_cast<uint8_t>(meta.dtype);
+  f.version = version_;
+  f.seq = key.seq;
+  f.tag = key.tag;
+  f.total_count = meta.total_count;
+  f.payload_len = payload_len;
+  f.name_len = static_cast<uint32_t>(key.name.size());
+  f.sig = sig.Word();
+  f.digest = sig.digest;
+  struct iovec iov[3] = {{&f, sizeof(f)},
+                         {const_cast<char*>(key.name.data()), key.name.size()},
+                         {const_cast<void*>(payload), static_cast<size_t>(payload_len)}};
+  std::unique_lock<std::mutex> lk(o.mu, std::defer_lock);
+  if (wait_for_stream) {
+    lk.lock();
+  } else if (!lk.try_lock()) {
+    return Unavailable("the stream to peer " + Describe(dst) + " is busy");
+  }
+  if (o.fd < 0) return Unavailable("no connection to peer " + Describe(dst));
+  Status s = net::WriteFull(o.fd, iov, payload_len > 0 ? 3 : 2);
+  o.last_send = Clock::now();
+  // A frame written in part leaves the stream unreadable to the peer: end it.
+  if (!s.ok()) shutdown(o.fd, SHUT_RDWR);
+  return s;
+}
+
+Status StreamTransport::SendData(int dst, const MsgKey& key, const MsgExpect& meta,
+                                 const void* data, const OpSig& sig) {
+  return SendFrame(dst, net::kData, key, meta, data, meta.bytes, true, sig);
+}
+
+Status StreamTransport::SendBlobRequest(int dst, const MsgKey& key, const std::string& blob) {
+  return SendFrame(dst, net::kRequest, key, MsgExpect{}, blob.data(), blob.size());
+}
+
+void StreamTransport::SendAbort(int dst, const MsgKey& key, const Status& reason) {
+  // "code:message", parsed by ReadFrames.
+  const std::string msg = std::to_string(static_cast<int>(reason.code())) + ":" + reason.message();
+  SendFrame(dst, net::kAbort, key, MsgExpect{}, msg.data(), msg.size());
+}
+
+bool StreamTransport::Announce(int dst, const MsgKey& key, const OpSig& sig) {
+  Status sent = SendFrame(dst, net::kSig, key, MsgExpect{}, nullptr, 0,
+                          /*wait_for_stream=*/false, sig);
+  return sent.ok() || sent.message().find("busy") == std::string::npos;
+}
+
+void StreamTransport::ReaderLoop(int src, int fd) {
+  ReadFrames(src, fd);
+  // The peer left, died or stopped answering; whichever, it reads nothing more from us. A send
+  // to it may be blocked on a full socket (a peer that stopped reading), holding the stream
+  // and everyone queued behind it: cut the stream so that such sends fail now.
+  CutOutgoing(src);
+}
+
+void StreamTransport::CutOutgoing(int dst) {
+  // Without the stream's mutex: a blocked sender holds it. Sockets are closed only after the
+  // readers are joined (Close), so this fd is still ours.
+  int fd = out_[dst]->fd.load();
+  if (fd >= 0) shutdown(fd, SHUT_RDWR);
+}
+
+void StreamTransport::ReadFrames(int src, int fd) {
+  const std::string who = "peer " + Describe(src);
+  while (true) {
+    net::Frame f;
+    bool eof = false;
+    Status s = net::ReadFull(fd, &f, sizeof(f), &eof);
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (closed_ || peer_left_[src]) return;
+    }
+    if (!s.ok()) {
+      Fail(Unavailable(who + (eof ? " closed its connection unexpectedly (it died, or gave up on this peer)"
+                                  : ": " + s.message())));
+      return;
+    }
+    if (f.magic != net::kMagic || f.proto != net::kProto || f.version != version_ ||
+        f.name_len > net::kMaxNameLen || f.payload_len > net::kMaxPayload) {
+      Fail(Unavailable(who + " sent a malformed frame or one of another cluster version (" +
+                       std::to_string(f.version) + ", this session is " +
+                       std::to_string(version_) + ")"));
+      return;
+    }
+    MsgKey key;
+    key.name.resize(f.name_len);
+    key.seq = f.seq;
+    key.tag = f.tag;
+    s = net::ReadFull(fd, key.name.data(), f.name_len);
+    if (!s.ok()) {
+      Fail(Unavailable(who + ": " + s.message()));
+      return;
+    }
+    if (f.type == net::kHeartbeat) continue;
+    if (f.type == net::kBye) {
+      OnBye(src);
+      return;
+    }
+    if (f.type == net::kAbort) {
+      if (f.payload_len > kMaxAbortMessage) {
+        Fail(Unavailable(who + " sent an abort message of " + std::to_string(f.payload_len) +
+                         " bytes (at most " + std::to_string(kMaxAbortMessage) + ")"));
+        return;
+      }
+      std::string msg(f.payload_len, '\0');
+      s = net::ReadFull(fd, msg.data(), msg.size());
+      if (!s.ok()) {
+        Fail(Unavailable(who + ": " + s.message()));
+        return;
+      }
+      size_t colon = msg.find(':');
+      int code = colon == std::string::npos ? 0 : std::atoi(msg.substr(0, colon).c_str());
+      Code c = (code >= 1 && code <= 7) ? static_cast<Code>(code) : Code::kInternal;
+      OnAbort(key, Status(c, msg.substr(colon == std::string::npos ? 0 : colon + 1)));
+      continue;
+    }
+    if (f.type == net::kRequest) {
+      if (f.payload_len > net::kMaxNameLen) {
+        Fail(Unavailable(who + " sent a request for a blob name of " +
+                         std::to_string(f.payload_len) + " bytes"));
+        return;
+      }
+      std::string blob(f.payload_len, '\0');
+      s = net::ReadFull(fd, blob.data(), blob.size());
+      if (!s.ok()) {
+        Fail(Unavailable(who + ": " + s.message()));
+        return;
+      }
+      Blob b = LookupBlob(blob);
+      // Best effort: if the requester is gone, its own transport reports that.
+      if (b) {
+        SendFrame(src, net::kData, key, MsgExpect{DType::kUInt8, b->size, b->size}, b->data,
+                  b->size);
+      } else {
+        SendFrame(src, net::kMissing, key, MsgExpect{}, nullptr, 0);
+      }
+      continue;
+    }
+    if (f.type == net::kMissing) {
+      OnMissing(src, key);
+      continue;
+    }
+    if (f.type == net::kSig) {  // a peer waiting on us says what it called
+      if (f.payload_len != 0) {
+        Fail(Unavailable(who + " sent a malformed frame"));
+        return;
+      }
+      OnSig(src, key, OpSig::FromWire(f.sig, f.digest));
+      continue;
+    }
+    if (f.type != net::kData) {
+      Fail(Unavailable(who + " sent an unknown frame type " + std::to_string(f.type)));
+      return;
+    }
+    // A data message: dropped if its op is over here, else straight into a posted buffer if
+    // there is one, else into a pooled buffer filed under its key.
+    const MsgExpect meta{static_cast<DType>(f.dtype), f.total_count, f.payload_len};
+    const Admission a = AdmitData(src, key, meta, OpSig::FromWire(f.sig, f.digest), who);
+    if (a.what == Admission::kOverCap) return;
+    if (a.what == Admission::kPosted) {
+      // Into the caller's buffer, one recv() at a time, so that a wait that must end can stop
+      // us between two (*a.cancel): the rest of the message is then discarded.
+      char* dst = a.dst;
+      uint64_t left = f.payload_len;
+      Status r;
+      bool cancelled = false;
+      while (left > 0 && !cancelled) {
+        cancelled = *a.cancel;
+        if (cancelled) break;
+        size_t got = 0;
+        r = net::ReadSome(fd, dst, static_cast<size_t>(std::min<uint64_t>(left, 4 << 20)), &got);
+        if (!r.ok()) break;
+        dst += got;
+        left -= got;
+      }
+      EndCopy(a, r, cancelled);  // done with the buffer, whatever happens to the rest
+      if (r.ok() && cancelled) r = net::Discard(fd, left);
+      if (!r.ok()) {
+        Fail(Unavailable(who + ": " + r.message()));
+        return;
+      }
+      continue;
+    }
+    if (a.what == Admission::kDrop) {
+      if (!net::Discard(fd, f.payload_len).ok()) {
+        Fail(Unavailable(who + ": connection broken"));
+        return;
+      }
+      continue;
+    }
+    Buffer buf;
+    try {
+      buf = Buffer(f.payload_len);
+    } catch (const std::bad_alloc&) {
+      Fail(ResourceExhausted(who + " sent a message of " + std::to_string(f.payload_len) +
+                             " bytes that no operation here has asked for yet, and there is no "
+                             "memory to keep it"));
+      return;
+    }
+    s = net::ReadFull(fd, buf.data(), f.payload_len);
+    if (!s.ok()) {
+      Fail(Unavailable(who + ": " + s.message()));
+      return;
+    }
+    FileData(src, key, meta, std::move(buf));
+  }
+}
+
+void StreamTransport::HeartbeatLoop() {
+  const auto period = std::chrono::milliseconds(options_.heartbeat_ms);
+  std::unique_lock<std::mutex> lk(mu_);
+  while (!closed_) {
+    stop_cv_.wait_for(lk, period);
+    if (closed_) break;
+    lk.unlock();
+    for (int dst = 0; dst < size(); ++dst) {
+      if (dst == rank_) continue;
+      Outgoing& o = *out_[dst];
+      {
+        std::unique_lock<std::mutex> olk(o.mu, std::try_to_lock);
+        // A stream busy sending needs no heartbeat.
+        if (!olk.owns_lock() || o.fd < 0 || Clock::now() - o.last_send < period) continue;
+      }
+      SendFrame(dst, net::kHeartbeat, MsgKey{}, MsgExpect{}, nullptr, 0);
+    }
+    lk.lock();
+  }
+}
+
+void StreamTransport::Close() {
+  if (!MarkClosed()) return;
+  if (heartbeat_.joinable()) heartbeat_.join();
+  for (int dst = 0; dst < size(); ++dst) {
+    if (dst == rank_) continue;
+    // A goodbye, unless a send is stuck on this stream (a peer that stopped reading): then
+    // the cut alone tells the peer, and stopping does not wait out the peer timeout.
+    SendFrame(dst, net::kBye, MsgKey{}, MsgExpect{}, nullptr, 0, /*wait_for_stream=*/false);
+    CutOutgoing(dst);
+  }
+  std::vector<std::thread> readers;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (int fd : in_fds_) {
+      if (fd >= 0) shutdown(fd, SHUT_RDWR);
+    }
+    readers.swap(readers_);
+  }
+  for (auto& t : readers) t.join();
+  for (int dst = 0; dst < size(); ++dst) {
+    if (dst == rank_) continue;
+    std::lock_guard<std::mutex> lk(out_[dst]->mu);
+    int fd = out_[dst]->fd.exchange(-1);
+    if (fd >= 0) close(fd);
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  for (int& fd : in_fds_) {
+    if (fd >= 0) close(fd);
+    fd = -1;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handshake (protocol in transport.h, above AcceptHandshake).
+
+namespace {
+
+constexpr auto kHandshakeTime = std::chrono::milliseconds(2000);
+constexpr size_t kNonceLen = 32;
+constexpr size_t kProofLen = 32;
+const char kWrongToken[] = "wrong job token (KUNGFU_JOB_TOKEN differs)";
+
+void PutLE(std::string* s, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) s->push_back(static_cast<char>(v >> (8 * i)));
+}
+
+// What both proofs cover: every field of the hello, and both nonces (fixed length, last).
+std::string Transcript(const std::string& name, uint64_t version, const std::string& dial_nonce,
+                       const std::string& accept_nonce) {
+  std::string t = "kungfu-handshake";
+  PutLE(&t, net::kProto, 2);
+  PutLE(&t, version, 8);
+  PutLE(&t, name.size(), 4);
+  t += name;
+  t += dial_nonce;
+  t += accept_nonce;
+  return t;
+}
+
+std::string Bytes(const auth::Digest& d) { return std::string(d.begin(), d.end()); }
+
+std::string Proof(const std::string& token, const char* role, const std::string& transcript) {
+  return Bytes(auth::HmacSha256(token, std::string(role) + "|" + transcript));
+}
+
+// Compares a proof that arrived (any length) with the one expected, in constant time.
+bool ProofMatches(const std::string& want, const std::string& got) {
+  if (got.size() != kProofLen || want.size() != kProofLen) return false;
+  auth::Digest a, b;
+  std::memcpy(a.data(), want.data(), kProofLen);
+  std::memcpy(b.data(), got.data(), kProofLen);
+  return auth::Equal(a, b);
+}
+
+Status FreshNonce(std::string* out) {
+  auth::Digest d;
+  if (!auth::Nonce(&d)) return Internal("no random bytes for a handshake nonce");
+  *out = Bytes(d);
+  return Status::OK();
+}
+
+std::string FrameBytes(uint8_t type, uint64_t version, uint32_t flags, const std::string& name,
+                       const std::string& payload) {
+  net::Frame f{};
+  f.magic = net::kMagic;
+  f.proto = net::kProto;
+  f.type = type;
+  f.version = version;
+  f.flags = flags;
+  f.name_len = static_cast<uint32_t>(name.size());
+  f.payload_len = payload.size();
+  std::string out(reinterpret_cast<const char*>(&f), sizeof(f));
+  return out + name + payload;
+}
+
+Status WriteBytes(int fd, const std::string& bytes) {
+  struct iovec iov = {const_cast<char*>(bytes.data()), bytes.size()};
+  return net::WriteFull(fd, &iov, 1);
+}
+
+const char* HandshakeTypeName(uint8_t type) {
+  switch (type) {
+    case net::kHello: return "hello";
+    case net::kHelloReply: return "handshake reply";
+    case net::kAuth: return "proof";
+    default: return "frame";
+  }
+}
+
+// Why a handshake frame's header is not a `type` with at most these lengths; "" if it is.
+std::string HeaderProblem(const net::Frame& f, uint8_t type, uint64_t max_name,
+                          uint64_t max_payload) {
+  if (f.magic != net::kMagic) return "not a kungfu handshake (bad magic)";
+  if (f.proto != net::kProto) {
+    return "protocol version " + std::to_string(f.proto) + ", this peer speaks " +
+           std::to_string(net::kProto);
+  }
+  if (f.type != type) {
+    return "a frame of type " + std::to_string(f.type) + " where a " + HandshakeTypeName(type) +
+           " belongs";
+  }
+  if (f.name_len > max_name) {
+    return "a name of " + std::to_string(f.name_len) + " bytes (at most " +
+           std::to_string(max_name) + ")";
+  }
+  if (f.payload_len > max_payload) {
+    return "a payload of " + std::to_string(f.payload_len) + " bytes (at most " +
+           std::to_string(max_payload) + ")";
+  }
+  return "";
+}
+
+// The dialer's side: reads the listener's reply to step 1 or 3 by `deadline`. A refusal becomes
+// the status it carries (InvalidArgument ones naming the listener: the dialer gives up); a
+// malformed or oversized reply is InvalidArgument; a stream that breaks is Unavailable (retried).
+Status ReadReply(int fd, TimePoint deadline, const std::string& who, size_t payload_len,
+                 std::string* payload) {
+  net::Frame f{};
+  Status io = net::ReadFullBy(fd, &f, sizeof(f), deadline);
+  if (!io.ok()) return Unavailable("handshake: " + io.message());
+  const std::string problem =
+      HeaderProblem(f, net::kHelloReply, net::kMaxNameLen, kNonceLen + kProofLen);
+  if (!problem.empty()) {
+    return InvalidArgument(who + " sent a malformed handshake reply: " + problem);
+  }
+  std::string why(f.name_len, '\0');
+  payload->assign(f.payload_len, '\0');
+  io = net::ReadFullBy(fd, why.data(), why.size(), deadline);
+  if (io.ok()) io = net::ReadFullBy(fd, payload->data(), payload->size(), deadline);
+  if (!io.ok()) return Unavailable("handshake: " + io.message());
+  if (f.flags != 0) {
+    if (f.flags > static_cast<uint32_t>(Code::kResourceExhausted)) {
+      return InvalidArgument(who + " sent a malformed handshake reply: status code " +
+                             std::to_string(f.flags));
+    }
+    const Code code = static_cast<Code>(f.flags);
+    if (code == Code::kInvalidArgument) return InvalidArgument(who + " refused this peer: " + why);
+    return Status(code, why);
+  }
+  if (payload->size() != payload_len) {
+    return InvalidArgument(who + " sent a malformed handshake reply: a payload of " +
+                           std::to_string(payload->size()) + " bytes, expected " +
+                           std::to_string(payload_len));
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+std::string StreamTransport::HandshakeReply(const Status& verdict) {
+  // Bounded like every handshake name, so that the dialer can tell an oversized reply from ours.
+  return FrameBytes(net::kHelloReply, 0, static_cast<uint32_t>(verdict.code()),
+                    verdict.message().substr(0, net::kMaxNameLen), "");
+}
+
+Status StreamTransport::DialHandshake(int fd, int dst) {
+  const std::string who = "peer " + Describe(dst);
+  const std::string name = peers_[rank_].ToString() + ">" + peers_[dst].ToString();
+  const TimePoint deadline = Clock::now() + kHandshakeTime;
+  std::string mine;
+  KF_RETURN_IF_ERROR(FreshNonce(&mine));
+  KF_RETURN_IF_ERROR(WriteBytes(fd, FrameBytes(net::kHello, version_, 0, name, mine)));  // 1
+  std::string challenge;
+  KF_RETURN_IF_ERROR(ReadReply(fd, deadline, who, kNonceLen + kProofLen, &challenge));  // 2
+  const std::string transcript =
+      Transcript(name, version_, mine, challenge.substr(0, kNonceLen));
+  if (!ProofMatches(Proof(options_.job_token, "accept", transcript),
+                    challenge.substr(kNonceLen))) {  // 3, refused: tell it why, then give up
+    WriteBytes(fd, FrameBytes(net::kAuth, version_,
+                              static_cast<uint32_t>(Code::kInvalidArgument), kWrongToken, ""));
+    return InvalidArgument(who + " refused this peer: " + kWrongToken);
+  }
+  KF_RETURN_IF_ERROR(WriteBytes(
+      fd, FrameBytes(net::kAuth, version_, 0, "", Proof(options_.job_token, "dial", transcript))));
+  std::string none;
+  return ReadReply(fd, deadline, who, 0, &none);  // 4
+}
+
+AcceptHandshake::AcceptHandshake(const std::string& token, Admit admit)
+    : token_(token), admit_(std::move(admit)), need_(sizeof(net::Frame)) {}
+
+size_t AcceptHandshake::want() const {
+  if (state_ == State::kDone || state_ == State::kRefused) return 0;
+  return need_ - buf_.size();
+}
+
+void AcceptHandshake::Feed(const char* data, size_t n, std::string* out) {
+  while (n > 0 && want() > 0) {
+    const size_t k = std::min(n, want());
+    buf_.append(data, k);
+    data += k;
+    n -= k;
+    if (buf_.size() < need_) return;
+    if (header_done_) {
+      OnBody(out);
+    } else {
+      OnHeader(out);
+    }
+  }
+}
+
+void AcceptHandshake::Refuse(const Status& why, std::string* out) {
+  state_ = State::kRefused;
+  refusal_ = why;
+  *out += StreamTransport::HandshakeReply(why);
+}
+
+void AcceptHandshake::OnHeader(std::string* out) {
+  net::Frame f;
+  std::memcpy(&f, buf_.data(), sizeof(f));
+  buf_.clear();
+  std::string problem;
+  if (state_ == State::kHello) {
+    problem = HeaderProblem(f, net::kHello, net::kMaxNameLen, kNonceLen);
+    if (problem.empty() && f.payload_len != kNonceLen) problem = "a hello without a nonce";
+  } else {
+    // A proof, or the dialer's refusal of ours (a status and its message).
+    problem = f.flags == 0 ? HeaderProblem(f, net::kAuth, 0, kProofLen)
+                           : HeaderProblem(f, net::kAuth, net::kMaxNameLen, 0);
+    if (problem.empty() && f.flags == 0 && f.payload_len != kProofLen) problem = "a short proof";
+  }
+  if (!problem.empty()) return Refuse(InvalidArgument(problem), out);
+  header_done_ = true;
+  version_ = f.version;
+  flags_ = f.flags;
+  name_len_ = f.name_len;
+  need_ = f.name_len + static_cast<size_t>(f.payload_len);
+  if (need_ == 0) OnBody(out);
+}
+
+void AcceptHandshake::OnBody(std::string* out) {
+  const std::string name = buf_.substr(0, name_len_), payload = buf_.substr(name_len_);
+  buf_.clear();
+  header_done_ = false;
+  need_ = sizeof(net::Frame);
+  if (state_ == State::kHello) {  // 1 -> 2
+    const size_t gt = name.find('>');
+    if (gt == std::string::npos) {
+      return Refuse(InvalidArgument("malformed hello: no '>' in its name"), out);
+    }
+    src_name_ = name.substr(0, gt);
+    Status why;
+    src_ = admit_(src_name_, name.substr(gt + 1), version_, &why);
+    if (src_ < 0) return Refuse(why.ok() ? InvalidArgument("refused") : why, out);
+    std::string mine;
+    Status s = FreshNonce(&mine);
+    if (!s.ok()) return Refuse(s, out);
+    transcript_ = Transcript(name, version_, payload, mine);
+    *out += FrameBytes(net::kHelloReply, 0, 0, "", mine + Proof(token_, "accept", transcript_));
+    state_ = State::kProof;
+    return;
+  }
+  if (flags_ != 0) {  // 3: the dialer found our proof wrong; it has gone
+    state_ = State::kRefused;
+    refusal_ = InvalidArgument(src_name_ + " refused this peer: " + name);
+    return;
+  }
+  if (!ProofMatches(Proof(token_, "dial", transcript_), payload)) {  // 3 -> 4
+    return Refuse(InvalidArgument(kWrongToken), out);
+  }
+  state_ = State::kDone;
+}
+
+}  // namespace kungfu
