@@ -70,8 +70,8 @@ Strategy MakeStrategyFromTree(const Tree& fathers);
 //  - all peers on one host, direct copies permitted and bytes >= kAutoDirectMinBytes: DIRECT (each
 //    byte is copied once, process to process, instead of twice through a socket);
 //  - several hosts and bytes >= kAutoLargeBytes: HIERARCHICAL when some host runs more than one
-//    peer (each byte crosses between hosts once per host pair's share, and every local peer
-//    carries a share of it), else RING (bandwidth-optimal);
+//    peer (peers of a host reduce among themselves first, then split the traffic between hosts),
+//    else RING (bandwidth-optimal);
 //  - otherwise BINARY_TREE_STAR (a star inside each host, a binary tree across hosts: few hops,
 //    so the lowest latency for small tensors).
 // The thresholds come from benchmarks/allreduce.py on loopback (DIRECT overtakes the star between
