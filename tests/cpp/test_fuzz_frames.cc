@@ -123,3 +123,17 @@ TEST(RandomFrameStreams) {
   std::printf("  %d frames in %d streams (%d failed the transport)\n", inputs, streams, failed);
   CHECK(inputs >= std::min(target, 20000));
 }
+
+TEST(SignaturesFromTheWireRoundTrip) {
+  // Any signature word a peer sends (extreme roots and strategies included, which a libFuzzer run
+  // once drove into a signed overflow) reads back to the same word.
+  for (uint64_t root : {uint64_t(0), uint64_t(1), uint64_t(0x7fffffff), uint64_t(0x80000000),
+                        uint64_t(0xfffffffe), uint64_t(0xffffffff)}) {
+    for (uint64_t strategy : {uint64_t(0), uint64_t(1), uint64_t(0xfe), uint64_t(0xff)}) {
+      const uint64_t word = 3 | uint64_t(2) << 8 | strategy << 16 | root << 32;
+      const kungfu::OpSig sig = kungfu::OpSig::FromWire(word, 7);
+      CHECK_EQ(sig.Word(), word);
+      CHECK(sig == kungfu::OpSig::FromWire(sig.Word(), 7));
+    }
+  }
+}

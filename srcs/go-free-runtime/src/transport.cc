@@ -110,9 +110,10 @@ const char* OpKindName(OpKind kind) {
 }
 
 uint64_t OpSig::Word() const {
+  // Unsigned arithmetic: a signature read off the wire may hold any root, INT_MAX included.
   return uint64_t(static_cast<uint8_t>(kind)) | uint64_t(static_cast<uint8_t>(op)) << 8 |
-         uint64_t(static_cast<uint8_t>(strategy + 1)) << 16 |
-         uint64_t(static_cast<uint32_t>(root + 1)) << 32;
+         uint64_t(static_cast<uint8_t>(static_cast<uint32_t>(strategy) + 1u)) << 16 |
+         uint64_t(static_cast<uint32_t>(root) + 1u) << 32;
 }
 
 OpSig OpSig::FromWire(uint64_t word, uint64_t digest) {
