@@ -56,6 +56,10 @@ struct PeerConfig {
   std::function<void(const std::string&)> progress = ProgressToStderr;
   bool timeline = false;                // record one TimelineEvent per operation (DrainTimeline)
   size_t timeline_cap = 1000000;        // events kept between two drains; more are dropped
+  // Tensor fusion (src/fusion.h): allreduces of at most this many bytes that ask for the default
+  // strategy or AUTO are agreed among peers and run packed into a few large ones; 0: off.
+  // 1 MiB: measured with benchmarks/allreduce.py --model resnet50 (docs/runtime.md).
+  size_t fusion_bytes = size_t(1) << 20;
 };
 
 // One operation as the timeline records it (PeerConfig::timeline). Times are in microseconds;
@@ -94,6 +98,7 @@ struct GatherResult {
 
 class Session;
 class Peer;
+class Fusion;
 
 // The peer that framework bindings in this process use (the Python module sets it when it
 // creates the peer; TensorFlow kernels read it). nullptr until then.
@@ -182,6 +187,7 @@ class Peer {
   void LingerForHellos(std::chrono::milliseconds at_most);
   void Submit(std::function<void()> task);
   void WorkerLoop();
+  void Record(TimelineEvent e);  // appends to the timeline (or counts it dropped)
 
   const PeerConfig config_;
   const int rank_;
@@ -216,6 +222,10 @@ class Peer {
   std::mutex timeline_mu_;
   std::vector<TimelineEvent> timeline_;
   uint64_t timeline_dropped_ = 0;
+
+  // Tensor fusion (null when config_.fusion_bytes is 0 or in a single process): stopped by Stop
+  // after the transport closed and before the pool stops.
+  std::unique_ptr<Fusion> fusion_;
 };
 
 }  // namespace kungfu

@@ -1,0 +1,132 @@
+// Tensor fusion: small allreduces that ask for the default strategy (or AUTO) are not run one by
+// one, each on its own pool thread, but queued; one thread per Peer agrees with the other peers
+// which queued ops every peer has issued and runs them packed into a few large allreduces.
+//
+// Why: a training step issues hundreds of small gradient allreduces in an order that differs per
+// peer. One thread per op means hundreds of threads per process, each waiting for the peer's
+// thread of the same op to be scheduled; a few fused buffers cost a few round trips instead.
+//
+// Negotiation cycle c (the fusion loop runs one while its queue is not empty):
+//  1. Each peer snapshots up to kMaxOffer queued ops as records (64-bit hash of name + seq,
+//     count, dtype, reduce op, strategy, digest; the name too once queued 150 ms) plus tombstones (hashes of ops it gave up on
+//     at their deadline since its last cycle), and sends them to every other peer as two
+//     messages (count, records) of the internal op (kOpName, seq g), g the next internal seq.
+//  2. It receives every other peer's records. This wait does not give up at an op's deadline:
+//     a peer that left the cycle would leave the others inconsistent. Instead the wait wakes at
+//     each queued op's deadline and fails the expired ops locally (DeadlineExceeded naming the
+//     peers that had not issued them, as far as known); it ends only with the peers' records, a
+//     transport failure (a dead peer: every queued op fails, naming it) or Peer::Stop.
+//  3. Every peer computes the same answer from the same records: an op is agreed when every peer
+//     listed it with the same shape and none tombstoned it; ordered as rank 0 listed them. A hash
+//     listed with different shapes fails on every peer (InvalidArgument naming both); a
+//     tombstoned hash fails on every peer (DeadlineExceeded naming who gave up). Failures of ops
+//     a peer has not issued yet are remembered (bounded), so they fail at once when issued.
+//  4. Agreed ops are packed per (dtype, reduce op, strategy) in canonical order into buckets of
+//     at most bucket_bytes, each bucket the next internal seq; a pool task runs the cycle's
+//     buckets in order, each one allreduce with the session's default strategy (a bucket of one
+//     op runs on its own buffers, without copies), unpacks each result into its op's recv
+//     buffer and completes its handle. Meanwhile the loop goes on to the next cycle.
+//  5. An op that expired (or failed: see CheckTransportErrors) on this peer after it was sent in step 1 but got agreed anyway (a peer
+//     issued it just in time) cannot take part: this peer aborts its bucket, so the bucket's ops
+//     fail on every peer rather than return a sum without this peer's part.
+// Peers only run a cycle when their own queue is non-empty (every peer eventually issues each
+// op), and back off (1 ms doubling to 16 ms, cut short by a new op) after one agreed on nothing.
+//
+// Buffer ownership: an op's buffers are read and written only by the loop (before agreement:
+// never) and by its bucket task (after agreement), and only before its handle completes.
+//
+// Lock order: Fusion::mu_ alone; handles complete and transport calls run without it.
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "kungfu/dtype.h"
+#include "kungfu/handle.h"
+#include "kungfu/peer.h"
+#include "kungfu/status.h"
+#include "kungfu/transport.h"
+
+namespace kungfu {
+
+class Session;
+
+// What the fusion needs of its Peer.
+struct FusionHooks {
+  std::function<uint64_t(const std::string&)> next_seq;  // the Peer's per-name numbering
+  std::function<void(std::function<void()>)> submit;     // the Peer's growing pool
+  std::function<void(TimelineEvent)> record;             // empty: timeline off
+  std::function<int()> track;                            // the calling thread's timeline track
+};
+
+class Fusion {
+ public:
+  // fusion_bytes: largest allreduce fused (> 0). Runs in `session` (size > 1).
+  Fusion(std::shared_ptr<Session> session, size_t fusion_bytes, int64_t op_timeout_ms,
+         FusionHooks hooks);
+  ~Fusion();
+
+  // Whether an allreduce of `bytes` asking for `strategy` (-1: the default) is fused.
+  bool Accepts(size_t bytes, int strategy) const;
+  // Like Peer::AllReduce; dtype and op already checked reducible.
+  Handle AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+                   const OpOptions& options);
+  // Stops the loop and fails every op not yet agreed with Cancelled. Ops already in a bucket
+  // finish in their pool task (call before the pool stops, after the transport closed).
+  void Stop();
+
+  // Largest fused buffer: ops <= fusion_bytes are packed up to this many bytes per allreduce.
+  static constexpr size_t kBucketBytes = size_t(16) << 20;
+  static constexpr size_t kMaxOffer = 4096;  // records per peer per cycle
+
+ private:
+  struct Op;
+  struct Record;
+  struct Bucket;
+  void Loop();
+  // One negotiation cycle (steps 1-4); *agreed: whether it agreed on any op.
+  Status Cycle(bool* agreed);
+  // Fails (locally) every queued op whose deadline has passed; `known(op, r)`: whether rank r
+  // is known to have issued it (-1: unknown).
+  void ExpireLocked(TimePoint now, const std::function<int(const Op&, int)>& known,
+                    std::vector<std::pair<std::shared_ptr<Op>, Status>>* done);
+  void RememberFailureLocked(uint64_t hash, const Status& s);
+  // Fails queued ops the transport saw fail (a peer called another operation under the name and
+  // said so, or aborted it), and aborts them on every peer as Run does.
+  void CheckTransportErrors();
+  void RunBuckets(const std::vector<Bucket>& buckets);
+  struct Timing {  // one op's slice of its bucket, for the timeline
+    const char* strategy = "";
+    int64_t start_us = 0, dur_us = 0, queue_us = 0, wait_us = 0;
+  };
+  void Finish(const std::shared_ptr<Op>& op, const Status& s, const Timing* timing);
+  void FailAll(const Status& s);
+
+  const std::shared_ptr<Session> session_;
+  const size_t fusion_bytes_;
+  const int64_t op_timeout_ms_;
+  const FusionHooks hooks_;
+  uint64_t next_internal_seq_ = 0;  // loop thread only: every peer numbers cycles alike
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::thread loop_;                              // started by the first op
+  std::deque<std::shared_ptr<Op>> queue_;          // not yet agreed, in issue order
+  std::unordered_map<uint64_t, std::shared_ptr<Op>> queued_;  // by hash
+  uint64_t enqueued_ = 0;                          // ops ever queued (wakes a back-off)
+  std::vector<uint64_t> tombs_out_;                // to announce in the next cycle
+  std::unordered_map<uint64_t, Status> failed_;    // by hash: fail at once when issued
+  std::deque<uint64_t> failed_order_;              // oldest first, bounds failed_
+  // Per rank: the ops (hash, name) it had queued a while in its last records, for messages.
+  std::vector<std::vector<std::pair<uint64_t, std::string>>> waits_on_;
+};
+
+}  // namespace kungfu
