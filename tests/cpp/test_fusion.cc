@@ -137,14 +137,14 @@ std::vector<Spec> MixedOps(int count, const std::string& prefix) {
   const DType dtypes[] = {DType::kFloat32, DType::kFloat64, DType::kInt32,
                           DType::kInt64,   DType::kInt8,    DType::kUInt8};
   const ReduceOp ops[] = {ReduceOp::kSum, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kProd};
-  const size_t sizes[] = {1, 7, 1009, 0, 4096, 33};
+  const size_t sizes[] = {1, 7, 1009, 0, 4096, 33, 70001};  // 70001: above fusion_bytes
   std::vector<Spec> specs;
   for (int i = 0; i < count; ++i) {
     Spec s;
     s.name = prefix + std::to_string(i);
     s.dtype = dtypes[i % 6];
     s.op = ops[(i / 6) % 4];
-    s.count = sizes[(i / 5) % 6];
+    s.count = sizes[(i / 5) % 7];
     s.strategy = i % 3 == 0 ? static_cast<int>(StrategyKind::kAuto) : -1;
     s.in_place = i % 4 == 1;
     s.k = i;
@@ -202,16 +202,38 @@ TEST(ShuffledMixedOpsEveryLayout) {
   }
 }
 
-// Fewer allreduces ran than were issued (the default strategy's counters count fused buffers).
+// Most ops above fusion_bytes (agreed, run alone on their own buffers), a few packed.
+TEST(ShuffledMostlyUnpacked) {
+  kftest::ClusterOptions o;
+  o.fusion_bytes = 64;
+  LocalCluster c(Layouts()[3], o);
+  REQUIRE(c.Start());
+  std::vector<std::vector<Spec>> per_rank(c.size(), MixedOps(150, "m"));
+  RunShuffled(c, per_rank, 4, "fusion_bytes 64");
+}
+
+// Fewer allreduces ran than were issued (the default strategy's counters count a packed buffer
+// once): the small ops were packed; the ones above fusion_bytes ran alone.
 TEST(SmallOpsAreActuallyFused) {
   LocalCluster c(2);
   REQUIRE(c.Start());
   std::vector<std::vector<Spec>> per_rank = DefaultStrategyOps(2, 120, "f");
+  for (auto& specs : per_rank) {
+    for (auto& s : specs) {  // one (dtype, op): the packing is not split by key
+      s.dtype = DType::kFloat32;
+      s.op = ReduceOp::kSum;
+    }
+  }
   RunShuffled(c, per_rank, 7, "fused");
+  uint64_t big = 0, small = 0;
+  for (const Spec& s : per_rank[0]) {
+    (s.count * kungfu::DTypeSize(s.dtype) > kungfu::PeerConfig().fusion_bytes ? big : small) += 1;
+  }
   for (int r = 0; r < 2; ++r) {
     const uint64_t ops = DefaultOpsRun(c[r]);
-    CHECK_MSG(ops > 0 && ops < 60, "rank " + std::to_string(r) + " ran " + std::to_string(ops) +
-                                       " allreduces for 120 (not fused?)");
+    CHECK_MSG(ops >= big && ops <= big + small / 2,
+              "rank " + std::to_string(r) + " ran " + std::to_string(ops) + " allreduces for " +
+                  std::to_string(big) + " large and " + std::to_string(small) + " small ops");
   }
 }
 

@@ -26,6 +26,9 @@ constexpr size_t kMaxFailed = 1 << 16;          // remembered failures of ops no
 // waits on an op it does not fuse says so after 200 ms (Transport's kAnnounceAfter).
 constexpr auto kSlice = std::chrono::milliseconds(100);
 constexpr auto kCheckAfter = std::chrono::milliseconds(150);
+// Before a cycle: ops still arriving this often join it, for at most kLinger.
+constexpr auto kQuiet = std::chrono::microseconds(200);
+constexpr auto kLinger = std::chrono::microseconds(1000);
 constexpr uint64_t kTombstone = 1;  // Record flags: a peer gave up on the op
 constexpr uint64_t kNamed = 2;      // its name follows the records (an op queued a while)
 constexpr size_t kMaxNameBytes = 64 << 10;  // names per contribution
@@ -125,8 +128,8 @@ Fusion::Fusion(std::shared_ptr<Session> session, size_t fusion_bytes, int64_t op
 Fusion::~Fusion() { Stop(); }
 
 bool Fusion::Accepts(size_t bytes, int strategy) const {
-  return bytes <= fusion_bytes_ &&
-         (strategy < 0 || strategy == static_cast<int>(StrategyKind::kAuto));
+  (void)bytes;  // larger ones are agreed too, and run alone (see Cycle)
+  return strategy < 0 || strategy == static_cast<int>(StrategyKind::kAuto);
 }
 
 Handle Fusion::AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
@@ -347,6 +350,14 @@ void Fusion::Loop() {
         if (stopping_) return;
         if (queue_.empty()) continue;
       }
+      // Ops issued back to back (a step's gradients) go into one cycle: wait while they keep
+      // coming, at most kLinger.
+      const TimePoint linger_until = Clock::now() + kLinger;
+      while (!stopping_ && Clock::now() < linger_until) {
+        const uint64_t before = enqueued_;
+        if (!cv_.wait_for(lk, kQuiet, [&] { return stopping_ || enqueued_ != before; })) break;
+      }
+      if (stopping_) return;
       seen_enqueued = enqueued_;
     }
     bool agreed = false;
@@ -561,6 +572,9 @@ Status Fusion::Cycle(bool* agreed_any) {
       const auto key = std::make_tuple(static_cast<int>(x->dtype()), static_cast<int>(x->op()),
                                        x->strategy());
       auto b = open.find(key);
+      if (bytes > fusion_bytes_) {
+        b = open.end();  // alone, on its own buffers: copying it costs more than fusing saves
+      }
       if (b == open.end() ||
           (buckets[b->second].count * DTypeSize(x->dtype()) + bytes > kBucketBytes)) {
         Bucket nb;
@@ -568,10 +582,12 @@ Status Fusion::Cycle(bool* agreed_any) {
         nb.op = x->op();
         nb.strategy = x->strategy();
         buckets.push_back(std::move(nb));
-        open[key] = buckets.size() - 1;
-        b = open.find(key);
+        if (bytes <= fusion_bytes_) {
+          open[key] = buckets.size() - 1;
+          b = open.find(key);
+        }
       }
-      Bucket& bk = buckets[b->second];
+      Bucket& bk = b == open.end() ? buckets.back() : buckets[b->second];
       bk.count += x->count;
       bk.ops.push_back(o);
       bk.live.push_back(live);
@@ -587,16 +603,31 @@ Status Fusion::Cycle(bool* agreed_any) {
   complete();
   for (Bucket& b : buckets) b.seq = next_internal_seq_++;  // in the same order on every peer
   if (!buckets.empty()) {
-    auto shared = std::make_shared<std::vector<Bucket>>(std::move(buckets));
-    hooks_.submit([this, shared] { RunBuckets(*shared); });
+    std::lock_guard<std::mutex> lk(mu_);
+    for (Bucket& b : buckets) runs_.push_back(std::move(b));
+    if (!running_) {  // one at a time: two in flight measured no faster (docs/runtime.md)
+      running_ = true;
+      hooks_.submit([this] { RunBuckets(); });
+    }
   }
   return Status::OK();
 }
 
-// Step 4's pool task (and step 5): one allreduce per bucket, in order.
-void Fusion::RunBuckets(const std::vector<Bucket>& buckets) {
+// Step 4's pool task (and step 5): one allreduce per bucket, one at a time, in the order every
+// peer agreed, until none is left.
+void Fusion::RunBuckets() {
   Transport& t = session_->transport();
-  for (const Bucket& b : buckets) {
+  while (true) {
+    Bucket b;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (runs_.empty()) {
+        running_ = false;
+        return;
+      }
+      b = std::move(runs_.front());
+      runs_.pop_front();
+    }
     const TimePoint started = Clock::now();
     const int64_t start_us = std::chrono::duration_cast<std::chrono::microseconds>(
                                  std::chrono::system_clock::now().time_since_epoch()).count();

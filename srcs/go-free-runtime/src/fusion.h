@@ -1,10 +1,13 @@
-// Tensor fusion: small allreduces that ask for the default strategy (or AUTO) are not run one by
-// one, each on its own pool thread, but queued; one thread per Peer agrees with the other peers
-// which queued ops every peer has issued and runs them packed into a few large allreduces.
+// Tensor fusion: allreduces that ask for the default strategy (or AUTO) are not run one by one,
+// each on its own pool thread, but queued; one thread per Peer agrees with the other peers which
+// queued ops every peer has issued, and they run one at a time in that agreed order, those of at
+// most fusion_bytes packed into shared buffers (larger ones on their own buffers: copying them
+// would cost more than the fewer operations save).
 //
-// Why: a training step issues hundreds of small gradient allreduces in an order that differs per
-// peer. One thread per op means hundreds of threads per process, each waiting for the peer's
-// thread of the same op to be scheduled; a few fused buffers cost a few round trips instead.
+// Why: a training step issues hundreds of gradient allreduces in an order that differs per peer.
+// One thread per op means hundreds of threads per process, each waiting for the peer's thread of
+// the same op to be scheduled; measured on ResNet-50's 214 tensors, concurrent large ops also
+// thrash. A few buffers in one agreed order cost a few round trips instead.
 //
 // Negotiation cycle c (the fusion loop runs one while its queue is not empty):
 //  1. Each peer snapshots up to kMaxOffer queued ops as records (64-bit hash of name + seq,
@@ -21,16 +24,19 @@
 //     listed with different shapes fails on every peer (InvalidArgument naming both); a
 //     tombstoned hash fails on every peer (DeadlineExceeded naming who gave up). Failures of ops
 //     a peer has not issued yet are remembered (bounded), so they fail at once when issued.
-//  4. Agreed ops are packed per (dtype, reduce op, strategy) in canonical order into buckets of
-//     at most bucket_bytes, each bucket the next internal seq; a pool task runs the cycle's
-//     buckets in order, each one allreduce with the session's default strategy (a bucket of one
-//     op runs on its own buffers, without copies), unpacks each result into its op's recv
-//     buffer and completes its handle. Meanwhile the loop goes on to the next cycle.
+//  4. Agreed ops of at most fusion_bytes are packed per (dtype, reduce op, strategy) in canonical
+//     order into buckets of at most kBucketBytes; a larger op is a bucket of its own. Each bucket
+//     takes the next internal seq. One pool task at a time runs the buckets in that order (every
+//     peer runs the same sequence, so no two peers wait on each other in a cycle), each one
+//     allreduce with the session's default strategy (a bucket of one op on the op's own buffers,
+//     without copies), unpacks each result into its op's recv buffer and completes its handle.
+//     Meanwhile the loop goes on to the next cycle.
 //  5. An op that expired (or failed: see CheckTransportErrors) on this peer after it was sent in step 1 but got agreed anyway (a peer
 //     issued it just in time) cannot take part: this peer aborts its bucket, so the bucket's ops
 //     fail on every peer rather than return a sum without this peer's part.
 // Peers only run a cycle when their own queue is non-empty (every peer eventually issues each
-// op), and back off (1 ms doubling to 16 ms, cut short by a new op) after one agreed on nothing.
+// op), let ops issued back to back join it (up to 1 ms while they keep coming), and back off
+// (1 ms doubling to 16 ms, cut short by a new op) after a cycle that agreed on nothing.
 //
 // Buffer ownership: an op's buffers are read and written only by the loop (before agreement:
 // never) and by its bucket task (after agreement), and only before its handle completes.
@@ -40,6 +46,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <list>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -68,12 +75,13 @@ struct FusionHooks {
 
 class Fusion {
  public:
-  // fusion_bytes: largest allreduce fused (> 0). Runs in `session` (size > 1).
+  // fusion_bytes: largest allreduce packed with others (> 0). Runs in `session` (size > 1).
   Fusion(std::shared_ptr<Session> session, size_t fusion_bytes, int64_t op_timeout_ms,
          FusionHooks hooks);
   ~Fusion();
 
-  // Whether an allreduce of `bytes` asking for `strategy` (-1: the default) is fused.
+  // Whether an allreduce of `bytes` asking for `strategy` (-1: the default) goes through fusion
+  // (any size: larger than fusion_bytes, it is agreed and ordered but not packed).
   bool Accepts(size_t bytes, int strategy) const;
   // Like Peer::AllReduce; dtype and op already checked reducible.
   Handle AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
@@ -82,8 +90,8 @@ class Fusion {
   // finish in their pool task (call before the pool stops, after the transport closed).
   void Stop();
 
-  // Largest fused buffer: ops <= fusion_bytes are packed up to this many bytes per allreduce.
-  static constexpr size_t kBucketBytes = size_t(16) << 20;
+  // Largest packed buffer (8 and 16 MiB measured alike; smaller buffers start sooner).
+  static constexpr size_t kBucketBytes = size_t(8) << 20;
   static constexpr size_t kMaxOffer = 4096;  // records per peer per cycle
 
  private:
@@ -101,7 +109,7 @@ class Fusion {
   // Fails queued ops the transport saw fail (a peer called another operation under the name and
   // said so, or aborted it), and aborts them on every peer as Run does.
   void CheckTransportErrors();
-  void RunBuckets(const std::vector<Bucket>& buckets);
+  void RunBuckets();
   struct Timing {  // one op's slice of its bucket, for the timeline
     const char* strategy = "";
     int64_t start_us = 0, dur_us = 0, queue_us = 0, wait_us = 0;
@@ -125,6 +133,8 @@ class Fusion {
   std::vector<uint64_t> tombs_out_;                // to announce in the next cycle
   std::unordered_map<uint64_t, Status> failed_;    // by hash: fail at once when issued
   std::deque<uint64_t> failed_order_;              // oldest first, bounds failed_
+  std::list<Bucket> runs_;                         // agreed, not yet run, in agreed order
+  bool running_ = false;                           // a pool task runs runs_
   // Per rank: the ops (hash, name) it had queued a while in its last records, for messages.
   std::vector<std::vector<std::pair<uint64_t, std::string>>> waits_on_;
 };
