@@ -191,9 +191,18 @@ std::vector<std::vector<Spec>> DefaultStrategyOps(int ranks, int count, const st
 
 }  // namespace
 
+// Under ThreadSanitizer on a loaded machine a peer can go seconds without a byte on a stream: a
+// generous peer timeout keeps the heavy tests about results, not about scheduling.
+kftest::ClusterOptions Heavy() {
+  kftest::ClusterOptions o;
+  o.peer_timeout_ms = 30000;
+  o.op_timeout_ms = 60000;
+  return o;
+}
+
 TEST(ShuffledMixedOpsEveryLayout) {
   for (const auto& hosts : Layouts()) {
-    LocalCluster c(hosts);
+    LocalCluster c(hosts, Heavy());
     REQUIRE(c.Start());
     for (int round = 0; round < 2; ++round) {
       std::vector<std::vector<Spec>> per_rank(c.size(), MixedOps(200, "g"));
@@ -204,7 +213,7 @@ TEST(ShuffledMixedOpsEveryLayout) {
 
 // Most ops above fusion_bytes (agreed, run alone on their own buffers), a few packed.
 TEST(ShuffledMostlyUnpacked) {
-  kftest::ClusterOptions o;
+  kftest::ClusterOptions o = Heavy();
   o.fusion_bytes = 64;
   LocalCluster c(Layouts()[3], o);
   REQUIRE(c.Start());

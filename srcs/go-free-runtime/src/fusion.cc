@@ -5,6 +5,7 @@
 #include <map>
 #include <set>
 #include <tuple>
+#include <unordered_set>
 #include <utility>
 
 #include "kungfu/session.h"
@@ -22,8 +23,8 @@ const std::string kOpName = SubOpName(kBase, "fusion");
 const OpSig kSig{OpKind::kInternal};
 
 constexpr size_t kMaxFailed = 1 << 16;          // remembered failures of ops not issued here
-// The longest wait without checking Stop and the transport's view of queued ops: a peer that
-// waits on an op it does not fuse says so after 200 ms (Transport's kAnnounceAfter).
+// How often Watch asks the transport about queued ops older than kCheckAfter: a peer that waits
+// on an op it does not fuse says so after 200 ms (Transport's kAnnounceAfter).
 constexpr auto kSlice = std::chrono::milliseconds(100);
 constexpr auto kCheckAfter = std::chrono::milliseconds(150);
 // Before a cycle: ops still arriving this often join it, for at most kLinger.
@@ -171,8 +172,9 @@ Handle Fusion::AllReduce(const void* send, void* recv, size_t count, DType dtype
       if (!loop_.joinable()) {
         try {
           loop_ = std::thread([this] { Loop(); });
+          watch_ = std::thread([this] { Watch(); });
         } catch (const std::exception&) {
-          early = ResourceExhausted("cannot start the fusion thread (out of threads or memory)");
+          early = ResourceExhausted("cannot start the fusion threads (out of threads or memory)");
         }
       }
       if (early.ok()) {
@@ -227,7 +229,8 @@ void Fusion::Stop() {
     stopping_ = true;
     cv_.notify_all();
   }
-  if (loop_.joinable()) loop_.join();  // its waits end: the transport is closed, or within kSlice
+  if (loop_.joinable()) loop_.join();  // its waits end: the transport is closed
+  if (watch_.joinable()) watch_.join();
   FailAll(Cancelled("peer stopped"));
 }
 
@@ -255,7 +258,7 @@ void Fusion::RememberFailureLocked(uint64_t hash, const Status& s) {
   }
 }
 
-void Fusion::ExpireLocked(TimePoint now, const std::function<int(const Op&, int)>& known,
+void Fusion::ExpireLocked(TimePoint now,
                           std::vector<std::pair<std::shared_ptr<Op>, Status>>* done) {
   Transport& t = session_->transport();
   for (auto it = queue_.begin(); it != queue_.end();) {
@@ -267,7 +270,7 @@ void Fusion::ExpireLocked(TimePoint now, const std::function<int(const Op&, int)
     std::string missing, unknown;
     for (int r = 0; r < session_->size(); ++r) {
       if (r == session_->rank()) continue;
-      const int k = known(o, r);
+      const int k = o.seen[r];
       std::string& to = k < 0 ? unknown : missing;
       if (k > 0) continue;
       to += (to.empty() ? "" : ", ") + t.Describe(r);
@@ -330,6 +333,27 @@ void Fusion::CheckTransportErrors() {
   }
 }
 
+// Deadlines and transport errors of queued ops, while the loop may be blocked in a cycle.
+void Fusion::Watch() {
+  std::unique_lock<std::mutex> lk(mu_);
+  while (!stopping_) {
+    if (queue_.empty()) {
+      cv_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
+      continue;
+    }
+    TimePoint until = Clock::now() + kSlice;
+    for (const auto& o : queue_) until = std::min(until, o->deadline);
+    cv_.wait_until(lk, until, [&] { return stopping_; });
+    if (stopping_) break;
+    std::vector<std::pair<std::shared_ptr<Op>, Status>> done;
+    ExpireLocked(Clock::now(), &done);
+    lk.unlock();
+    for (auto& [op, st] : done) Finish(op, st, nullptr);
+    CheckTransportErrors();
+    lk.lock();
+  }
+}
+
 void Fusion::Loop() {
   auto backoff = std::chrono::milliseconds(0);
   while (true) {
@@ -388,7 +412,6 @@ Status Fusion::Cycle(bool* agreed_any) {
     for (auto& [op, st] : done) Finish(op, st, nullptr);
     done.clear();
   };
-  auto known_before = [](const Op& o, int r) { return static_cast<int>(o.seen[r]); };
 
   // Step 1. Ops queued a while also carry their names: a peer that never issues one can then
   // say what this peer waits on instead (ExpireLocked).
@@ -399,7 +422,7 @@ Status Fusion::Cycle(bool* agreed_any) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     const TimePoint now = Clock::now();
-    ExpireLocked(now, known_before, &done);
+    ExpireLocked(now, &done);
     for (size_t i = 0; i < queue_.size() && offered.size() < kMaxOffer; ++i) {
       const Op& o = *queue_[i];
       offered.push_back(queue_[i]);
@@ -443,41 +466,20 @@ Status Fusion::Cycle(bool* agreed_any) {
     if (!s.ok()) return end_gather(s);
   }
 
-  // Step 2: every peer's records, waking at each queued op's deadline.
+  // Step 2: every peer's records. No deadline: a wait that ends mid-message loses the message
+  // (the transport discards the rest), and this peer must not leave a cycle the others may
+  // complete. Only a dead peer or Stop (the transport closes) end it; meanwhile Watch fails
+  // queued ops at their deadlines.
   std::vector<std::vector<Record>> recs(n);
-  std::vector<bool> have(n, false);
   recs[me] = mine;
-  have[me] = true;
-  auto known_now = [&](const Op& o, int r) {
-    if (!have[r]) return static_cast<int>(o.seen[r]);
-    for (const Record& x : recs[r]) {
-      if (x.hash == o.hash && !x.tomb()) return 1;
-    }
-    return 0;
-  };
   for (int i = 1; i < n; ++i) {
     const int src = (me + i) % n;
     uint64_t theirs[2] = {0, 0};  // records, name bytes
-    for (int part = 0; part < 2;) {
-      TimePoint until = Clock::now() + kSlice;
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        if (stopping_) return end_gather(Cancelled("peer stopped"));
-        for (const auto& o : queue_) until = std::min(until, o->deadline);
-      }
+    for (int part = 0; part < 2; ++part) {
       Buffer in;
-      const MsgExpect want =
-          part == 0 ? sizes_meta : body_meta(theirs[0], theirs[1]);
-      Status s = t.Recv(src, {kOpName, gseq, static_cast<uint64_t>(part)}, want, until, &in);
-      if (s.code() == Code::kDeadlineExceeded && Clock::now() >= until) {
-        {
-          std::lock_guard<std::mutex> lk(mu_);
-          ExpireLocked(Clock::now(), known_now, &done);
-        }
-        complete();
-        CheckTransportErrors();
-        continue;  // the same message, again
-      }
+      const MsgExpect want = part == 0 ? sizes_meta : body_meta(theirs[0], theirs[1]);
+      Status s = t.Recv(src, {kOpName, gseq, static_cast<uint64_t>(part)}, want,
+                        TimePoint::max(), &in);
       if (!s.ok()) return end_gather(s);
       if (part == 0) {
         std::memcpy(theirs, in.data(), sizeof(theirs));
@@ -488,7 +490,6 @@ Status Fusion::Cycle(bool* agreed_any) {
       } else {
         recs[src].resize(theirs[0]);
         std::memcpy(recs[src].data(), in.data(), theirs[0] * sizeof(Record));
-        have[src] = true;
         // Names, in the order of the records that carry one (no name holds a NUL).
         std::vector<std::pair<uint64_t, std::string>> named;
         const char* p = in.data() + theirs[0] * sizeof(Record);
@@ -500,10 +501,14 @@ Status Fusion::Cycle(bool* agreed_any) {
           named.emplace_back(x.hash, std::string(p, nul));
           p = nul + 1;
         }
+        std::unordered_set<uint64_t> theirs_listed;
+        for (const Record& x : recs[src]) {
+          if (!x.tomb()) theirs_listed.insert(x.hash);
+        }
         std::lock_guard<std::mutex> lk(mu_);
         waits_on_[src] = std::move(named);
+        for (const auto& o : queue_) o->seen[src] = theirs_listed.count(o->hash) ? 1 : 0;
       }
-      ++part;
     }
   }
   t.EndOp(kBase, gseq);

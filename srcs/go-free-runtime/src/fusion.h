@@ -15,10 +15,11 @@
 //     at their deadline since its last cycle), and sends them to every other peer as two
 //     messages (count, records) of the internal op (kOpName, seq g), g the next internal seq.
 //  2. It receives every other peer's records. This wait does not give up at an op's deadline:
-//     a peer that left the cycle would leave the others inconsistent. Instead the wait wakes at
-//     each queued op's deadline and fails the expired ops locally (DeadlineExceeded naming the
-//     peers that had not issued them, as far as known); it ends only with the peers' records, a
-//     transport failure (a dead peer: every queued op fails, naming it) or Peer::Stop.
+//     a peer that left the cycle would leave the others inconsistent (and a receive that ends
+//     mid-message loses the message). It ends only with the peers' records, a transport failure
+//     (a dead peer: every queued op fails, naming it) or Peer::Stop. Meanwhile a second thread
+//     (Watch) fails queued ops at their deadlines, locally (DeadlineExceeded naming the peers
+//     that had not issued them, as far as known).
 //  3. Every peer computes the same answer from the same records: an op is agreed when every peer
 //     listed it with the same shape and none tombstoned it; ordered as rank 0 listed them. A hash
 //     listed with different shapes fails on every peer (InvalidArgument naming both); a
@@ -38,8 +39,9 @@
 // op), let ops issued back to back join it (up to 1 ms while they keep coming), and back off
 // (1 ms doubling to 16 ms, cut short by a new op) after a cycle that agreed on nothing.
 //
-// Buffer ownership: an op's buffers are read and written only by the loop (before agreement:
-// never) and by its bucket task (after agreement), and only before its handle completes.
+// Buffer ownership: an op's buffers are read and written only by its bucket task, after
+// agreement moved it out of the queue under mu_ (a failure before that, by the loop or Watch,
+// completes it instead, under the same mutex), and only before its handle completes.
 //
 // Lock order: Fusion::mu_ alone; handles complete and transport calls run without it.
 #pragma once
@@ -53,6 +55,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "kungfu/dtype.h"
@@ -101,10 +104,10 @@ class Fusion {
   void Loop();
   // One negotiation cycle (steps 1-4); *agreed: whether it agreed on any op.
   Status Cycle(bool* agreed);
-  // Fails (locally) every queued op whose deadline has passed; `known(op, r)`: whether rank r
-  // is known to have issued it (-1: unknown).
-  void ExpireLocked(TimePoint now, const std::function<int(const Op&, int)>& known,
-                    std::vector<std::pair<std::shared_ptr<Op>, Status>>* done);
+  // Fails (locally) every queued op whose deadline has passed, naming the peers not known to
+  // have issued it (Op::seen).
+  void ExpireLocked(TimePoint now, std::vector<std::pair<std::shared_ptr<Op>, Status>>* done);
+  void Watch();  // the watch thread: ExpireLocked and CheckTransportErrors while ops are queued
   void RememberFailureLocked(uint64_t hash, const Status& s);
   // Fails queued ops the transport saw fail (a peer called another operation under the name and
   // said so, or aborted it), and aborts them on every peer as Run does.
@@ -127,6 +130,7 @@ class Fusion {
   std::condition_variable cv_;
   bool stopping_ = false;
   std::thread loop_;                              // started by the first op
+  std::thread watch_;                             // started with loop_
   std::deque<std::shared_ptr<Op>> queue_;          // not yet agreed, in issue order
   std::unordered_map<uint64_t, std::shared_ptr<Op>> queued_;  // by hash
   uint64_t enqueued_ = 0;                          // ops ever queued (wakes a back-off)
