@@ -11,9 +11,10 @@
 //
 // Negotiation cycle c (the fusion loop runs one while its queue is not empty):
 //  1. Each peer snapshots up to kMaxOffer queued ops as records (64-bit hash of name + seq,
-//     count, dtype, reduce op, strategy, digest; the name too once queued 150 ms) plus tombstones (hashes of ops it gave up on
-//     at their deadline since its last cycle), and sends them to every other peer as two
-//     messages (count, records) of the internal op (kOpName, seq g), g the next internal seq.
+//     count, dtype, reduce op, strategy, digest; the name too once queued 150 ms) plus
+//     tombstones (hashes of ops it gave up on since its last cycle), and sends them to every
+//     other peer as two messages (sizes; records and names) of the internal op (kOpName, seq g),
+//     g the next internal seq.
 //  2. It receives every other peer's records. This wait does not give up at an op's deadline:
 //     a peer that left the cycle would leave the others inconsistent (and a receive that ends
 //     mid-message loses the message). It ends only with the peers' records, a transport failure
@@ -32,9 +33,10 @@
 //     allreduce with the session's default strategy (a bucket of one op on the op's own buffers,
 //     without copies), unpacks each result into its op's recv buffer and completes its handle.
 //     Meanwhile the loop goes on to the next cycle.
-//  5. An op that expired (or failed: see CheckTransportErrors) on this peer after it was sent in step 1 but got agreed anyway (a peer
-//     issued it just in time) cannot take part: this peer aborts its bucket, so the bucket's ops
-//     fail on every peer rather than return a sum without this peer's part.
+//  5. An op that expired (or failed: CheckTransportErrors) on this peer after it was sent in
+//     step 1 but got agreed anyway (a peer issued it just in time) cannot take part: this peer
+//     aborts its bucket, so the bucket's ops fail on every peer rather than return a sum
+//     without this peer's part.
 // Peers only run a cycle when their own queue is non-empty (every peer eventually issues each
 // op), let ops issued back to back join it (up to 1 ms while they keep coming), and back off
 // (1 ms doubling to 16 ms, cut short by a new op) after a cycle that agreed on nothing.
@@ -48,8 +50,8 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
-#include <list>
 #include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
