@@ -130,6 +130,10 @@ PROGRESS_INTERVAL = Var("KUNGFU_PROGRESS_INTERVAL", parse_duration, 10.0,
                         "often naming the peers it still waits for (0: none)")
 CHUNK_BYTES = Var("KUNGFU_CHUNK_BYTES", _positive_int, 1 << 20, "largest message; bigger tensors are pipelined")
 PARALLELISM = Var("KUNGFU_PARALLELISM", _positive_int, 2, "independent pipelines per large allreduce")
+FUSION_BYTES = Var("KUNGFU_FUSION_BYTES", _count, 256 << 10,
+                   "tensor fusion: allreduces with the default strategy (or AUTO) are agreed among "
+                   "workers and run one at a time in one order, those of at most this many bytes "
+                   "packed together (0: off, each runs on its own thread)")
 
 # Observability.
 TIMELINE = Var("KUNGFU_TIMELINE", str, None,
@@ -177,7 +181,7 @@ SLOWDOWN = Var("KUNGFU_SLOWDOWN", _slowdown, [],
 ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
        ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, ETCD_CACERT, ETCD_CERT, ETCD_KEY, WATCHDOG_FD,
        RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT, PEER_TIMEOUT,
-       CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, TIMELINE, GPU_COUNT,
+       CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, FUSION_BYTES, TIMELINE, GPU_COUNT,
        SAMPLE_TIME, SAMPLE_JITTER, SLOWDOWN]
 
 

@@ -84,6 +84,7 @@ def _create(self_spec: Optional[str], peers: List[str], version: int):
         connect_timeout_ms=int(_env.CONNECT_TIMEOUT.get() * 1000),
         chunk_bytes=_env.CHUNK_BYTES.get(),
         parallelism=_env.PARALLELISM.get(),
+        fusion_bytes=_env.FUSION_BYTES.get(),
         job_token=_env.JOB_TOKEN.get() or "",
         progress_ms=int(_env.PROGRESS_INTERVAL.get() * 1000),
         timeline=record,

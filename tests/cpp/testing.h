@@ -329,6 +329,7 @@ struct ClusterOptions {
   bool memory_reads = true;
   bool timeline = false;
   size_t timeline_cap = 1000000;
+  size_t fusion_bytes = kungfu::PeerConfig().fusion_bytes;
 };
 
 // `hosts[r]` is the loopback address of rank r (127.0.0.x: every x counts as another host, so
@@ -363,6 +364,7 @@ class LocalCluster {
     c.memory_reads = options_.memory_reads;
     c.timeline = options_.timeline;
     c.timeline_cap = options_.timeline_cap;
+    c.fusion_bytes = options_.fusion_bytes;
     return c;
   }
 

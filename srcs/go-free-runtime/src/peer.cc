@@ -10,6 +10,7 @@
 #include <cstring>
 #include <deque>
 
+#include "fusion.h"
 #include "kungfu/session.h"
 #include "kungfu/stream_transport.h"
 #include "net.h"
@@ -52,9 +53,26 @@ Status CheckDType(DType d) {
 }
 }  // namespace
 
+namespace {
+int TrackId();
+}  // namespace
+
 Status Peer::Create(const PeerConfig& config, std::unique_ptr<Peer>* out) {
   KF_RETURN_IF_ERROR(ValidateConfig(config));
   out->reset(new Peer(config));
+  Peer* p = out->get();
+  if (p->config_.fusion_bytes > 0 && p->size() > 1) {
+    FusionHooks hooks;
+    hooks.next_seq = [p](const std::string& name) {
+      std::lock_guard<std::mutex> lk(p->seq_mu_);
+      return p->next_seq_[name]++;
+    };
+    hooks.submit = [p](std::function<void()> f) { p->Submit(std::move(f)); };
+    if (p->config_.timeline) hooks.record = [p](TimelineEvent e) { p->Record(std::move(e)); };
+    hooks.track = TrackId;
+    p->fusion_ = std::make_unique<Fusion>(p->session_, p->config_.fusion_bytes,
+                                          p->config_.op_timeout_ms, std::move(hooks));
+  }
   return Status::OK();
 }
 
@@ -404,6 +422,7 @@ void Peer::Stop() {
     fd = -1;
   }
   session_->transport().Close();
+  if (fusion_) fusion_->Stop();
   {
     std::lock_guard<std::mutex> lk(pool_mu_);
     pool_stopping_ = true;
@@ -546,12 +565,7 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
       e.wait_us = wait_us >= 0 ? std::min(wait_us, e.dur_us) : (session->size() > 1 ? e.dur_us : 0);
       e.status = s.ok() ? "OK" : CodeName(s.code());
       e.track = TrackId();
-      std::lock_guard<std::mutex> lk(timeline_mu_);
-      if (timeline_.size() < config_.timeline_cap) {
-        timeline_.push_back(std::move(e));
-      } else {
-        ++timeline_dropped_;
-      }
+      Record(std::move(e));
     }
     h.Complete(s);
   };
@@ -564,8 +578,21 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
 }
 
 
+void Peer::Record(TimelineEvent e) {
+  std::lock_guard<std::mutex> lk(timeline_mu_);
+  if (timeline_.size() < config_.timeline_cap) {
+    timeline_.push_back(std::move(e));
+  } else {
+    ++timeline_dropped_;
+  }
+}
+
 Handle Peer::AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                        const OpOptions& options) {
+  if (fusion_ && CheckReducible(dtype, op).ok() &&
+      fusion_->Accepts(count * DTypeSize(dtype), options.strategy)) {
+    return fusion_->AllReduce(send, recv, count, dtype, op, options);
+  }
   return Run(Sig(OpKind::kAllReduce, options, static_cast<int>(op)), options,
              count * DTypeSize(dtype), [=](Session& s, const OpContext& ctx) {
     KF_RETURN_IF_ERROR(CheckReducible(dtype, op));

@@ -56,6 +56,12 @@ struct PeerConfig {
   std::function<void(const std::string&)> progress = ProgressToStderr;
   bool timeline = false;                // record one TimelineEvent per operation (DrainTimeline)
   size_t timeline_cap = 1000000;        // events kept between two drains; more are dropped
+  // Tensor fusion (src/fusion.h): allreduces that ask for the default strategy or AUTO are
+  // agreed among peers and run one at a time in one order; those of at most fusion_bytes are
+  // packed into shared buffers (larger ones run on their own buffers); 0: off (each op on its
+  // own pool thread). 256 KiB: measured with benchmarks/allreduce.py --model resnet50 against
+  // 64 KiB to 4 MiB (docs/runtime.md, Tensor fusion).
+  size_t fusion_bytes = size_t(256) << 10;
 };
 
 // One operation as the timeline records it (PeerConfig::timeline). Times are in microseconds;
@@ -95,6 +101,7 @@ struct GatherResult {
 class Session;
 class StreamTransport;
 class Peer;
+class Fusion;
 
 // The peer that framework bindings in this process use (the Python module sets it when it
 // creates the peer; TensorFlow kernels read it). nullptr until then.
@@ -183,6 +190,7 @@ class Peer {
   void LingerForHellos(std::chrono::milliseconds at_most);
   void Submit(std::function<void()> task);
   void WorkerLoop();
+  void Record(TimelineEvent e);  // appends to the timeline (or counts it dropped)
 
   const PeerConfig config_;
   const int rank_;
@@ -218,6 +226,10 @@ class Peer {
   std::mutex timeline_mu_;
   std::vector<TimelineEvent> timeline_;
   uint64_t timeline_dropped_ = 0;
+
+  // Tensor fusion (null when config_.fusion_bytes is 0 or in a single process): stopped by Stop
+  // after the transport closed and before the pool stops.
+  std::unique_ptr<Fusion> fusion_;
 };
 
 }  // namespace kungfu

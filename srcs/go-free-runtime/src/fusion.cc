@@ -1,0 +1,709 @@
+#include "fusion.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+#include <tuple>
+#include <unordered_set>
+#include <utility>
+
+#include "kungfu/session.h"
+#include "kungfu/strategy.h"
+
+namespace kungfu {
+
+namespace {
+
+// The internal op of every cycle and bucket: base name "" (no user op has an empty name: Run
+// names unnamed ops "auto:<kind>"), sent as "\0fusion" (NUL: no user name can collide), one
+// sequence number per gather or bucket, taken in the same order on every peer.
+const std::string kBase;
+const std::string kOpName = SubOpName(kBase, "fusion");
+const OpSig kSig{OpKind::kInternal};
+
+constexpr size_t kMaxFailed = 1 << 16;          // remembered failures of ops not issued here
+// How often Watch asks the transport about queued ops older than kCheckAfter: a peer that waits
+// on an op it does not fuse says so after 200 ms (Transport's kAnnounceAfter).
+constexpr auto kSlice = std::chrono::milliseconds(100);
+constexpr auto kCheckAfter = std::chrono::milliseconds(150);
+// Before a cycle: ops still arriving this often join it, for at most kLinger.
+constexpr auto kQuiet = std::chrono::microseconds(200);
+constexpr auto kLinger = std::chrono::microseconds(1000);
+constexpr uint64_t kTombstone = 1;  // Record flags: a peer gave up on the op
+constexpr uint64_t kNamed = 2;      // its name follows the records (an op queued a while)
+constexpr size_t kMaxNameBytes = 64 << 10;  // names per contribution
+
+uint64_t HashOp(const std::string& name, uint64_t seq) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the name, then the sequence number mixed in
+  for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ull;
+  h ^= seq + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdull;
+  h ^= h >> 33;
+  return h;
+}
+
+int64_t Micros(Clock::duration d) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(d).count();
+}
+
+std::string OpWhat(const std::string& name) { return "allreduce '" + name + "'"; }
+
+}  // namespace
+
+// One record on the wire: four little-endian uint64 words.
+struct Fusion::Record {
+  uint64_t hash = 0;
+  uint64_t count = 0;
+  uint64_t kind = 0;  // dtype | op << 8 | (strategy + 1) << 16 | flags << 32
+  uint64_t digest = 0;
+  bool tomb() const { return (kind >> 32) & kTombstone; }
+  bool named() const { return (kind >> 32) & kNamed; }
+  bool SameShape(const Record& o) const {
+    return count == o.count && (kind & 0xffffffffu) == (o.kind & 0xffffffffu) && digest == o.digest;
+  }
+  DType dtype() const { return static_cast<DType>(kind & 0xff); }
+  ReduceOp op() const { return static_cast<ReduceOp>((kind >> 8) & 0xff); }
+  int strategy() const { return static_cast<int>((kind >> 16) & 0xff) - 1; }
+  OpSig Sig() const {
+    OpSig sig;
+    sig.kind = OpKind::kAllReduce;
+    sig.op = static_cast<int>(op());
+    sig.strategy = strategy();
+    sig.digest = digest;
+    return sig;
+  }
+  std::string Shape() const {
+    return Sig().ToString() + " of " + std::to_string(count) + " x " + DTypeName(dtype());
+  }
+};
+
+struct Fusion::Op {
+  uint64_t hash = 0;
+  std::string name;
+  uint64_t seq = 0;
+  const char* send = nullptr;
+  char* recv = nullptr;
+  size_t count = 0;
+  DType dtype = DType::kUInt8;
+  ReduceOp op = ReduceOp::kSum;
+  int strategy = -1;
+  uint64_t digest = 0;
+  TimePoint called, deadline;
+  Handle handle;
+  std::vector<int8_t> seen;  // per rank: 1 listed it in the last cycle, 0 did not, -1 unknown
+  bool done = false;         // completed: its buffers are the caller's again (guarded by mu_)
+  size_t bytes() const { return count * DTypeSize(dtype); }
+  Record ToRecord() const {
+    Record r;
+    r.hash = hash;
+    r.count = count;
+    r.kind = static_cast<uint64_t>(dtype) | static_cast<uint64_t>(op) << 8 |
+             static_cast<uint64_t>(strategy + 1) << 16;
+    r.digest = digest;
+    return r;
+  }
+};
+
+// Agreed ops of one (dtype, op, strategy), packed in canonical order. `live[i]` false: ops[i]
+// expired here after it was offered (step 5).
+struct Fusion::Bucket {
+  uint64_t seq = 0;
+  DType dtype = DType::kUInt8;
+  ReduceOp op = ReduceOp::kSum;
+  int strategy = -1;
+  size_t count = 0;
+  std::vector<std::shared_ptr<Op>> ops;
+  std::vector<bool> live;
+};
+
+Fusion::Fusion(std::shared_ptr<Session> session, size_t fusion_bytes, int64_t op_timeout_ms,
+               FusionHooks hooks)
+    : session_(std::move(session)),
+      fusion_bytes_(fusion_bytes),
+      op_timeout_ms_(op_timeout_ms),
+      hooks_(std::move(hooks)),
+      waits_on_(session_->size()) {}
+
+Fusion::~Fusion() { Stop(); }
+
+bool Fusion::Accepts(size_t bytes, int strategy) const {
+  (void)bytes;  // larger ones are agreed too, and run alone (see Cycle)
+  return strategy < 0 || strategy == static_cast<int>(StrategyKind::kAuto);
+}
+
+Handle Fusion::AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+                         const OpOptions& options) {
+  auto o = std::make_shared<Op>();
+  o->name = options.name.empty() ? std::string("auto:") + OpKindName(OpKind::kAllReduce)
+                                 : options.name;
+  if (o->name.find('\0') != std::string::npos) {
+    o->handle.Complete(InvalidArgument("an operation name may not contain NUL"));
+    return o->handle;
+  }
+  o->seq = hooks_.next_seq(o->name);
+  o->hash = HashOp(o->name, o->seq);
+  o->send = static_cast<const char*>(send);
+  o->recv = static_cast<char*>(recv);
+  o->count = count;
+  o->dtype = dtype;
+  o->op = op;
+  o->strategy = options.strategy < 0 ? -1 : options.strategy;
+  o->digest = options.digest;
+  o->called = Clock::now();
+  const int64_t timeout = options.timeout_ms < 0 ? op_timeout_ms_ : options.timeout_ms;
+  o->deadline = o->called + std::chrono::milliseconds(timeout);
+  o->seen.assign(session_->size(), -1);
+  // Begun in the transport like an unfused op, so that a peer calling another operation under
+  // this name (one it does not fuse) is caught as a disagreement (CheckTransportErrors).
+  session_->transport().BeginOp(o->name, o->seq, o->ToRecord().Sig());
+  Status early;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto f = failed_.find(o->hash);
+    if (stopping_) {
+      early = Cancelled("peer stopped");
+    } else if (f != failed_.end()) {
+      early = f->second;  // peers already failed it (a disagreement, or one gave up)
+    } else if (queued_.count(o->hash)) {
+      early = Internal("two queued operations hash alike");  // 2^-64 per pair
+    } else {
+      if (!loop_.joinable()) {
+        try {
+          loop_ = std::thread([this] { Loop(); });
+          watch_ = std::thread([this] { Watch(); });
+        } catch (const std::exception&) {
+          early = ResourceExhausted("cannot start the fusion threads (out of threads or memory)");
+        }
+      }
+      if (early.ok()) {
+        queue_.push_back(o);
+        queued_[o->hash] = o;
+        ++enqueued_;
+        cv_.notify_all();
+        return o->handle;
+      }
+    }
+  }
+  Finish(o, early, nullptr);
+  return o->handle;
+}
+
+// Completes one op (without mu_): its own timeline event, the transport told it ended (so stray
+// messages under its name are dropped and the name's finished numbers stay contiguous), then
+// its handle. `timing`: its slice of its bucket (nullptr: it never ran).
+void Fusion::Finish(const std::shared_ptr<Op>& op, const Status& s, const Timing* timing) {
+  Status st = s.WithContext(OpWhat(op->name));
+  session_->transport().EndOp(op->name, op->seq);
+  if (hooks_.record) {
+    TimelineEvent e;
+    e.kind = OpKindName(OpKind::kAllReduce);
+    e.name = op->name;
+    e.seq = op->seq;
+    e.bytes = op->bytes();
+    if (timing != nullptr) {
+      e.strategy = timing->strategy;
+      e.start_us = timing->start_us;
+      e.dur_us = timing->dur_us;
+      e.queue_us = timing->queue_us;
+      e.wait_us = std::min(std::max<int64_t>(timing->wait_us, 0), e.dur_us);
+    } else {
+      e.strategy = StrategyName(op->strategy >= 0 ? static_cast<StrategyKind>(op->strategy)
+                                                  : session_->Default().first);
+      e.start_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                       std::chrono::system_clock::now().time_since_epoch()).count();
+      e.queue_us = Micros(Clock::now() - op->called);
+    }
+    e.status = st.ok() ? "OK" : CodeName(st.code());
+    e.track = hooks_.track ? hooks_.track() : 1;
+    hooks_.record(std::move(e));
+  }
+  op->handle.Complete(st);
+}
+
+void Fusion::Stop() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopping_ && !loop_.joinable()) return;
+    stopping_ = true;
+    cv_.notify_all();
+  }
+  if (loop_.joinable()) loop_.join();  // its waits end: the transport is closed
+  if (watch_.joinable()) watch_.join();
+  FailAll(Cancelled("peer stopped"));
+}
+
+void Fusion::FailAll(const Status& s) {
+  std::vector<std::shared_ptr<Op>> ops;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& o : queue_) {
+      o->done = true;
+      ops.push_back(o);
+    }
+    queue_.clear();
+    queued_.clear();
+  }
+  for (auto& o : ops) Finish(o, s, nullptr);
+}
+
+void Fusion::RememberFailureLocked(uint64_t hash, const Status& s) {
+  if (failed_.count(hash)) return;
+  failed_[hash] = s;
+  failed_order_.push_back(hash);
+  while (failed_order_.size() > kMaxFailed) {
+    failed_.erase(failed_order_.front());
+    failed_order_.pop_front();
+  }
+}
+
+void Fusion::ExpireLocked(TimePoint now,
+                          std::vector<std::pair<std::shared_ptr<Op>, Status>>* done) {
+  Transport& t = session_->transport();
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    Op& o = **it;
+    if (o.deadline > now) {
+      ++it;
+      continue;
+    }
+    std::string missing, unknown;
+    for (int r = 0; r < session_->size(); ++r) {
+      if (r == session_->rank()) continue;
+      const int k = o.seen[r];
+      std::string& to = k < 0 ? unknown : missing;
+      if (k > 0) continue;
+      to += (to.empty() ? "" : ", ") + t.Describe(r);
+      std::string instead;
+      int shown = 0;
+      for (const auto& [hash, name] : waits_on_[r]) {
+        if (queued_.count(hash) || hash == o.hash) continue;
+        if (++shown > 3) {
+          instead += ", ...";
+          break;
+        }
+        instead += (instead.empty() ? "'" : ", '") + name + "'";
+      }
+      if (!instead.empty()) to += ", which waits on " + instead + " (not issued here)";
+    }
+    std::string why = "not issued by every peer before its deadline (fused allreduce)";
+    if (!missing.empty()) why += "; not issued by: " + missing;
+    if (!unknown.empty()) why += "; not heard from: " + unknown;
+    o.done = true;
+    tombs_out_.push_back(o.hash);
+    queued_.erase(o.hash);
+    done->emplace_back(*it, DeadlineExceeded(why));
+    it = queue_.erase(it);
+  }
+}
+
+void Fusion::CheckTransportErrors() {
+  std::vector<std::shared_ptr<Op>> old;
+  const TimePoint cutoff = Clock::now() - kCheckAfter;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& o : queue_) {
+      if (o->called <= cutoff) old.push_back(o);
+    }
+  }
+  Transport& t = session_->transport();
+  std::vector<std::pair<std::shared_ptr<Op>, Status>> bad;
+  for (const auto& o : old) {
+    Status s = t.OpError(o->name, o->seq, std::chrono::milliseconds(0));
+    if (!s.ok()) bad.emplace_back(o, s);
+  }
+  if (bad.empty()) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& [o, s] : bad) {
+      if (o->done) {
+        s = Status();
+        continue;
+      }
+      o->done = true;
+      tombs_out_.push_back(o->hash);  // peers that queued it fail it too
+      queued_.erase(o->hash);
+      queue_.erase(std::find(queue_.begin(), queue_.end(), o));
+    }
+  }
+  for (auto& [o, s] : bad) {
+    if (s.ok()) continue;
+    t.AbortOp(o->name, o->seq, s.WithContext(OpWhat(o->name)));  // as Run does
+    Finish(o, s, nullptr);
+  }
+}
+
+// Deadlines and transport errors of queued ops, while the loop may be blocked in a cycle.
+void Fusion::Watch() {
+  std::unique_lock<std::mutex> lk(mu_);
+  while (!stopping_) {
+    if (queue_.empty()) {
+      cv_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
+      continue;
+    }
+    TimePoint until = Clock::now() + kSlice;
+    for (const auto& o : queue_) until = std::min(until, o->deadline);
+    cv_.wait_until(lk, until, [&] { return stopping_; });
+    if (stopping_) break;
+    std::vector<std::pair<std::shared_ptr<Op>, Status>> done;
+    ExpireLocked(Clock::now(), &done);
+    lk.unlock();
+    for (auto& [op, st] : done) Finish(op, st, nullptr);
+    CheckTransportErrors();
+    lk.lock();
+  }
+}
+
+void Fusion::Loop() {
+  auto backoff = std::chrono::milliseconds(0);
+  while (true) {
+    uint64_t seen_enqueued;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
+      if (stopping_) return;
+      if (backoff.count() > 0) {
+        // Nothing was agreed: give the other peers time to issue what we hold, unless a new op
+        // arrives (it may be the one they wait for).
+        const uint64_t before = enqueued_;
+        const TimePoint first_deadline = (*std::min_element(
+            queue_.begin(), queue_.end(),
+            [](const auto& a, const auto& b) { return a->deadline < b->deadline; }))->deadline;
+        cv_.wait_until(lk, std::min(Clock::now() + backoff, first_deadline),
+                       [&] { return stopping_ || enqueued_ != before; });
+        if (stopping_) return;
+        if (queue_.empty()) continue;
+      }
+      // Ops issued back to back (a step's gradients) go into one cycle: wait while they keep
+      // coming, at most kLinger.
+      const TimePoint linger_until = Clock::now() + kLinger;
+      while (!stopping_ && Clock::now() < linger_until) {
+        const uint64_t before = enqueued_;
+        if (!cv_.wait_for(lk, kQuiet, [&] { return stopping_ || enqueued_ != before; })) break;
+      }
+      if (stopping_) return;
+      seen_enqueued = enqueued_;
+    }
+    bool agreed = false;
+    Status s = Cycle(&agreed);
+    if (!s.ok()) {
+      // The transport failed (a dead peer) or closed (Stop): every queued op fails with it.
+      FailAll(s);
+      std::lock_guard<std::mutex> lk(mu_);
+      if (stopping_) return;
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    if (agreed || enqueued_ != seen_enqueued) {
+      backoff = std::chrono::milliseconds(0);
+    } else {
+      backoff = std::min<std::chrono::milliseconds>(
+          std::max<std::chrono::milliseconds>(backoff * 2, std::chrono::milliseconds(1)),
+          std::chrono::milliseconds(16));
+    }
+  }
+}
+
+Status Fusion::Cycle(bool* agreed_any) {
+  Transport& t = session_->transport();
+  const int n = session_->size(), me = session_->rank();
+  using Done = std::vector<std::pair<std::shared_ptr<Op>, Status>>;
+  Done done;
+  auto complete = [&] {
+    for (auto& [op, st] : done) Finish(op, st, nullptr);
+    done.clear();
+  };
+
+  // Step 1. Ops queued a while also carry their names: a peer that never issues one can then
+  // say what this peer waits on instead (ExpireLocked).
+  CheckTransportErrors();
+  std::vector<std::shared_ptr<Op>> offered;
+  std::vector<Record> mine;
+  std::string names;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    const TimePoint now = Clock::now();
+    ExpireLocked(now, &done);
+    for (size_t i = 0; i < queue_.size() && offered.size() < kMaxOffer; ++i) {
+      const Op& o = *queue_[i];
+      offered.push_back(queue_[i]);
+      mine.push_back(o.ToRecord());
+      if (o.called <= now - kCheckAfter && names.size() + o.name.size() < kMaxNameBytes) {
+        mine.back().kind |= kNamed << 32;
+        names += o.name;
+        names += '\0';
+      }
+    }
+    for (uint64_t h : tombs_out_) {
+      Record r;
+      r.hash = h;
+      r.kind = kTombstone << 32;
+      mine.push_back(r);
+    }
+    tombs_out_.clear();
+  }
+  complete();
+  if (mine.empty()) return Status::OK();  // everything just expired: nothing to say
+  const uint64_t gseq = next_internal_seq_++;
+  t.BeginOp(kBase, gseq, kSig);
+  auto end_gather = [&](Status s) {
+    t.EndOp(kBase, gseq);
+    return s;
+  };
+  // Two messages to every peer: [record count, name bytes], then the records and the names.
+  static_assert(sizeof(Record) == 4 * sizeof(uint64_t), "records are four words");
+  const uint64_t sizes[2] = {mine.size(), names.size()};
+  const MsgExpect sizes_meta{DType::kUInt64, 2, sizeof(sizes)};
+  auto body_meta = [](uint64_t k, uint64_t name_bytes) {
+    const uint64_t b = k * sizeof(Record) + name_bytes;
+    return MsgExpect{DType::kUInt8, b, b};
+  };
+  std::string body(reinterpret_cast<const char*>(mine.data()), mine.size() * sizeof(Record));
+  body += names;
+  for (int i = 1; i < n; ++i) {
+    const int dst = (me + i) % n;
+    Status s = t.Send(dst, {kOpName, gseq, 0}, sizes_meta, sizes);
+    if (s.ok()) s = t.Send(dst, {kOpName, gseq, 1}, body_meta(sizes[0], sizes[1]), body.data());
+    if (!s.ok()) return end_gather(s);
+  }
+
+  // Step 2: every peer's records. No deadline: a wait that ends mid-message loses the message
+  // (the transport discards the rest), and this peer must not leave a cycle the others may
+  // complete. Only a dead peer or Stop (the transport closes) end it; meanwhile Watch fails
+  // queued ops at their deadlines.
+  std::vector<std::vector<Record>> recs(n);
+  recs[me] = mine;
+  for (int i = 1; i < n; ++i) {
+    const int src = (me + i) % n;
+    uint64_t theirs[2] = {0, 0};  // records, name bytes
+    for (int part = 0; part < 2; ++part) {
+      Buffer in;
+      const MsgExpect want = part == 0 ? sizes_meta : body_meta(theirs[0], theirs[1]);
+      Status s = t.Recv(src, {kOpName, gseq, static_cast<uint64_t>(part)}, want,
+                        TimePoint::max(), &in);
+      if (!s.ok()) return end_gather(s);
+      if (part == 0) {
+        std::memcpy(theirs, in.data(), sizeof(theirs));
+        if (theirs[0] == 0 || theirs[0] > kMaxOffer + kMaxFailed || theirs[1] > kMaxNameBytes) {
+          return end_gather(InvalidArgument("peer " + t.Describe(src) + " sent " +
+                                            std::to_string(theirs[0]) + " fusion records"));
+        }
+      } else {
+        recs[src].resize(theirs[0]);
+        std::memcpy(recs[src].data(), in.data(), theirs[0] * sizeof(Record));
+        // Names, in the order of the records that carry one (no name holds a NUL).
+        std::vector<std::pair<uint64_t, std::string>> named;
+        const char* p = in.data() + theirs[0] * sizeof(Record);
+        const char* end = p + theirs[1];
+        for (const Record& x : recs[src]) {
+          if (!x.named() || p >= end) continue;
+          const char* nul = static_cast<const char*>(std::memchr(p, 0, end - p));
+          if (nul == nullptr) break;
+          named.emplace_back(x.hash, std::string(p, nul));
+          p = nul + 1;
+        }
+        std::unordered_set<uint64_t> theirs_listed;
+        for (const Record& x : recs[src]) {
+          if (!x.tomb()) theirs_listed.insert(x.hash);
+        }
+        std::lock_guard<std::mutex> lk(mu_);
+        waits_on_[src] = std::move(named);
+        for (const auto& o : queue_) o->seen[src] = theirs_listed.count(o->hash) ? 1 : 0;
+      }
+    }
+  }
+  t.EndOp(kBase, gseq);
+
+  // Step 3: the same answer on every peer.
+  std::map<uint64_t, int> tomb_by;  // hash -> the first rank that gave up on it
+  std::unordered_map<uint64_t, std::vector<std::pair<int, const Record*>>> listed;
+  for (int r = 0; r < n; ++r) {
+    for (const Record& x : recs[r]) {
+      if (x.tomb()) {
+        tomb_by.emplace(x.hash, r);
+      } else {
+        listed[x.hash].emplace_back(r, &x);
+      }
+    }
+  }
+  std::unordered_map<uint64_t, Status> verdict;  // failures decided in this cycle
+  for (const auto& [hash, who] : listed) {
+    for (const auto& [r, x] : who) {
+      if (x->SameShape(*who[0].second)) continue;
+      verdict[hash] = InvalidArgument(
+          "peers disagree on the operation: " + t.Describe(who[0].first) + " has " +
+          who[0].second->Shape() + ", " + t.Describe(r) + " has " + x->Shape());
+      break;
+    }
+  }
+  for (const auto& [hash, r] : tomb_by) {
+    if (verdict.count(hash)) continue;
+    verdict[hash] = DeadlineExceeded("peer " + t.Describe(r) +
+                                     " gave up on it (its deadline passed, or it failed there) "
+                                     "before every peer had issued it (fused allreduce)");
+  }
+  std::vector<const Record*> agreed;
+  for (const Record& x : recs[0]) {
+    if (x.tomb() || verdict.count(x.hash)) continue;
+    if (listed[x.hash].size() == static_cast<size_t>(n)) agreed.push_back(&x);
+  }
+  *agreed_any = !agreed.empty();
+
+  // Step 4.
+  std::unordered_map<uint64_t, std::shared_ptr<Op>> by_hash;
+  for (const auto& o : offered) by_hash[o->hash] = o;
+  std::vector<Bucket> buckets;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& [hash, st] : verdict) {
+      auto q = queued_.find(hash);
+      if (q == queued_.end()) {
+        RememberFailureLocked(hash, st);
+        continue;
+      }
+      q->second->done = true;
+      done.emplace_back(q->second, st);
+      queue_.erase(std::find(queue_.begin(), queue_.end(), q->second));
+      queued_.erase(q);
+    }
+    std::map<std::tuple<int, int, int>, size_t> open;  // (dtype, op, strategy) -> bucket index
+    for (const Record* x : agreed) {
+      std::shared_ptr<Op> o = by_hash.at(x->hash);  // every peer listed it, this one too
+      const bool live = !o->done;
+      if (live) {
+        queue_.erase(std::find(queue_.begin(), queue_.end(), o));
+        queued_.erase(o->hash);
+      }
+      const size_t bytes = x->count * DTypeSize(x->dtype());
+      const auto key = std::make_tuple(static_cast<int>(x->dtype()), static_cast<int>(x->op()),
+                                       x->strategy());
+      auto b = open.find(key);
+      if (bytes > fusion_bytes_) {
+        b = open.end();  // alone, on its own buffers: copying it costs more than fusing saves
+      }
+      if (b == open.end() ||
+          (buckets[b->second].count * DTypeSize(x->dtype()) + bytes > kBucketBytes)) {
+        Bucket nb;
+        nb.dtype = x->dtype();
+        nb.op = x->op();
+        nb.strategy = x->strategy();
+        buckets.push_back(std::move(nb));
+        if (bytes <= fusion_bytes_) {
+          open[key] = buckets.size() - 1;
+          b = open.find(key);
+        }
+      }
+      Bucket& bk = b == open.end() ? buckets.back() : buckets[b->second];
+      bk.count += x->count;
+      bk.ops.push_back(o);
+      bk.live.push_back(live);
+    }
+    // What each peer listed, for the deadline message of what stays queued.
+    for (const auto& o : queue_) {
+      auto l = listed.find(o->hash);
+      for (int r = 0; r < n; ++r) o->seen[r] = 0;
+      if (l == listed.end()) continue;
+      for (const auto& [r, x] : l->second) o->seen[r] = 1;
+    }
+  }
+  complete();
+  for (Bucket& b : buckets) b.seq = next_internal_seq_++;  // in the same order on every peer
+  if (!buckets.empty()) {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (Bucket& b : buckets) runs_.push_back(std::move(b));
+    if (!running_) {  // one at a time: two in flight measured no faster (docs/runtime.md)
+      running_ = true;
+      hooks_.submit([this] { RunBuckets(); });
+    }
+  }
+  return Status::OK();
+}
+
+// Step 4's pool task (and step 5): one allreduce per bucket, one at a time, in the order every
+// peer agreed, until none is left.
+void Fusion::RunBuckets() {
+  Transport& t = session_->transport();
+  while (true) {
+    Bucket b;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (runs_.empty()) {
+        running_ = false;
+        return;
+      }
+      b = std::move(runs_.front());
+      runs_.pop_front();
+    }
+    const TimePoint started = Clock::now();
+    const int64_t start_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                                 std::chrono::system_clock::now().time_since_epoch()).count();
+    t.BeginOp(kBase, b.seq, kSig);
+    Status s;
+    TimePoint deadline = TimePoint::max();
+    for (size_t i = 0; i < b.ops.size(); ++i) {
+      if (!b.live[i]) {
+        s = DeadlineExceeded(OpWhat(b.ops[i]->name) +
+                             " passed its deadline on peer " + t.Describe(t.rank()) +
+                             " while its peers agreed to fuse it");
+      }
+      deadline = std::min(deadline, b.ops[i]->deadline);
+    }
+    const OpContext ctx{kOpName, b.seq, deadline};
+    const size_t es = DTypeSize(b.dtype);
+    auto spawn = [this](std::function<void()> f) { hooks_.submit(std::move(f)); };
+    Buffer fused;
+    if (s.ok()) {
+      try {
+        if (b.ops.size() == 1) {  // nothing to pack: its own buffers
+          s = session_->AllReduce(ctx, b.ops[0]->send, b.ops[0]->recv, b.count, b.dtype, b.op,
+                                  b.strategy, spawn);
+        } else {
+          fused = Buffer(b.count * es);
+          size_t off = 0;
+          for (const auto& o : b.ops) {
+            if (o->bytes() > 0) std::memcpy(fused.data() + off, o->send, o->bytes());
+            off += o->bytes();
+          }
+          s = session_->AllReduce(ctx, fused.data(), fused.data(), b.count, b.dtype, b.op,
+                                  b.strategy, spawn);
+        }
+      } catch (const std::bad_alloc&) {
+        s = ResourceExhausted("out of memory");
+      }
+    }
+    if (!s.ok() && s.code() != Code::kCancelled) {
+      s = s.WithContext("fused allreduce of " + std::to_string(b.ops.size()) + " ops");
+      t.AbortOp(kOpName, b.seq, s);  // the other peers' part of this bucket fails alike
+    }
+    int64_t wait_us = -1;
+    t.EndOp(kBase, b.seq, &wait_us);
+    if (s.ok() && b.ops.size() > 1) {
+      size_t off = 0;
+      for (const auto& o : b.ops) {
+        if (o->bytes() > 0) std::memcpy(o->recv, fused.data() + off, o->bytes());
+        off += o->bytes();
+      }
+    }
+    // Each op records its own event: the bucket's time, split in proportion to bytes so that
+    // one track's events never overlap.
+    Timing tm;
+    tm.strategy = StrategyName(b.strategy >= 0 ? static_cast<StrategyKind>(b.strategy)
+                                               : session_->Default().first);
+    tm.wait_us = wait_us;
+    const int64_t total_us = Micros(Clock::now() - started);
+    const double total_bytes = static_cast<double>(std::max<size_t>(1, b.count * es));
+    size_t before = 0;
+    for (size_t i = 0; i < b.ops.size(); ++i) {
+      const auto& o = b.ops[i];
+      const int64_t from = static_cast<int64_t>(total_us * (before / total_bytes));
+      before += o->bytes();
+      if (!b.live[i]) continue;  // completed already (step 5)
+      const int64_t to = static_cast<int64_t>(total_us * (before / total_bytes));
+      tm.start_us = start_us + from;
+      tm.dur_us = std::max<int64_t>(0, to - from);
+      tm.queue_us = Micros(started - o->called) + from;
+      Finish(o, s, &tm);
+    }
+  }
+}
+
+}  // namespace kungfu
