@@ -276,6 +276,46 @@ void RunAll(int n, bool one_host, StrategyKind k) {
     allreduce(DType::kFloat32, ReduceOp::kSum, large, ++salt, false);
     allreduce(DType::kInt64, ReduceOp::kMin, large, ++salt, true);
     allreduce(DType::kUInt8, ReduceOp::kProd, large, ++salt, false);
+    // Several buffers in one allreduce (AllReduceV): separate allocations, empty ones among
+    // them, some in place; the result must be the single-buffer reference over their
+    // concatenation, cut back into the pieces.
+    auto allreduce_v = [&](DType d, ReduceOp op, std::vector<size_t> counts, int salt) {
+      const size_t es = kungfu::DTypeSize(d);
+      size_t total = 0;
+      for (size_t c : counts) total += c;
+      std::string what = What(n, one_host, k, "allreduce_v", d, total) + " pieces";
+      for (size_t c : counts) what += " " + std::to_string(c);
+      Input(d, op, r, total, salt, &in);
+      std::vector<std::vector<char>> sends(counts.size()), recvs(counts.size());
+      std::vector<Session::Piece> pieces;
+      size_t off = 0;
+      for (size_t i = 0; i < counts.size(); ++i) {
+        sends[i].assign(in.begin() + off * es, in.begin() + (off + counts[i]) * es);
+        sends[i].push_back(0);  // never empty
+        const bool in_place = i % 3 == 1;
+        recvs[i] = in_place ? sends[i] : std::vector<char>(sends[i].size(), 0x66);
+        pieces.push_back({in_place ? recvs[i].data() : sends[i].data(), recvs[i].data(), counts[i]});
+        off += counts[i];
+      }
+      Status st = run.Run(Sig(OpKind::kAllReduce, k, static_cast<int>(op)), [&](const OpContext& ctx) {
+        return s.AllReduceV(ctx, pieces, d, op, sk, run.spawner());
+      });
+      if (!direct_allreduce) {
+        CHECK_MSG(st.code() == Code::kInvalidArgument, what + ": " + st.ToString());
+        return;
+      }
+      if (!CHECK_MSG(st.ok(), what + ": " + st.ToString())) return;
+      Reference(d, op, n, total, salt, &want);
+      off = 0;
+      for (size_t i = 0; i < counts.size(); ++i) {
+        CHECK_MSG(std::memcmp(recvs[i].data(), want.data() + off * es, counts[i] * es) == 0,
+                  what + ": piece " + std::to_string(i));
+        off += counts[i];
+      }
+    };
+    allreduce_v(DType::kInt32, ReduceOp::kSum, {7, 0, 1, 3}, ++salt);
+    allreduce_v(DType::kFloat32, ReduceOp::kSum, {large / 3, 0, 7, large / 2, 1, kMedium}, ++salt);
+    allreduce_v(DType::kInt16, ReduceOp::kMax, {0, 0}, ++salt);
     if (!direct_allreduce) {
       // Operations after a failed one go on as usual.
       allreduce(DType::kInt32, ReduceOp::kSum, 7, ++salt, false);

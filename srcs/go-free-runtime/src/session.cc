@@ -45,17 +45,97 @@ size_t ChunkCount(size_t count, size_t esize, size_t chunk_bytes) {
 
 }  // namespace
 
-// A contiguous slice of an operation's buffers that one pipeline works on.
+// An operation's buffers as the algorithms see them: its pieces laid end to end, one index space
+// of total() elements (one piece for a plain allreduce; empty pieces are dropped).
+struct Session::Layout {
+  std::vector<Piece> pieces;
+  std::vector<size_t> begin;  // begin[i]: the first element of pieces[i]; back(): total()
+
+  explicit Layout(const std::vector<Piece>& all) : begin{0} {
+    for (const Piece& x : all) {
+      if (x.count == 0) continue;
+      pieces.push_back(x);
+      begin.push_back(begin.back() + x.count);
+    }
+  }
+  Layout(const void* send, void* recv, size_t count) : Layout({Piece{send, recv, count}}) {}
+  size_t total() const { return begin.back(); }
+  // The piece that holds element i < total().
+  size_t Find(size_t i) const {
+    return static_cast<size_t>(std::upper_bound(begin.begin(), begin.end(), i) - begin.begin()) - 1;
+  }
+};
+
+// A contiguous range of an operation's elements that one pipeline works on. Algorithms address
+// elements by offset in the part and cut every message at piece boundaries (Runs, Chunks), so a
+// message is always contiguous memory.
 struct Session::Part {
-  const char* send;
-  char* recv;
+  struct Chunk {
+    size_t off, len;  // elements, relative to the part
+  };
+  const Layout* layout;
+  size_t base;         // the part's first element in the layout
   size_t count;        // elements in this part
   uint64_t total;      // elements in the whole operation (checked against every message)
   DType dtype;
   ReduceOp op;
   size_t index;        // part number, for tags
+  bool in_place = false;  // input read from recv (HIERARCHICAL's rings across hosts)
+
   size_t esize() const { return DTypeSize(dtype); }
   MsgExpect Expect(size_t elems) const { return MsgExpect{dtype, total, elems * esize()}; }
+  // Where element `off` of the part lives (any address for an empty message past the end).
+  char* Recv(size_t off) const { return const_cast<char*>(At(off, true)); }
+  const char* Send(size_t off) const { return At(off, in_place); }
+  const char* At(size_t off, bool recv) const {
+    static char none;
+    const size_t i = base + off;
+    if (i >= layout->total()) return &none;
+    const size_t k = layout->Find(i);
+    const Piece& x = layout->pieces[k];
+    return static_cast<const char*>(recv ? x.recv : x.send) + (i - layout->begin[k]) * esize();
+  }
+  Part Sub(size_t b, size_t e, size_t part_index, bool from_recv) const {
+    Part q = *this;
+    q.base = base + b;
+    q.count = e - b;
+    q.index = part_index;
+    q.in_place = in_place || from_recv;
+    return q;
+  }
+  // f(off, len) for [b, e) cut at piece boundaries, in order.
+  template <class F>
+  Status Runs(size_t b, size_t e, F f) const {
+    while (b < e) {
+      const size_t end = std::min(e, layout->begin[layout->Find(base + b) + 1] - base);
+      KF_RETURN_IF_ERROR(f(b, end - b));
+      b = end;
+    }
+    return Status::OK();
+  }
+  // [b, e) as messages: each run cut into ChunkCount pieces that differ by at most one element
+  // (an empty range: one empty chunk, so that every peer still exchanges its messages).
+  std::vector<Chunk> Chunks(size_t b, size_t e, size_t chunk_bytes) const {
+    std::vector<Chunk> out;
+    Runs(b, e, [&](size_t off, size_t len) {
+      const size_t k = ChunkCount(len, esize(), chunk_bytes);
+      for (size_t c = 0; c < k; ++c) {
+        auto [cb, ce] = EvenPiece(len, k, c);
+        out.push_back({off + cb, ce - cb});
+      }
+      return Status::OK();
+    });
+    if (out.empty()) out.push_back({b, 0});
+    return out;
+  }
+  // send -> recv where they differ (the result of an allreduce over one peer).
+  void CopyThrough() const {
+    if (in_place) return;
+    Runs(0, count, [&](size_t off, size_t len) {
+      if (Send(off) != Recv(off)) std::memcpy(Recv(off), Send(off), len * esize());
+      return Status::OK();
+    });
+  }
 };
 
 Session::Session(std::unique_ptr<Transport> transport, StrategyKind strategy, size_t chunk_bytes,
@@ -103,15 +183,20 @@ std::vector<StrategyCounter> Session::Counters() const {
 
 Status Session::AllReduce(const OpContext& ctx, const void* send, void* recv, size_t count,
                           DType dtype, ReduceOp op, int strategy, const Spawner& spawn) {
-  const size_t esize = DTypeSize(dtype);
-  const size_t bytes = count * esize;
+  return AllReduceV(ctx, {Piece{send, recv, count}}, dtype, op, strategy, spawn);
+}
+
+Status Session::AllReduceV(const OpContext& ctx, const std::vector<Piece>& pieces, DType dtype,
+                           ReduceOp op, int strategy, const Spawner& spawn) {
+  const Layout layout(pieces);
+  const size_t bytes = layout.total() * DTypeSize(dtype);
   if (size() == 1) {
-    if (send != recv && bytes > 0) std::memcpy(recv, send, bytes);
+    Part{&layout, 0, layout.total(), layout.total(), dtype, op, 0}.CopyThrough();
     return Status::OK();
   }
   Strategy s = StrategyFor(strategy, bytes);
   const TimePoint start = Clock::now();
-  Status st = AllReduceWith(ctx, send, recv, count, dtype, op, s, spawn);
+  Status st = AllReduceWith(ctx, layout, dtype, op, s, spawn);
   if (st.ok() && strategy < 0) {  // explicit strategies are the runtime's own small ops
     std::lock_guard<std::mutex> lk(default_mu_);
     StrategyCounter& c = counters_[static_cast<int>(s.kind)];
@@ -122,10 +207,11 @@ Status Session::AllReduce(const OpContext& ctx, const void* send, void* recv, si
   return st;
 }
 
-Status Session::AllReduceWith(const OpContext& ctx, const void* send, void* recv, size_t count,
-                              DType dtype, ReduceOp op, const Strategy& s, const Spawner& spawn) {
-  const size_t esize = DTypeSize(dtype);
-  const size_t bytes = count * esize;
+Status Session::AllReduceWith(const OpContext& ctx, const Layout& layout, DType dtype,
+                              ReduceOp op, const Strategy& s, const Spawner& spawn) {
+  const size_t count = layout.total();
+  const size_t bytes = count * DTypeSize(dtype);
+  const Part whole{&layout, 0, count, count, dtype, op, 0};
   if (s.direct) {
     if (!direct_ok_) {
       return InvalidArgument(
@@ -133,8 +219,7 @@ Status Session::AllReduceWith(const OpContext& ctx, const void* send, void* recv
           "(process_vm_readv); use RING or AUTO");
     }
     // One host: HIERARCHICAL with one segment per peer, every phase by memory reads.
-    return HierarchicalPart(ctx, Part{static_cast<const char*>(send), static_cast<char*>(recv),
-                                      count, count, dtype, op, 0}, true);
+    return HierarchicalPart(ctx, whole, true);
   }
   // Large buffers run as independent pipelines over contiguous parts.
   size_t parts = 1;
@@ -151,8 +236,7 @@ Status Session::AllReduceWith(const OpContext& ctx, const void* send, void* recv
   }
   auto run_part = [&](size_t i) {
     auto [b, e] = EvenPiece(count, parts, i);
-    Part p{static_cast<const char*>(send) + b * esize, static_cast<char*>(recv) + b * esize,
-           e - b, count, dtype, op, i};
+    const Part p = whole.Sub(b, e, i, false);
     Status st = hierarchical ? HierarchicalPart(ctx, p, local_reads_ok_)
                 : s.ring       ? RingPart(ctx, p, all_ranks_)
                                : TreePart(ctx, p, s);
@@ -241,50 +325,42 @@ Status Session::ProbeDirectOp(const std::string& name, TimePoint deadline, bool 
 Status Session::RingPart(const OpContext& ctx, const Part& p, const std::vector<int>& members) {
   const int n = static_cast<int>(members.size());
   const int r = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
-  const size_t es = p.esize();
   if (n == 1) {
-    if (p.send != p.recv && p.count > 0) std::memcpy(p.recv, p.send, p.count * es);
+    p.CopyThrough();
     return Status::OK();
   }
   const int left = members[(r - 1 + n) % n], right = members[(r + 1) % n];
-  struct Piece {
-    size_t off, len;  // elements, relative to the part
-  };
   // chunks[j][c]: chunk c of segment j.
-  std::vector<std::vector<Piece>> chunks(n);
+  std::vector<std::vector<Part::Chunk>> chunks(n);
   for (int j = 0; j < n; ++j) {
     auto [sb, se] = EvenPiece(p.count, n, j);
-    size_t k = ChunkCount(se - sb, es, chunk_bytes_);
-    for (size_t c = 0; c < k; ++c) {
-      auto [cb, ce] = EvenPiece(se - sb, k, c);
-      chunks[j].push_back({sb + cb, ce - cb});
-    }
+    chunks[j] = p.Chunks(sb, se, chunk_bytes_);
   }
   auto seg = [n](int x) { return ((x % n) + n) % n; };
   // Post every allgather receive up front.
   std::vector<std::vector<std::shared_ptr<Transport::Posted>>> posted(n - 1);
   for (int k = 0; k < n - 1; ++k) {
     for (size_t c = 0; c < chunks[seg(r - k)].size(); ++c) {
-      const Piece& pc = chunks[seg(r - k)][c];
+      const Part::Chunk& pc = chunks[seg(r - k)][c];
       posted[k].push_back(transport_.Post(left, {ctx.name, ctx.seq, Tag(kBcastPhase, p.index, k, c)},
-                                          p.Expect(pc.len), p.recv + pc.off * es));
+                                          p.Expect(pc.len), p.Recv(pc.off)));
     }
   }
   // Reduce-scatter.
   for (size_t c = 0; c < chunks[r].size(); ++c) {
-    const Piece& pc = chunks[r][c];
+    const Part::Chunk& pc = chunks[r][c];
     KF_RETURN_IF_ERROR(transport_.Send(right, {ctx.name, ctx.seq, Tag(kReducePhase, p.index, 0, c)},
-                                       p.Expect(pc.len), p.send + pc.off * es));
+                                       p.Expect(pc.len), p.Send(pc.off)));
   }
   for (int k = 0; k < n - 1; ++k) {
     const int j = seg(r - k - 1);
     for (size_t c = 0; c < chunks[j].size(); ++c) {
-      const Piece& pc = chunks[j][c];
+      const Part::Chunk& pc = chunks[j][c];
       Buffer in;
       KF_RETURN_IF_ERROR(transport_.Recv(left, {ctx.name, ctx.seq, Tag(kReducePhase, p.index, k, c)},
                                          p.Expect(pc.len), ctx.deadline, &in));
-      char* out = p.recv + pc.off * es;
-      ::kungfu::Reduce(out, p.send + pc.off * es, in.data(), pc.len, p.dtype, p.op);
+      char* out = p.Recv(pc.off);
+      ::kungfu::Reduce(out, p.Send(pc.off), in.data(), pc.len, p.dtype, p.op);
       uint64_t next = k < n - 2 ? Tag(kReducePhase, p.index, k + 1, c) : Tag(kBcastPhase, p.index, 0, c);
       KF_RETURN_IF_ERROR(transport_.Send(right, {ctx.name, ctx.seq, next}, p.Expect(pc.len), out));
     }
@@ -295,9 +371,9 @@ Status Session::RingPart(const OpContext& ctx, const Part& p, const std::vector<
     for (size_t c = 0; c < chunks[j].size(); ++c) {
       KF_RETURN_IF_ERROR(transport_.Wait(posted[k][c], ctx.deadline));
       if (k < n - 2) {
-        const Piece& pc = chunks[j][c];
+        const Part::Chunk& pc = chunks[j][c];
         KF_RETURN_IF_ERROR(transport_.Send(right, {ctx.name, ctx.seq, Tag(kBcastPhase, p.index, k + 1, c)},
-                                           p.Expect(pc.len), p.recv + pc.off * es));
+                                           p.Expect(pc.len), p.Recv(pc.off)));
       }
     }
   }
@@ -329,14 +405,13 @@ Status Session::HierarchicalPart(const OpContext& ctx, const Part& p, bool reads
   size_t segments = 0;
   for (const auto& ranks : layout_.ranks_of_host) segments = std::max(segments, ranks.size());
   const size_t es = p.esize();
+  const size_t chunk = reads ? std::min<size_t>(chunk_bytes_, 256 << 10) : chunk_bytes_;
   // Calls f(chunk, offset, length) for every chunk of segment j (elements, relative to the part).
   auto chunks_of = [&](size_t j, auto f) -> Status {
     auto [sb, se] = EvenPiece(p.count, segments, j);
-    const size_t k = ChunkCount(se - sb, es, reads ? std::min<size_t>(chunk_bytes_, 256 << 10)
-                                                   : chunk_bytes_);
-    for (size_t c = 0; c < k; ++c) {
-      auto [cb, ce] = EvenPiece(se - sb, k, c);
-      KF_RETURN_IF_ERROR(f(c, sb + cb, ce - cb));
+    const auto chunks = p.Chunks(sb, se, chunk);
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      KF_RETURN_IF_ERROR(f(c, chunks[c].off, chunks[c].len));
     }
     return Status::OK();
   };
@@ -347,9 +422,15 @@ Status Session::HierarchicalPart(const OpContext& ctx, const Part& p, bool reads
     for (size_t i = 1; i < m; ++i) KF_RETURN_IF_ERROR(f(local[(me + i) % m]));
     return Status::OK();
   };
-  // Reads: the local peers' send and recv addresses (only addresses: the transport reads the
-  // memory of the peer it knows at that rank, so a peer can point others only at its own memory).
-  std::vector<std::array<uint64_t, 2>> where(reads ? size() : 0);
+  // Reads: the local peers' send and recv address of every piece (only addresses: the transport
+  // reads the memory of the peer it knows at that rank, so a peer can point others only at its
+  // own memory). Every peer has the same layout, so element i lies in the same piece everywhere.
+  const Layout& lay = *p.layout;
+  std::vector<std::vector<uint64_t>> where(reads ? size() : 0);
+  auto remote_at = [&](int q, size_t off, bool recv) {
+    const size_t i = p.base + off, k = lay.Find(i);
+    return where[q][2 * k + (recv ? 1 : 0)] + (i - lay.begin[k]) * es;
+  };
   const MsgExpect signal{p.dtype, p.total, 0};
   auto tell_all = [&](size_t step) {
     return others([&](int q) { return transport_.Send(q, key(kDirectPhase, step, 0), signal, nullptr); });
@@ -369,13 +450,20 @@ Status Session::HierarchicalPart(const OpContext& ctx, const Part& p, bool reads
   };
   std::vector<std::shared_ptr<Transport::Posted>> posted;
   if (reads) {
-    const uint64_t mine[2] = {reinterpret_cast<uint64_t>(p.send), reinterpret_cast<uint64_t>(p.recv)};
-    const MsgExpect meta{p.dtype, p.total, sizeof(mine)};
-    KF_RETURN_IF_ERROR(others([&](int q) { return transport_.Send(q, key(kDirectPhase, 0, 0), meta, mine); }));
+    std::vector<uint64_t> mine;
+    for (const Piece& x : lay.pieces) {
+      mine.push_back(reinterpret_cast<uint64_t>(x.send));
+      mine.push_back(reinterpret_cast<uint64_t>(x.recv));
+    }
+    const MsgExpect meta{p.dtype, p.total, mine.size() * sizeof(uint64_t)};
+    KF_RETURN_IF_ERROR(others([&](int q) {
+      return transport_.Send(q, key(kDirectPhase, 0, 0), meta, mine.data());
+    }));
     KF_RETURN_IF_ERROR(others([&](int q) {
       Buffer in;
       KF_RETURN_IF_ERROR(transport_.Recv(q, key(kDirectPhase, 0, 0), meta, ctx.deadline, &in));
-      std::memcpy(where[q].data(), in.data(), sizeof(mine));
+      where[q].resize(mine.size());
+      if (!mine.empty()) std::memcpy(where[q].data(), in.data(), meta.bytes);
       return Status::OK();
     }));
   } else {
@@ -385,27 +473,27 @@ Status Session::HierarchicalPart(const OpContext& ctx, const Part& p, bool reads
       if (j % m == me) continue;
       KF_RETURN_IF_ERROR(chunks_of(j, [&](size_t c, size_t off, size_t len) {
         return transport_.Send(local[j % m], key(kLocalReducePhase, j, c), p.Expect(len),
-                               p.send + off * es);
+                               p.Send(off));
       }));
     }
     for (size_t j = 0; j < segments; ++j) {
       if (j % m == me) continue;
       chunks_of(j, [&](size_t c, size_t off, size_t len) {
         posted.push_back(transport_.Post(local[j % m], key(kLocalGatherPhase, j, c),
-                                         p.Expect(len), p.recv + off * es));
+                                         p.Expect(len), p.Recv(off)));
         return Status::OK();
       });
     }
   }
-  Buffer scratch(reads ? std::min<size_t>(chunk_bytes_, 256 << 10) : 0);
+  Buffer scratch(reads ? chunk : 0);
   for (size_t j = me; j < segments; j += m) {
     KF_RETURN_IF_ERROR(chunks_of(j, [&](size_t c, size_t off, size_t len) {
-      const char* acc = p.send + off * es;
-      char* out = p.recv + off * es;
+      const char* acc = p.Send(off);
+      char* out = p.Recv(off);
       KF_RETURN_IF_ERROR(others([&](int q) {
         Buffer in;
         if (reads) {
-          KF_RETURN_IF_ERROR(remote(q, where[q][0] + off * es, scratch.data(), len * es));
+          if (len > 0) KF_RETURN_IF_ERROR(remote(q, remote_at(q, off, false), scratch.data(), len * es));
         } else {
           KF_RETURN_IF_ERROR(transport_.Recv(q, key(kLocalReducePhase, j, c), p.Expect(len),
                                              ctx.deadline, &in));
@@ -424,9 +512,8 @@ Status Session::HierarchicalPart(const OpContext& ctx, const Part& p, bool reads
       std::vector<int> owners;
       for (const auto& ranks : layout_.ranks_of_host) owners.push_back(ranks[j % ranks.size()]);
       auto [sb, se] = EvenPiece(p.count, segments, j);
-      Part seg{p.recv + sb * es, p.recv + sb * es, se - sb, p.total, p.dtype, p.op,
-               HierarchicalRingIndex(p.index, j)};
-      KF_RETURN_IF_ERROR(RingPart(ctx, seg, owners));
+      KF_RETURN_IF_ERROR(RingPart(ctx, p.Sub(sb, se, HierarchicalRingIndex(p.index, j), true),
+                                  owners));
     }
   }
   // 3.
@@ -437,9 +524,9 @@ Status Session::HierarchicalPart(const OpContext& ctx, const Part& p, bool reads
       const size_t owner = static_cast<size_t>(layout_.local_rank[q]);
       for (size_t j = owner; j < segments; j += m) {
         auto [sb, se] = EvenPiece(p.count, segments, j);
-        if (se > sb) {
-          KF_RETURN_IF_ERROR(remote(q, where[q][1] + sb * es, p.recv + sb * es, (se - sb) * es));
-        }
+        KF_RETURN_IF_ERROR(p.Runs(sb, se, [&](size_t off, size_t len) {
+          return remote(q, remote_at(q, off, true), p.Recv(off), len * es);
+        }));
       }
       return Status::OK();
     }));
@@ -450,7 +537,7 @@ Status Session::HierarchicalPart(const OpContext& ctx, const Part& p, bool reads
   for (size_t j = me; j < segments; j += m) {
     KF_RETURN_IF_ERROR(chunks_of(j, [&](size_t c, size_t off, size_t len) {
       return others([&](int q) {
-        return transport_.Send(q, key(kLocalGatherPhase, j, c), p.Expect(len), p.recv + off * es);
+        return transport_.Send(q, key(kLocalGatherPhase, j, c), p.Expect(len), p.Recv(off));
       });
     }));
   }
@@ -462,7 +549,8 @@ Status Session::HierarchicalPart(const OpContext& ctx, const Part& p, bool reads
 // first, so the broadcast of early chunks overlaps the reduction of later ones on other peers.
 Status Session::TreePart(const OpContext& ctx, const Part& p, const Strategy& s) {
   const size_t es = p.esize();
-  const size_t k = ChunkCount(p.count, es, chunk_bytes_);
+  const auto chunks = p.Chunks(0, p.count, chunk_bytes_);
+  const size_t k = chunks.size();
   std::vector<std::vector<std::vector<int>>> children;
   for (const auto& t : s.trees) children.push_back(ChildrenOf(t));
   auto tree_of = [&](size_t c) { return (c + p.index) % s.trees.size(); };
@@ -470,17 +558,17 @@ Status Session::TreePart(const OpContext& ctx, const Part& p, const Strategy& s)
   for (size_t c = 0; c < k; ++c) {
     const Tree& t = s.trees[tree_of(c)];
     if (t[rank_] != rank_) {
-      auto [b, e] = EvenPiece(p.count, k, c);
+      const size_t b = chunks[c].off, e = b + chunks[c].len;
       posted[c] = transport_.Post(t[rank_], {ctx.name, ctx.seq, Tag(kBcastPhase, p.index, 0, c)},
-                                  p.Expect(e - b), p.recv + b * es);
+                                  p.Expect(e - b), p.Recv(b));
     }
   }
   for (size_t c = 0; c < k; ++c) {
     const size_t ti = tree_of(c);
     const Tree& t = s.trees[ti];
-    auto [b, e] = EvenPiece(p.count, k, c);
-    const char* mine = p.send + b * es;
-    char* out = p.recv + b * es;
+    const size_t b = chunks[c].off, e = b + chunks[c].len;
+    const char* mine = p.Send(b);
+    char* out = p.Recv(b);
     const char* acc = mine;
     for (int child : children[ti][rank_]) {
       Buffer in;
@@ -498,11 +586,11 @@ Status Session::TreePart(const OpContext& ctx, const Part& p, const Strategy& s)
   }
   for (size_t c = 0; c < k; ++c) {
     const size_t ti = tree_of(c);
-    auto [b, e] = EvenPiece(p.count, k, c);
+    const size_t b = chunks[c].off, e = b + chunks[c].len;
     if (posted[c]) KF_RETURN_IF_ERROR(transport_.Wait(posted[c], ctx.deadline));
     for (int child : children[ti][rank_]) {
       KF_RETURN_IF_ERROR(transport_.Send(child, {ctx.name, ctx.seq, Tag(kBcastPhase, p.index, 0, c)},
-                                         p.Expect(e - b), p.recv + b * es));
+                                         p.Expect(e - b), p.Recv(b)));
     }
   }
   return Status::OK();
@@ -513,12 +601,13 @@ Status Session::TreePart(const OpContext& ctx, const Part& p, const Strategy& s)
 
 Status Session::ReduceTree(const OpContext& ctx, const Part& p, const Tree& tree) {
   const size_t es = p.esize();
-  const size_t k = ChunkCount(p.count, es, chunk_bytes_);
+  const auto chunks = p.Chunks(0, p.count, chunk_bytes_);
+  const size_t k = chunks.size();
   auto children = ChildrenOf(tree);
   for (size_t c = 0; c < k; ++c) {
-    auto [b, e] = EvenPiece(p.count, k, c);
-    const char* acc = p.send + b * es;
-    char* out = p.recv + b * es;
+    const size_t b = chunks[c].off, e = b + chunks[c].len;
+    const char* acc = p.Send(b);
+    char* out = p.Recv(b);
     for (int child : children[rank_]) {
       Buffer in;
       KF_RETURN_IF_ERROR(transport_.Recv(child, {ctx.name, ctx.seq, Tag(kReducePhase, 0, 0, c)},
@@ -537,25 +626,25 @@ Status Session::ReduceTree(const OpContext& ctx, const Part& p, const Tree& tree
 }
 
 Status Session::BroadcastTree(const OpContext& ctx, const Part& p, const Tree& tree) {
-  const size_t es = p.esize();
-  const size_t k = ChunkCount(p.count, es, chunk_bytes_);
+  const auto chunks = p.Chunks(0, p.count, chunk_bytes_);
+  const size_t k = chunks.size();
   auto children = ChildrenOf(tree);
   const bool root = tree[rank_] == rank_;
-  if (root && p.send != p.recv && p.count > 0) std::memcpy(p.recv, p.send, p.count * es);
+  if (root) p.CopyThrough();
   std::vector<std::shared_ptr<Transport::Posted>> posted(k);
   if (!root) {
     for (size_t c = 0; c < k; ++c) {
-      auto [b, e] = EvenPiece(p.count, k, c);
+      const size_t b = chunks[c].off, e = b + chunks[c].len;
       posted[c] = transport_.Post(tree[rank_], {ctx.name, ctx.seq, Tag(kBcastPhase, 0, 0, c)},
-                                  p.Expect(e - b), p.recv + b * es);
+                                  p.Expect(e - b), p.Recv(b));
     }
   }
   for (size_t c = 0; c < k; ++c) {
-    auto [b, e] = EvenPiece(p.count, k, c);
+    const size_t b = chunks[c].off, e = b + chunks[c].len;
     if (!root) KF_RETURN_IF_ERROR(transport_.Wait(posted[c], ctx.deadline));
     for (int child : children[rank_]) {
       KF_RETURN_IF_ERROR(transport_.Send(child, {ctx.name, ctx.seq, Tag(kBcastPhase, 0, 0, c)},
-                                         p.Expect(e - b), p.recv + b * es));
+                                         p.Expect(e - b), p.Recv(b)));
     }
   }
   return Status::OK();
@@ -584,7 +673,8 @@ Status Session::Verdict(const OpContext& ctx, const Tree& tree) {
 
 Status Session::Reduce(const OpContext& ctx, const void* send, void* recv, size_t count,
                        DType dtype, ReduceOp op, int root, int strategy) {
-  Part p{static_cast<const char*>(send), static_cast<char*>(recv), count, count, dtype, op, 0};
+  const Layout layout(send, recv, count);
+  const Part p{&layout, 0, count, count, dtype, op, 0};
   if (size() == 1) {
     if (send != recv && count > 0) std::memcpy(recv, send, count * DTypeSize(dtype));
     return Status::OK();
@@ -596,8 +686,8 @@ Status Session::Reduce(const OpContext& ctx, const void* send, void* recv, size_
 
 Status Session::Broadcast(const OpContext& ctx, const void* send, void* recv, size_t count,
                           DType dtype, int root, int strategy) {
-  Part p{static_cast<const char*>(send), static_cast<char*>(recv), count, count, dtype,
-         ReduceOp::kSum, 0};
+  const Layout layout(send, recv, count);
+  const Part p{&layout, 0, count, count, dtype, ReduceOp::kSum, 0};
   if (size() == 1) {
     if (send != recv && count > 0) std::memcpy(recv, send, count * DTypeSize(dtype));
     return Status::OK();

@@ -51,6 +51,17 @@ class Session {
   using Spawner = std::function<void(std::function<void()>)>;
   Status AllReduce(const OpContext& ctx, const void* send, void* recv, size_t count, DType dtype,
                    ReduceOp op, int strategy, const Spawner& spawn);
+  // One allreduce over several buffers at once, without copying them together: the algorithms
+  // see the pieces laid end to end as one buffer (no message crosses a piece boundary). Every
+  // peer passes pieces of the same counts in the same order; each piece's send may equal its
+  // recv (in place).
+  struct Piece {
+    const void* send;
+    void* recv;
+    size_t count;
+  };
+  Status AllReduceV(const OpContext& ctx, const std::vector<Piece>& pieces, DType dtype,
+                    ReduceOp op, int strategy, const Spawner& spawn);
   Status Reduce(const OpContext& ctx, const void* send, void* recv, size_t count, DType dtype,
                 ReduceOp op, int root, int strategy);
   Status Broadcast(const OpContext& ctx, const void* send, void* recv, size_t count, DType dtype,
@@ -69,9 +80,10 @@ class Session {
   bool direct_ok() const { return direct_ok_; }
 
  private:
+  struct Layout;
   struct Part;
-  Status AllReduceWith(const OpContext& ctx, const void* send, void* recv, size_t count,
-                       DType dtype, ReduceOp op, const Strategy& s, const Spawner& spawn);
+  Status AllReduceWith(const OpContext& ctx, const Layout& layout, DType dtype, ReduceOp op,
+                       const Strategy& s, const Spawner& spawn);
   // The ring over `members` (ranks in ring order, this peer among them).
   Status RingPart(const OpContext& ctx, const Part& p, const std::vector<int>& members);
   // `reads`: inside the host by memory reads (local_reads_ok_), else by messages.
