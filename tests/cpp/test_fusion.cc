@@ -211,7 +211,7 @@ TEST(ShuffledMixedOpsEveryLayout) {
   }
 }
 
-// Most ops above fusion_bytes (agreed, run alone on their own buffers), a few packed.
+// Most ops above fusion_bytes (agreed, run on their own buffers), a few packed.
 TEST(ShuffledMostlyUnpacked) {
   kftest::ClusterOptions o = Heavy();
   o.fusion_bytes = 64;
@@ -221,8 +221,8 @@ TEST(ShuffledMostlyUnpacked) {
   RunShuffled(c, per_rank, 4, "fusion_bytes 64");
 }
 
-// Fewer allreduces ran than were issued (the default strategy's counters count a packed buffer
-// once): the small ops were packed; the ones above fusion_bytes ran alone.
+// Fewer allreduces ran than were issued (the default strategy's counters count a bucket once):
+// ops agreed in one cycle ran together, the large ones included (on their own buffers).
 TEST(SmallOpsAreActuallyFused) {
   LocalCluster c(2);
   REQUIRE(c.Start());
@@ -240,7 +240,7 @@ TEST(SmallOpsAreActuallyFused) {
   }
   for (int r = 0; r < 2; ++r) {
     const uint64_t ops = DefaultOpsRun(c[r]);
-    CHECK_MSG(ops >= big && ops <= big + small / 2,
+    CHECK_MSG(ops >= 1 && ops <= (big + small) / 4,
               "rank " + std::to_string(r) + " ran " + std::to_string(ops) + " allreduces for " +
                   std::to_string(big) + " large and " + std::to_string(small) + " small ops");
   }

@@ -573,26 +573,18 @@ Status Fusion::Cycle(bool* agreed_any) {
         queue_.erase(std::find(queue_.begin(), queue_.end(), o));
         queued_.erase(o->hash);
       }
-      const size_t bytes = x->count * DTypeSize(x->dtype());
       const auto key = std::make_tuple(static_cast<int>(x->dtype()), static_cast<int>(x->op()),
                                        x->strategy());
       auto b = open.find(key);
-      if (bytes > fusion_bytes_) {
-        b = open.end();  // alone, on its own buffers: copying it costs more than fusing saves
-      }
-      if (b == open.end() ||
-          (buckets[b->second].count * DTypeSize(x->dtype()) + bytes > kBucketBytes)) {
+      if (b == open.end()) {
         Bucket nb;
         nb.dtype = x->dtype();
         nb.op = x->op();
         nb.strategy = x->strategy();
         buckets.push_back(std::move(nb));
-        if (bytes <= fusion_bytes_) {
-          open[key] = buckets.size() - 1;
-          b = open.find(key);
-        }
+        b = open.emplace(key, buckets.size() - 1).first;
       }
-      Bucket& bk = b == open.end() ? buckets.back() : buckets[b->second];
+      Bucket& bk = buckets[b->second];
       bk.count += x->count;
       bk.ops.push_back(o);
       bk.live.push_back(live);
@@ -650,22 +642,33 @@ void Fusion::RunBuckets() {
     const OpContext ctx{kOpName, b.seq, deadline};
     const size_t es = DTypeSize(b.dtype);
     auto spawn = [this](std::function<void()> f) { hooks_.submit(std::move(f)); };
+    // Ops of at most fusion_bytes are packed into one buffer (when there are several): the first
+    // piece; larger ones follow on their own buffers, without copies.
+    std::vector<bool> packed(b.ops.size(), false);
+    size_t packed_count = 0, small = 0;
+    for (const auto& o : b.ops) small += o->bytes() <= fusion_bytes_;
+    for (size_t i = 0; i < b.ops.size() && small > 1; ++i) {
+      packed[i] = b.ops[i]->bytes() <= fusion_bytes_;
+      if (packed[i]) packed_count += b.ops[i]->count;
+    }
     Buffer fused;
     if (s.ok()) {
       try {
-        if (b.ops.size() == 1) {  // nothing to pack: its own buffers
-          s = session_->AllReduce(ctx, b.ops[0]->send, b.ops[0]->recv, b.count, b.dtype, b.op,
-                                  b.strategy, spawn);
-        } else {
-          fused = Buffer(b.count * es);
+        std::vector<Session::Piece> pieces;
+        if (packed_count > 0) {
+          fused = Buffer(packed_count * es);
           size_t off = 0;
-          for (const auto& o : b.ops) {
-            if (o->bytes() > 0) std::memcpy(fused.data() + off, o->send, o->bytes());
-            off += o->bytes();
+          for (size_t i = 0; i < b.ops.size(); ++i) {
+            if (!packed[i]) continue;
+            if (b.ops[i]->bytes() > 0) std::memcpy(fused.data() + off, b.ops[i]->send, b.ops[i]->bytes());
+            off += b.ops[i]->bytes();
           }
-          s = session_->AllReduce(ctx, fused.data(), fused.data(), b.count, b.dtype, b.op,
-                                  b.strategy, spawn);
+          pieces.push_back({fused.data(), fused.data(), packed_count});
         }
+        for (size_t i = 0; i < b.ops.size(); ++i) {
+          if (!packed[i]) pieces.push_back({b.ops[i]->send, b.ops[i]->recv, b.ops[i]->count});
+        }
+        s = session_->AllReduceV(ctx, pieces, b.dtype, b.op, b.strategy, spawn);
       } catch (const std::bad_alloc&) {
         s = ResourceExhausted("out of memory");
       }
@@ -676,11 +679,12 @@ void Fusion::RunBuckets() {
     }
     int64_t wait_us = -1;
     t.EndOp(kBase, b.seq, &wait_us);
-    if (s.ok() && b.ops.size() > 1) {
+    if (s.ok() && packed_count > 0) {
       size_t off = 0;
-      for (const auto& o : b.ops) {
-        if (o->bytes() > 0) std::memcpy(o->recv, fused.data() + off, o->bytes());
-        off += o->bytes();
+      for (size_t i = 0; i < b.ops.size(); ++i) {
+        if (!packed[i]) continue;
+        if (b.ops[i]->bytes() > 0) std::memcpy(b.ops[i]->recv, fused.data() + off, b.ops[i]->bytes());
+        off += b.ops[i]->bytes();
       }
     }
     // Each op records its own event: the bucket's time, split in proportion to bytes so that

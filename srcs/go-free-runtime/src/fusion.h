@@ -1,8 +1,8 @@
 // Tensor fusion: allreduces that ask for the default strategy (or AUTO) are not run one by one,
 // each on its own pool thread, but queued; one thread per Peer agrees with the other peers which
-// queued ops every peer has issued, and they run one at a time in that agreed order, those of at
-// most fusion_bytes packed into shared buffers (larger ones on their own buffers: copying them
-// would cost more than the fewer operations save).
+// queued ops every peer has issued, and they run together in that agreed order: one allreduce
+// over all their buffers, those of at most fusion_bytes packed into one (copying larger ones
+// would cost more than it saves).
 //
 // Why: a training step issues hundreds of gradient allreduces in an order that differs per peer.
 // One thread per op means hundreds of threads per process, each waiting for the peer's thread of
@@ -26,13 +26,13 @@
 //     listed with different shapes fails on every peer (InvalidArgument naming both); a
 //     tombstoned hash fails on every peer (DeadlineExceeded naming who gave up). Failures of ops
 //     a peer has not issued yet are remembered (bounded), so they fail at once when issued.
-//  4. Agreed ops of at most fusion_bytes are packed per (dtype, reduce op, strategy) in canonical
-//     order into buckets of at most kBucketBytes; a larger op is a bucket of its own. Each bucket
-//     takes the next internal seq. One pool task at a time runs the buckets in that order (every
-//     peer runs the same sequence, so no two peers wait on each other in a cycle), each one
-//     allreduce with the session's default strategy (a bucket of one op on the op's own buffers,
-//     without copies), unpacks each result into its op's recv buffer and completes its handle.
-//     Meanwhile the loop goes on to the next cycle.
+//  4. The agreed ops of one (dtype, reduce op, strategy) form one bucket, in canonical order;
+//     each bucket takes the next internal seq. One pool task at a time runs the buckets in that
+//     order (every peer runs the same sequence, so no two peers wait on each other in a cycle),
+//     each as one multi-buffer allreduce (Session::AllReduceV) with the session's default
+//     strategy: the bucket's ops of at most fusion_bytes packed into one buffer (copied in and
+//     out), the larger ones on their own buffers (copying them would cost more than it saves).
+//     It completes each op's handle; meanwhile the loop goes on to the next cycle.
 //  5. An op that expired (or failed: CheckTransportErrors) on this peer after it was sent in
 //     step 1 but got agreed anyway (a peer issued it just in time) cannot take part: this peer
 //     aborts its bucket, so the bucket's ops fail on every peer rather than return a sum
@@ -95,8 +95,6 @@ class Fusion {
   // finish in their pool task (call before the pool stops, after the transport closed).
   void Stop();
 
-  // Largest packed buffer (8 and 16 MiB measured alike; smaller buffers start sooner).
-  static constexpr size_t kBucketBytes = size_t(8) << 20;
   static constexpr size_t kMaxOffer = 4096;  // records per peer per cycle
 
  private:
