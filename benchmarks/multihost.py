@@ -146,6 +146,9 @@ def parse_args(argv=None):
                     help="add DELAY with tc netem on both ends of every host link, e.g. 0.1ms")
     ap.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                     help=f"kungfu strategies, a comma list (default {DEFAULT_STRATEGIES})")
+    ap.add_argument("--mode", choices=["fused", "per-tensor", "both"], default="both",
+                    help="allreduce.py --mode: the gradient set as one buffer (fused), one async "
+                         "allreduce per tensor (per-tensor), or both (default both)")
     ap.add_argument("--no-gloo", action="store_true",
                     help="leave gloo out even when torch is importable")
     ap.add_argument("--repeats", type=int, default=3,
@@ -326,7 +329,7 @@ def run_repeat(net: Network, args, repeat: int, gloo: bool, out_dir: str,
     token = secrets.token_hex(16)
     json_path = os.path.join(out_dir, f"repeat{repeat}.jsonl")
     bench = [sys.executable, os.path.join(HERE, "allreduce.py"), "--model", "resnet50",
-             "--mode", "both", "--strategy", ",".join(arm_order(args.strategy_list, repeat)),
+             "--mode", args.mode, "--strategy", ",".join(arm_order(args.strategy_list, repeat)),
              "--iters", str(args.iters), "--max-seconds", str(args.max_seconds),
              "--no-table", "--json", json_path]
     if gloo:
