@@ -132,8 +132,9 @@ CHUNK_BYTES = Var("KUNGFU_CHUNK_BYTES", _positive_int, 1 << 20, "largest message
 PARALLELISM = Var("KUNGFU_PARALLELISM", _positive_int, 2, "independent pipelines per large allreduce")
 FUSION_BYTES = Var("KUNGFU_FUSION_BYTES", _count, 256 << 10,
                    "tensor fusion: allreduces with the default strategy (or AUTO) are agreed among "
-                   "workers and run one at a time in one order, those of at most this many bytes "
-                   "packed together (0: off, each runs on its own thread)")
+                   "workers and run together, one allreduce over all their buffers, those of at "
+                   "most this many bytes packed into one buffer first (0: off, each runs on its "
+                   "own thread)")
 
 # Observability.
 TIMELINE = Var("KUNGFU_TIMELINE", str, None,

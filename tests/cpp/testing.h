@@ -7,7 +7,8 @@
 // thread. The generated main runs every registered test (or those whose name contains argv[1]),
 // prints one line per test, and returns non-zero if any check failed. A watchdog ends the process
 // with a message naming the test if one test runs longer than KF_TEST_TIMEOUT_S seconds
-// (default 60), so a hang fails fast and says where.
+// (default 60), so a hang fails fast and says where. With KFTEST_STACKS_ON_STALL set, an
+// operation that WAIT gives up on first prints every thread's stack (gdb attaches to the process).
 //
 // The second half of this header, enabled by defining KF_TESTING_CLUSTER before including it,
 // holds helpers for tests that run several kungfu::Peer objects in one process: LocalCluster
@@ -418,6 +419,11 @@ class BufferKeeper {
 inline kungfu::Status WaitFor(const kungfu::Handle& h, int64_t ms, const char* file, int line) {
   if (!h.Wait(ms)) {
     ReportFailure(file, line, "operation did not complete within " + std::to_string(ms) + " ms");
+    if (std::getenv("KFTEST_STACKS_ON_STALL")) {  // debugging aid: every thread's stack
+      std::string cmd = "gdb -p " + std::to_string(getpid()) +
+                        " -batch -ex 'thread apply all bt' 1>&2 2>/dev/null";
+      if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "(gdb failed)\n");
+    }
     std::fprintf(stderr, "aborting: a pending operation would outlive its buffers\n");
     std::fflush(stderr);
     std::_Exit(1);

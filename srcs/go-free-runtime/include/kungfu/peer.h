@@ -57,9 +57,9 @@ struct PeerConfig {
   bool timeline = false;                // record one TimelineEvent per operation (DrainTimeline)
   size_t timeline_cap = 1000000;        // events kept between two drains; more are dropped
   // Tensor fusion (src/fusion.h): allreduces that ask for the default strategy or AUTO are
-  // agreed among peers and run one at a time in one order; those of at most fusion_bytes are
-  // packed into shared buffers (larger ones run on their own buffers); 0: off (each op on its
-  // own pool thread). 256 KiB: measured with benchmarks/allreduce.py --model resnet50 against
+  // agreed among peers and run together, one multi-buffer allreduce per cycle; those of at most
+  // fusion_bytes are packed into one buffer first (larger ones stay on their own buffers);
+  // 0: off (each op on its own pool thread). 256 KiB: measured with benchmarks/allreduce.py --model resnet50 against
   // 64 KiB to 4 MiB (docs/runtime.md, Tensor fusion).
   size_t fusion_bytes = size_t(256) << 10;
 };
