@@ -106,8 +106,8 @@ struct Fusion::Op {
   }
 };
 
-// Agreed ops of one (dtype, op, strategy), packed in canonical order. `live[i]` false: ops[i]
-// expired here after it was offered (step 5).
+// The ops of one (dtype, op, strategy) agreed in one cycle, in canonical order: one allreduce.
+// `live[i]` false: ops[i] expired here after it was offered (step 5).
 struct Fusion::Bucket {
   uint64_t seq = 0;
   DType dtype = DType::kUInt8;
@@ -129,7 +129,7 @@ Fusion::Fusion(std::shared_ptr<Session> session, size_t fusion_bytes, int64_t op
 Fusion::~Fusion() { Stop(); }
 
 bool Fusion::Accepts(size_t bytes, int strategy) const {
-  (void)bytes;  // larger ones are agreed too, and run alone (see Cycle)
+  (void)bytes;  // larger ones are agreed too, and run on their own buffers (see RunBuckets)
   return strategy < 0 || strategy == static_cast<int>(StrategyKind::kAuto);
 }
 

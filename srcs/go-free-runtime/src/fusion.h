@@ -35,8 +35,8 @@
 //     It completes each op's handle; meanwhile the loop goes on to the next cycle.
 //  5. An op that expired (or failed: CheckTransportErrors) on this peer after it was sent in
 //     step 1 but got agreed anyway (a peer issued it just in time) cannot take part: this peer
-//     aborts its bucket, so the bucket's ops fail on every peer rather than return a sum
-//     without this peer's part.
+//     aborts its bucket, so the bucket's ops (all of that dtype, op and strategy agreed in the
+//     cycle) fail on every peer rather than return a sum without this peer's part.
 // Peers only run a cycle when their own queue is non-empty (every peer eventually issues each
 // op), let ops issued back to back join it (up to 1 ms while they keep coming), and back off
 // (1 ms doubling to 16 ms, cut short by a new op) after a cycle that agreed on nothing.
