@@ -97,7 +97,8 @@ def outside_hook():
 def adaptive_strategy(slow_ms: float):
     """AdaptiveStrategyPolicy driven by a plain numpy loop (its actions are then collectives):
     explore, exploit; then the chosen strategy is slowed down (rank 0 enters its allreduces
-    `slow_ms` late, which the others wait for inside the operation) and the policy must move."""
+    `slow_ms` late, which the others wait for inside the operation when fusion is off) and the
+    policy must move."""
     import time
 
     import kungfu as kf
