@@ -375,9 +375,10 @@ void Fusion::Loop() {
         if (queue_.empty()) continue;
       }
       // Ops issued back to back (a step's gradients) go into one cycle: wait while they keep
-      // coming, at most kLinger.
+      // coming, at most kLinger. A lone op (nothing else queued) starts its cycle at once: the
+      // ops that follow it gather while that cycle runs.
       const TimePoint linger_until = Clock::now() + kLinger;
-      while (!stopping_ && Clock::now() < linger_until) {
+      while (!stopping_ && queue_.size() > 1 && Clock::now() < linger_until) {
         const uint64_t before = enqueued_;
         if (!cv_.wait_for(lk, kQuiet, [&] { return stopping_ || enqueued_ != before; })) break;
       }

@@ -38,7 +38,8 @@
 //     aborts its bucket, so the bucket's ops (all of that dtype, op and strategy agreed in the
 //     cycle) fail on every peer rather than return a sum without this peer's part.
 // Peers only run a cycle when their own queue is non-empty (every peer eventually issues each
-// op), let ops issued back to back join it (up to 1 ms while they keep coming), and back off
+// op), let ops issued back to back join it (up to 1 ms while they keep coming; a lone op
+// starts at once), and back off
 // (1 ms doubling to 16 ms, cut short by a new op) after a cycle that agreed on nothing.
 //
 // Buffer ownership: an op's buffers are read and written only by its bucket task, after
