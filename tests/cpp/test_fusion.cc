@@ -258,6 +258,35 @@ TEST(FusionOffRunsEachOpAlone) {
   for (int r = 0; r < 2; ++r) CHECK_EQ(DefaultOpsRun(c[r]), uint64_t(60));
 }
 
+// With fusion off every op runs on a pool thread of its own, and may block until the peers run
+// theirs. Ops submitted back to back while one worker was idle all waited for that one worker:
+// two peers issuing two ops in opposite orders each ran the op the other had not started, and
+// both failed at their deadline (seen once in a CI run of FusionOffRunsEachOpAlone).
+TEST(EveryQueuedOpGetsAThreadOfItsOwn) {
+  kftest::ClusterOptions o;
+  o.fusion_bytes = 0;
+  for (int round = 0; round < 10; ++round) {
+    LocalCluster c(2, o);
+    REQUIRE(c.Start());
+    OnEveryRank(2, [&](int r) {
+      std::vector<int32_t> w(4, 1), rw(4), a(4, r + 1), b(4, 10 * (r + 1)), ra(4), rb(4);
+      // One op first: its worker is idle (and the only one) when the next two are submitted.
+      CHECK_OK(WAIT(c[r].AllReduce(w.data(), rw.data(), 4, DType::kInt32, ReduceOp::kSum,
+                                   Named("warm", -1, 3000))));
+      auto issue = [&](const char* name, std::vector<int32_t>& in, std::vector<int32_t>& out) {
+        return c[r].AllReduce(in.data(), out.data(), 4, DType::kInt32, ReduceOp::kSum,
+                              Named(name, -1, 3000));
+      };
+      Handle first = r == 0 ? issue("a", a, ra) : issue("b", b, rb);
+      Handle second = r == 0 ? issue("b", b, rb) : issue("a", a, ra);
+      CHECK_OK(WAIT(first));
+      CHECK_OK(WAIT(second));
+      CHECK_EQ(ra[0], 3);
+      CHECK_EQ(rb[0], 30);
+    });
+  }
+}
+
 // The same name many times at once: the k-th use on every peer is the same op.
 TEST(SameNameReusedManyTimes) {
   LocalCluster c(3);

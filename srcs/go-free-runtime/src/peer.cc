@@ -445,7 +445,10 @@ void Peer::Submit(std::function<void()> task) {
     return;
   }
   tasks_.push_back(std::move(task));
-  if (idle_workers_ > 0) {
+  // Every task may block until the peers run theirs, so each needs a thread of its own now: an
+  // idle worker counts for one queued task only (one notified but not yet awake is still counted
+  // idle; several tasks submitted back to back would otherwise all wait for it).
+  if (static_cast<size_t>(idle_workers_) >= tasks_.size()) {
     pool_cv_.notify_one();
     return;
   }
