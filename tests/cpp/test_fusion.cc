@@ -287,6 +287,72 @@ TEST(EveryQueuedOpGetsAThreadOfItsOwn) {
   }
 }
 
+// Peer::AllReduceV: one named allreduce over many buffers of one dtype and reduce op (sizes 0
+// to above fusion_bytes, some in place), with packing on and off, on every layout; each buffer
+// gets exactly its own result and nothing past its end is written.
+TEST(GroupAllReduceEveryBufferExact) {
+  for (size_t fusion_bytes : {size_t(256) << 10, size_t(0)}) {
+    for (const auto& hosts : Layouts()) {
+      kftest::ClusterOptions o = Heavy();
+      o.fusion_bytes = fusion_bytes;
+      LocalCluster c(hosts, o);
+      REQUIRE(c.Start());
+      const std::string what = LayoutName(hosts) + " fusion_bytes " + std::to_string(fusion_bytes);
+      OnEveryRank(c.size(), [&](int r) {
+        std::vector<Handle> handles;
+        std::vector<std::vector<Spec>> groups;
+        for (int g = 0; g < 8; ++g) {  // (dtype, op) per group, as MixedOps varies them
+          std::vector<Spec> specs = MixedOps(14, "p");
+          const size_t sizes[] = {1, 7, 1009, 0, 4096, 33, 70001};  // 70001: above fusion_bytes
+          const ReduceOp ops[] = {ReduceOp::kSum, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kProd};
+          for (size_t i = 0; i < specs.size(); ++i) {
+            specs[i].dtype = specs[g % 6].dtype;
+            specs[i].op = ops[g % 4];
+            specs[i].count = sizes[(i + g) % 7];
+            specs[i].k += g;
+            specs[i].Fill(r);
+          }
+          groups.push_back(std::move(specs));
+        }
+        for (int g = 0; g < 8; ++g) {
+          std::vector<kungfu::Piece> pieces;
+          for (auto& x : groups[g]) {
+            pieces.push_back({x.send.data(), x.in_place ? x.send.data() : x.recv.data(), x.count});
+          }
+          handles.push_back(c[r].AllReduceV(pieces, groups[g][0].dtype, groups[g][0].op,
+                                            Named("group" + std::to_string(g))));
+        }
+        for (int g = 0; g < 8; ++g) {
+          CHECK_OK(WAIT(handles[g]));
+          for (auto& x : groups[g]) {
+            x.Check(c.size(), what + " rank " + std::to_string(r) + " group " + std::to_string(g));
+          }
+        }
+      });
+    }
+  }
+}
+
+// Peers whose pieces differ (same total) fail on every peer within seconds, with the op named,
+// and leave the session usable.
+TEST(GroupAllReduceMismatchedPiecesFailOnEveryPeer) {
+  LocalCluster c(2);
+  REQUIRE(c.Start());
+  OnEveryRank(2, [&](int r) {
+    std::vector<float> a(7, 1.f), b(7);
+    const size_t first = r == 0 ? 3 : 4;
+    const auto start = kungfu::Clock::now();
+    Status s = WAIT(c[r].AllReduceV({{a.data(), b.data(), first}, {a.data() + first, b.data() + first, 7 - first}},
+                                    DType::kFloat32, ReduceOp::kSum, Named("uneven")));
+    CHECK_CODE(s, Code::kInvalidArgument);
+    CHECK_CONTAINS(s.message(), "'uneven'");
+    CHECK(std::chrono::duration<double>(kungfu::Clock::now() - start).count() < 5.0);
+    CHECK_OK(WAIT(c[r].AllReduceV({{a.data(), b.data(), 3}, {a.data() + 3, b.data() + 3, 4}},
+                                  DType::kFloat32, ReduceOp::kSum, Named("even"))));
+    CHECK_EQ(b[6], 2.f);
+  });
+}
+
 // The same name many times at once: the k-th use on every peer is the same op.
 TEST(SameNameReusedManyTimes) {
   LocalCluster c(3);

@@ -191,12 +191,22 @@ def values():
     def group_graph():
         return ops.group_all_reduce(group_tensors(), bucket_bytes=GROUP_BUCKET_BYTES)
 
+    @graph
+    def group_graph_default():
+        return ops.group_all_reduce(group_tensors(), name="gd")
+
+    graph_ops = group_graph_default.get_concrete_function().graph.get_operations()
+    res["group/default_ops"] = sorted(
+        (o.type, o.get_attr("op_name").decode()) for o in graph_ops if o.type.startswith("Kungfu"))
+    res["group/default_copies"] = sorted(o.type for o in graph_ops if "Concat" in o.type
+                                         or "Split" in o.type)
+    res["group/default"] = [_pack(t) for t in group_graph_default()]
     res["group/graph"] = _outcome(lambda: [_pack(t) for t in group_graph()])
     if res["group/graph"]["error"] is None:
         res["group/graph_buckets"] = sorted(
             o.get_attr("op_name").decode()
             for o in group_graph.get_concrete_function().graph.get_operations()
-            if o.type == "KungfuAllReduce")
+            if o.type == "KungfuGroupAllReduce")
 
     # -- broadcast, from each root --------------------------------------------------------
     bc = {}
@@ -396,6 +406,9 @@ def errors():
                                                  name="mm/bc")),
         ("all_gather-rows", lambda: ops.all_gather(tf.ones([2, 4 if odd else 3]),
                                                    name="mm/ag")),
+        # Same dtype and total count, split differently between the tensors.
+        ("group-split", lambda: ops.group_all_reduce(
+            [tf.ones([4 if odd else 3]), tf.ones([3 if odd else 4])], name="mm/group")),
     ]
     mm = []
     for i, (label, fn) in enumerate(cases):

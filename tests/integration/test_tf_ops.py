@@ -149,6 +149,18 @@ def test_group_all_reduce_in_tf_function(values, n):
     check_group(results, "group/graph", n)
 
 
+@pytest.mark.parametrize("n", NPS)
+def test_group_all_reduce_default_is_one_op_per_dtype_without_copies(values, n):
+    results = values(n)
+    for res in results:
+        # One list op per dtype, named by the dtype's first tensor; no concat or split.
+        assert res["group/default_ops"] == sorted(
+            ("KungfuGroupAllReduce", name) for name in
+            ("gd/float32/0", "gd/int32/2", "gd/float64/4", "gd/int64/9")), res["group/default_ops"]
+        assert res["group/default_copies"] == [], res["group/default_copies"]
+    check_group(results, "group/default", n)
+
+
 # -- broadcast, all_gather ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", NPS)

@@ -73,18 +73,26 @@ def defuse(t: tf.Tensor, shapes: Sequence) -> List[tf.Tensor]:
 
 
 def group_all_reduce(ts: Sequence[tf.Tensor], op: str = "sum", name: Optional[str] = None,
-                     bucket_bytes: int = 16 << 20, strategy: Optional[str] = None):
-    """all_reduce of many tensors, fused into buckets of about bucket_bytes per dtype.
+                     bucket_bytes: Optional[int] = None, strategy: Optional[str] = None,
+                     timeout: Optional[float] = None):
+    """all_reduce of many tensors: one collective per dtype over all its tensors, reduced where
+    they lie (nothing is concatenated; the runtime packs the small ones).
 
     Returns the reduced tensors in the order given. Every worker must pass the same tensors in
-    the same order; bucket ops are named "<name>/<dtype>/<first tensor's index>" (name defaults
-    to "group").
+    the same order. bucket_bytes splits each dtype's tensors into ops of about that many bytes
+    (default: one op per dtype, the fastest: inside a tf.function TensorFlow runs kungfu's ops
+    one after another, in program order). Ops are named "<name>/<dtype>/<index of their first
+    tensor>" (name defaults to "group").
     """
     if op not in _OPS:
         raise ValueError(f"unknown reduce op {op!r} (choose {', '.join(_OPS)})")
-    return _fusion.fused_apply(
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or bucket_bytes <= 0):
+        raise ValueError(f"bucket_bytes must be a positive integer or None, got {bucket_bytes!r}")
+    _peer.get()
+    return _fusion.grouped_apply(
         ts, name or "group", bucket_bytes,
-        lambda t, n: all_reduce(t, op=op, name=n, strategy=strategy))
+        lambda group, n: _lib.kungfu_group_all_reduce(
+            group, op=op, op_name=n, strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout)))
 
 
 def broadcast(t, root: int = 0, name: Optional[str] = None, strategy: Optional[str] = None,

@@ -31,7 +31,7 @@ import tensorflow as tf
 from kungfu.tensorflow import _monitor, ops
 from kungfu.tensorflow.optimizers._fusion import mean_over_workers as _mean_over_workers
 
-DEFAULT_BUCKET_BYTES = 16 << 20
+DEFAULT_BUCKET_BYTES = None  # one allreduce per dtype over all its tensors (ops.group_all_reduce)
 
 _ALIASES = {
     "sync-sgd": "sync-sgd",
@@ -74,7 +74,8 @@ class Optimizer:
 
     algorithm:
       "sync-sgd" (default): average gradients over all workers before applying them.
-          options: bucket_bytes (fusion bucket size, default 16 MiB), strategy (allreduce
+          options: bucket_bytes (bytes per allreduce, default: one allreduce per dtype over
+          all gradients, reduced in place without concatenation), strategy (allreduce
           strategy name, default: the cluster's), and monitoring:
           monitor: "gns" (gradient noise scale) and/or "variance" (gradient variance), a name
               or a list; computed inside the training step from the local and the averaged
@@ -167,9 +168,10 @@ class Optimizer:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"op_prefix must be a non-empty string, got {value!r}")
         elif key == "bucket_bytes":
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-                raise ValueError(f"bucket_bytes must be a positive integer, got {value!r}")
-            value = int(value)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+                    raise ValueError(f"bucket_bytes must be a positive integer or None, got {value!r}")
+                value = int(value)
         elif key == "strategy":
             if value is not None:
                 ops._strategy(value)  # raises on an unknown strategy name

@@ -52,6 +52,51 @@ class AllReduceOp : public CollectiveKernel {
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuAllReduce").Device(tf::DEVICE_CPU), AllReduceOp);
 
+// One allreduce over a list of tensors of one dtype (a model's gradients): one named operation,
+// the tensors reduced where they lie (the small ones packed by the runtime), no concatenation.
+// One op, so TensorFlow's automatic control dependencies (which run stateful ops in program
+// order) do not serialize the tensors' allreduces one after another.
+REGISTER_OP("KungfuGroupAllReduce")
+    .Input("inputs: N * T")
+    .Output("outputs: N * T")
+    .Attr("N: int >= 1")
+    .Attr("T: " KF_TF_TYPES)
+    .Attr("op: {'sum', 'min', 'max', 'prod'} = 'sum'")
+    .Attr("op_name: string")
+    .Attr("strategy: int = -1")
+    .Attr("timeout_ms: int = -1")
+    .SetIsStateful()
+    .SetIsDistributedCommunication()
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
+      return tf::OkStatus();
+    });
+
+class GroupAllReduceOp : public CollectiveKernel {
+ public:
+  explicit GroupAllReduceOp(tf::OpKernelConstruction* c) : CollectiveKernel(c) {
+    std::string op;
+    OP_REQUIRES_OK(c, c->GetAttr("op", &op));
+    OP_REQUIRES(c, ParseOp(op, &op_), tf::errors::InvalidArgument("unknown op ", op));
+  }
+  void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
+    Peer* peer = GetPeer(ctx);
+    if (!peer) return done();
+    std::vector<Piece> pieces;
+    for (int i = 0; i < ctx->num_inputs(); ++i) {
+      const tf::Tensor& in = ctx->input(i);
+      tf::Tensor* out = nullptr;
+      OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(i, in.shape(), &out), done);
+      pieces.push_back({In(in), Out(out), static_cast<size_t>(in.NumElements())});
+    }
+    Finish(ctx, done, peer->AllReduceV(std::move(pieces), dtype_, op_, options_));
+  }
+
+ private:
+  ReduceOp op_;
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuGroupAllReduce").Device(tf::DEVICE_CPU), GroupAllReduceOp);
+
 REGISTER_OP("KungfuBroadcast")
     .Input("input: T")
     .Output("output: T")

@@ -643,33 +643,13 @@ void Fusion::RunBuckets() {
     const OpContext ctx{kOpName, b.seq, deadline};
     const size_t es = DTypeSize(b.dtype);
     auto spawn = [this](std::function<void()> f) { hooks_.submit(std::move(f)); };
-    // Ops of at most fusion_bytes are packed into one buffer (when there are several): the first
-    // piece; larger ones follow on their own buffers, without copies.
-    std::vector<bool> packed(b.ops.size(), false);
-    size_t packed_count = 0, small = 0;
-    for (const auto& o : b.ops) small += o->bytes() <= fusion_bytes_;
-    for (size_t i = 0; i < b.ops.size() && small > 1; ++i) {
-      packed[i] = b.ops[i]->bytes() <= fusion_bytes_;
-      if (packed[i]) packed_count += b.ops[i]->count;
-    }
-    Buffer fused;
+    // Ops of at most fusion_bytes are packed into one buffer (when there are several); larger
+    // ones stay on their own buffers, without copies.
     if (s.ok()) {
       try {
         std::vector<Session::Piece> pieces;
-        if (packed_count > 0) {
-          fused = Buffer(packed_count * es);
-          size_t off = 0;
-          for (size_t i = 0; i < b.ops.size(); ++i) {
-            if (!packed[i]) continue;
-            if (b.ops[i]->bytes() > 0) std::memcpy(fused.data() + off, b.ops[i]->send, b.ops[i]->bytes());
-            off += b.ops[i]->bytes();
-          }
-          pieces.push_back({fused.data(), fused.data(), packed_count});
-        }
-        for (size_t i = 0; i < b.ops.size(); ++i) {
-          if (!packed[i]) pieces.push_back({b.ops[i]->send, b.ops[i]->recv, b.ops[i]->count});
-        }
-        s = session_->AllReduceV(ctx, pieces, b.dtype, b.op, b.strategy, spawn);
+        for (const auto& o : b.ops) pieces.push_back({o->send, o->recv, o->count});
+        s = session_->AllReduceV(ctx, pieces, b.dtype, b.op, b.strategy, spawn, fusion_bytes_);
       } catch (const std::bad_alloc&) {
         s = ResourceExhausted("out of memory");
       }
@@ -680,14 +660,6 @@ void Fusion::RunBuckets() {
     }
     int64_t wait_us = -1;
     t.EndOp(kBase, b.seq, &wait_us);
-    if (s.ok() && packed_count > 0) {
-      size_t off = 0;
-      for (size_t i = 0; i < b.ops.size(); ++i) {
-        if (!packed[i]) continue;
-        if (b.ops[i]->bytes() > 0) std::memcpy(b.ops[i]->recv, fused.data() + off, b.ops[i]->bytes());
-        off += b.ops[i]->bytes();
-      }
-    }
     // Each op records its own event: the bucket's time, split in proportion to bytes so that
     // one track's events never overlap.
     Timing tm;

@@ -605,6 +605,26 @@ Handle Peer::AllReduce(const void* send, void* recv, size_t count, DType dtype, 
   });
 }
 
+Handle Peer::AllReduceV(std::vector<Piece> pieces, DType dtype, ReduceOp op,
+                        const OpOptions& options) {
+  size_t count = 0;
+  OpOptions o = options;  // the piece counts must match too
+  uint64_t h = 1469598103934665603ull;
+  for (const Piece& x : pieces) {
+    count += x.count;
+    h = (h ^ x.count) * 1099511628211ull;
+  }
+  o.digest ^= h;
+  return Run(Sig(OpKind::kAllReduce, o, static_cast<int>(op)), o, count * DTypeSize(dtype),
+             [=, pieces = std::move(pieces)](Session& s, const OpContext& ctx) {
+    KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
+    KF_RETURN_IF_ERROR(CheckStrategy(o.strategy));
+    return s.AllReduceV(ctx, pieces, dtype, op, o.strategy,
+                        [this](std::function<void()> f) { Submit(std::move(f)); },
+                        config_.fusion_bytes);
+  });
+}
+
 Handle Peer::Reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, int root,
                     const OpOptions& options) {
   return Run(Sig(OpKind::kReduce, options, static_cast<int>(op), root), options,

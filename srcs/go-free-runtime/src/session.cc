@@ -187,8 +187,41 @@ Status Session::AllReduce(const OpContext& ctx, const void* send, void* recv, si
 }
 
 Status Session::AllReduceV(const OpContext& ctx, const std::vector<Piece>& pieces, DType dtype,
-                           ReduceOp op, int strategy, const Spawner& spawn) {
-  const Layout layout(pieces);
+                           ReduceOp op, int strategy, const Spawner& spawn, size_t pack_bytes) {
+  const size_t es = DTypeSize(dtype);
+  std::vector<bool> packed(pieces.size(), false);
+  size_t packed_count = 0, small = 0;
+  if (pack_bytes > 0) {
+    for (const Piece& x : pieces) small += x.count * es <= pack_bytes;
+  }
+  for (size_t i = 0; i < pieces.size() && small > 1; ++i) {
+    packed[i] = pieces[i].count * es <= pack_bytes;
+    if (packed[i]) packed_count += pieces[i].count;
+  }
+  if (packed_count == 0) return AllReduceLaidOut(ctx, Layout(pieces), dtype, op, strategy, spawn);
+  Buffer fused(packed_count * es);
+  std::vector<Piece> laid{{fused.data(), fused.data(), packed_count}};
+  size_t off = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    if (!packed[i]) {
+      laid.push_back(pieces[i]);
+    } else if (pieces[i].count > 0) {
+      std::memcpy(fused.data() + off, pieces[i].send, pieces[i].count * es);
+      off += pieces[i].count * es;
+    }
+  }
+  KF_RETURN_IF_ERROR(AllReduceLaidOut(ctx, Layout(laid), dtype, op, strategy, spawn));
+  off = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    if (!packed[i] || pieces[i].count == 0) continue;
+    std::memcpy(pieces[i].recv, fused.data() + off, pieces[i].count * es);
+    off += pieces[i].count * es;
+  }
+  return Status::OK();
+}
+
+Status Session::AllReduceLaidOut(const OpContext& ctx, const Layout& layout, DType dtype,
+                                 ReduceOp op, int strategy, const Spawner& spawn) {
   const size_t bytes = layout.total() * DTypeSize(dtype);
   if (size() == 1) {
     Part{&layout, 0, layout.total(), layout.total(), dtype, op, 0}.CopyThrough();

@@ -92,6 +92,13 @@ struct OpOptions {
   uint64_t digest = 0;
 };
 
+// One buffer of a multi-buffer allreduce (send may equal recv: in place).
+struct Piece {
+  const void* send;
+  void* recv;
+  size_t count;
+};
+
 // Output of allgather and gather: the per-peer element counts and their concatenation.
 struct GatherResult {
   std::vector<uint64_t> counts;
@@ -128,6 +135,11 @@ class Peer {
 
   Handle AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                    const OpOptions& options);
+  // One allreduce over several buffers (a model's gradients): one named operation, one
+  // negotiation-free run over all of them, the small ones (at most fusion_bytes) packed into one
+  // buffer and the others reduced where they lie. Every peer passes pieces of the same counts in
+  // the same order (else every peer fails with InvalidArgument).
+  Handle AllReduceV(std::vector<Piece> pieces, DType dtype, ReduceOp op, const OpOptions& options);
   Handle Reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, int root,
                 const OpOptions& options);
   Handle Broadcast(const void* send, void* recv, size_t count, DType dtype, int root,

@@ -55,13 +55,13 @@ class Session {
   // see the pieces laid end to end as one buffer (no message crosses a piece boundary). Every
   // peer passes pieces of the same counts in the same order; each piece's send may equal its
   // recv (in place).
-  struct Piece {
-    const void* send;
-    void* recv;
-    size_t count;
-  };
+  using Piece = ::kungfu::Piece;
+  // pack_bytes > 0: the pieces of at most pack_bytes (when there are several) are copied into
+  // one buffer first, the first piece, and their results copied back only on success; larger
+  // pieces stay on their own buffers (copying them would cost more than it saves). Fewer,
+  // larger messages: a message never spans two pieces.
   Status AllReduceV(const OpContext& ctx, const std::vector<Piece>& pieces, DType dtype,
-                    ReduceOp op, int strategy, const Spawner& spawn);
+                    ReduceOp op, int strategy, const Spawner& spawn, size_t pack_bytes = 0);
   Status Reduce(const OpContext& ctx, const void* send, void* recv, size_t count, DType dtype,
                 ReduceOp op, int root, int strategy);
   Status Broadcast(const OpContext& ctx, const void* send, void* recv, size_t count, DType dtype,
@@ -82,6 +82,8 @@ class Session {
  private:
   struct Layout;
   struct Part;
+  Status AllReduceLaidOut(const OpContext& ctx, const Layout& layout, DType dtype, ReduceOp op,
+                          int strategy, const Spawner& spawn);
   Status AllReduceWith(const OpContext& ctx, const Layout& layout, DType dtype, ReduceOp op,
                        const Strategy& s, const Spawner& spawn);
   // The ring over `members` (ranks in ring order, this peer among them).
