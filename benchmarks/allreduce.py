@@ -126,6 +126,10 @@ def parse_args(argv=None):
                     help="model case: one buffer of all values (fused), one named async "
                          "allreduce per tensor then wait all (per-tensor), or both")
     ap.add_argument("--fuse", action="store_true", help="same as --mode fused")
+    ap.add_argument("--api", choices=["numpy", "tf"], default="numpy",
+                    help="model case through the numpy API, or through TensorFlow ops inside a "
+                         "tf.function: fused is then ops.group_all_reduce over the tensors (one "
+                         "op), per-tensor one ops.all_reduce per tensor")
     ap.add_argument("--strategy", default=None,
                     help="kungfu strategy: a name, a comma list, or 'all' (AUTO and every named "
                          "strategy); default: the cluster's default (KUNGFU_ALLREDUCE_STRATEGY)")
@@ -154,8 +158,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.fuse:
         args.mode = "fused"
+    if args.api == "tf" and args.sizes:
+        ap.error("--api tf times the model case only: drop --sizes")
     if args.sizes is None and args.model is None:
-        args.sizes = DEFAULT_SIZES
+        args.sizes = DEFAULT_SIZES if args.api == "numpy" else None
         args.model = "resnet50"
     if args.factor < 2:
         ap.error("--factor must be at least 2")
@@ -421,6 +427,26 @@ def kungfu_per_tensor(views: List[np.ndarray], outs: List[np.ndarray], label: st
     return run
 
 
+def tf_model_cases(views: List[np.ndarray], label: str, strategy: Optional[str]) -> dict:
+    """The model case through TensorFlow: {mode: run}, each run returning the reduced tensors."""
+    import tensorflow as tf
+
+    from kungfu.tensorflow import ops
+
+    inputs = [tf.constant(v) for v in views]
+
+    @tf.function(autograph=False)
+    def grouped(ts):
+        return ops.group_all_reduce(ts, name=f"bench:tfg:{label}", strategy=strategy)
+
+    @tf.function(autograph=False)
+    def per_tensor(ts):
+        return [ops.all_reduce(t, name=f"bench:tfpt:{label}:{j}", strategy=strategy)
+                for j, t in enumerate(ts)]
+
+    return {"fused": lambda: grouped(inputs), "per-tensor": lambda: per_tensor(inputs)}
+
+
 def run_sweep(args, strategies, rep: Reporter, gloo) -> None:
     n, r = kf.size(), kf.rank()
     for nbytes in args.size_list:
@@ -482,18 +508,22 @@ def run_model(args, strategies, rep: Reporter, gloo) -> None:
     out = np.empty_like(x)
     outs = split_views(out, tensors)
     modes = ["fused", "per-tensor"] if args.mode == "both" else [args.mode]
-    extra = dict(tensors=len(tensors))
+    extra = dict(tensors=len(tensors), api=args.api)
     if gloo is not None and args.compare_first:
         model_gloo(gloo, x, want, tensors, modes, args, rep)
     for label, strat in strategies:
+        tf_cases = tf_model_cases(views, label, strat) if args.api == "tf" else {}
         for mode in modes:
-            if mode == "fused":
-                run = kungfu_buffer(x, out, label, strat, f"fused:{args.model}")
+            if args.api == "tf":
+                run = tf_cases[mode]
+                got = np.concatenate([t.numpy().ravel() for t in run()])
             else:
-                run = kungfu_per_tensor(views, outs, label, strat)
-            out.fill(-1)
-            run()
-            agree(np.array_equal(out, want), f"kungfu {label} {args.model} {mode}")
+                run = (kungfu_buffer(x, out, label, strat, f"fused:{args.model}")
+                       if mode == "fused" else kungfu_per_tensor(views, outs, label, strat))
+                out.fill(-1)
+                run()
+                got = out
+            agree(np.array_equal(got, want), f"kungfu {label} {args.model} {mode}")
             times, iters = measure(run, args)
             rep.add("kungfu", label, args.model, nbytes, times, iters, mode=mode, **extra)
     if gloo is not None and not args.compare_first:

@@ -42,4 +42,26 @@ def _load():
     return tf.load_op_library(_LIB)
 
 
+# Collectives whose result is their output: inside a tf.function they need no order among
+# themselves. TensorFlow's automatic control dependencies run every stateful op in program order,
+# which made a step's per-tensor allreduces run one after another (each a round trip: 91 ms for
+# ResNet-50's 214 gradients at np=2, against 36 ms when they overlap and the runtime fuses them).
+# kungfu matches operations by name, never by order, so they may run in any order, like
+# TensorFlow's own collectives (CollectiveReduce and the like are exempt the same way). As with
+# them, an op whose output nothing uses is pruned: synchronize with barrier(), which stays ordered.
+UNORDERED_OPS = frozenset(("KungfuAllReduce", "KungfuGroupAllReduce", "KungfuBroadcast",
+                           "KungfuAllGather"))
+
+
+def _run_unordered():
+    try:
+        from tensorflow.python.framework import auto_control_deps as acd
+    except ImportError:  # a TensorFlow without it: the ops stay ordered (correct, slower)
+        return
+    exempt = getattr(acd, "ASYNC_STATEFUL_OPS", None)
+    if isinstance(exempt, frozenset):
+        acd.ASYNC_STATEFUL_OPS = exempt | UNORDERED_OPS
+
+
 lib = _load()
+_run_unordered()

@@ -202,6 +202,27 @@ def values():
                                          or "Split" in o.type)
     res["group/default"] = [_pack(t) for t in group_graph_default()]
     res["group/graph"] = _outcome(lambda: [_pack(t) for t in group_graph()])
+
+    # -- collectives in a tf.function run in no fixed order ---------------------------------
+    # Each worker writes the same four allreduces in another program order (ranks of odd
+    # parity reversed): if TensorFlow ran them in program order, rank 0's first op would wait
+    # for rank 1's, queued behind rank 1's other three, and none would finish before its 20 s
+    # deadline.
+    @graph
+    def crossed():
+        order = range(4) if r % 2 == 0 else reversed(range(4))
+        outs = {i: ops.all_reduce(tf.fill([3], float(10 * i + r)), name=f"crossed/{i}", timeout=20)
+                for i in order}
+        outs["b"] = ops.broadcast(tf.fill([2], float(r)), root=n - 1, name="crossed/b", timeout=20)
+        outs["g"] = ops.all_gather(tf.fill([1], float(r)), name="crossed/ag", timeout=20)
+        return [outs[k] for k in (0, 1, 2, 3, "b", "g")]
+
+    kinds = ("KungfuAllReduce", "KungfuBroadcast", "KungfuAllGather")
+    res["crossed/chained"] = sorted(
+        f"{o.name} after {c.name}"
+        for o in crossed.get_concrete_function().graph.get_operations() if o.type in kinds
+        for c in o.control_inputs if c.type in kinds)
+    res["crossed"] = _outcome(lambda: [t.numpy().tolist() for t in crossed()])
     if res["group/graph"]["error"] is None:
         res["group/graph_buckets"] = sorted(
             o.get_attr("op_name").decode()

@@ -150,6 +150,20 @@ def test_group_all_reduce_in_tf_function(values, n):
 
 
 @pytest.mark.parametrize("n", NPS)
+def test_collectives_in_tf_function_need_no_program_order(values, n):
+    for res in values(n):
+        r = res["rank"]
+        assert res["crossed/chained"] == [], res["crossed/chained"]
+        o = res["crossed"]
+        assert o["error"] is None, f"rank {r}: {error_text(o)}"
+        assert o["seconds"] < 10, o
+        total = sum(range(n))
+        want = [[float(10 * i * n + total)] * 3 for i in range(4)]
+        want += [[float(n - 1)] * 2, [float(q) for q in range(n)]]
+        assert o["value"] == want, (r, o["value"])
+
+
+@pytest.mark.parametrize("n", NPS)
 def test_group_all_reduce_default_is_one_op_per_dtype_without_copies(values, n):
     results = values(n)
     for res in results:

@@ -6,7 +6,8 @@ and size when they run, so a traced `tf.function` stays correct after the cluste
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -49,13 +50,33 @@ def _name(name: Optional[str], t, kind: str, caller: Optional[str] = None) -> st
     )
 
 
+# Inside a tf.function the collectives of _oplib.UNORDERED_OPS run in no fixed order (each is
+# matched across workers by name), except among ops of one name: the k-th run of a name must be
+# the k-th on every worker, so each such op waits for the previous one of its name in its graph.
+_last_of_name: "weakref.WeakKeyDictionary[tf.Graph, Dict[str, tf.Operation]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def _issue(op_name: str, build: Callable[[str], Any]):
+    """build(op_name), after the graph's previous op of that name."""
+    if tf.executing_eagerly():
+        return build(op_name)
+    graph = tf.compat.v1.get_default_graph()
+    last = _last_of_name.setdefault(graph, {})
+    prev = last.get(op_name)
+    with tf.control_dependencies([prev] if prev is not None else None):
+        out = build(op_name)
+    last[op_name] = (out[0] if isinstance(out, (list, tuple)) else out).op
+    return out
+
+
 def all_reduce(t, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
                timeout: Optional[float] = None):
     """Reduces t over all workers with op (sum, min, max, prod); every worker gets the result."""
     if op not in _OPS:
         raise ValueError(f"unknown reduce op {op!r} (choose {', '.join(_OPS)})")
-    return _lib.kungfu_all_reduce(t, op=op, op_name=_name(name, t, "all_reduce"),
-                                  strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout))
+    return _issue(_name(name, t, "all_reduce"), lambda n: _lib.kungfu_all_reduce(
+        t, op=op, op_name=n, strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout)))
 
 
 def fuse(ts: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -91,21 +112,21 @@ def group_all_reduce(ts: Sequence[tf.Tensor], op: str = "sum", name: Optional[st
     _peer.get()
     return _fusion.grouped_apply(
         ts, name or "group", bucket_bytes,
-        lambda group, n: _lib.kungfu_group_all_reduce(
-            group, op=op, op_name=n, strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout)))
+        lambda group, n: _issue(n, lambda n: _lib.kungfu_group_all_reduce(
+            group, op=op, op_name=n, strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout))))
 
 
 def broadcast(t, root: int = 0, name: Optional[str] = None, strategy: Optional[str] = None,
               timeout: Optional[float] = None):
     """root's t on every worker (same shape and dtype everywhere)."""
-    return _lib.kungfu_broadcast(t, root=int(root), op_name=_name(name, t, "broadcast"),
-                                 strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout))
+    return _issue(_name(name, t, "broadcast"), lambda n: _lib.kungfu_broadcast(
+        t, root=int(root), op_name=n, strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout)))
 
 
 def all_gather(t, name: Optional[str] = None, timeout: Optional[float] = None):
     """Every worker's t concatenated along axis 0, in rank order (axis-0 sizes may differ)."""
-    return _lib.kungfu_all_gather(t, op_name=_name(name, t, "all_gather"),
-                                  timeout_ms=_timeout_ms(timeout))
+    return _issue(_name(name, t, "all_gather"), lambda n: _lib.kungfu_all_gather(
+        t, op_name=n, timeout_ms=_timeout_ms(timeout)))
 
 
 def barrier(name: str = "kungfu::tf-barrier", timeout: Optional[float] = None):
