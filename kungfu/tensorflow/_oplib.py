@@ -44,8 +44,9 @@ def _load():
 
 # Collectives whose result is their output: inside a tf.function they need no order among
 # themselves. TensorFlow's automatic control dependencies run every stateful op in program order,
-# which made a step's per-tensor allreduces run one after another (each a round trip: 91 ms for
-# ResNet-50's 214 gradients at np=2, against 36 ms when they overlap and the runtime fuses them).
+# which made a step's per-tensor allreduces run one after another, a round trip each (ResNet-50's
+# 214 gradients at np=2: about 85 ms, against 31-34 ms when they overlap and the runtime fuses
+# them; docs/tensorflow.md).
 # kungfu matches operations by name, never by order, so they may run in any order, like
 # TensorFlow's own collectives (CollectiveReduce and the like are exempt the same way). As with
 # them, an op whose output nothing uses is pruned: synchronize with barrier(), which stays ordered.
