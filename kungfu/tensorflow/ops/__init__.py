@@ -101,9 +101,8 @@ def group_all_reduce(ts: Sequence[tf.Tensor], op: str = "sum", name: Optional[st
 
     Returns the reduced tensors in the order given. Every worker must pass the same tensors in
     the same order. bucket_bytes splits each dtype's tensors into ops of about that many bytes
-    (default: one op per dtype, the fastest: inside a tf.function TensorFlow runs kungfu's ops
-    one after another, in program order). Ops are named "<name>/<dtype>/<index of their first
-    tensor>" (name defaults to "group").
+    (default: one op per dtype, which needs no negotiation among the workers: the fastest). Ops
+    are named "<name>/<dtype>/<index of their first tensor>" (name defaults to "group").
     """
     if op not in _OPS:
         raise ValueError(f"unknown reduce op {op!r} (choose {', '.join(_OPS)})")

@@ -34,21 +34,27 @@ REGISTER_OP("KungfuAllReduce")
     .SetIsDistributedCommunication()
     .SetShapeFn(tf::shape_inference::UnchangedShape);
 
-class AllReduceOp : public CollectiveKernel {
+// Base of the allreduce kernels: the reduce op (attr `op`).
+class ReduceKernel : public CollectiveKernel {
  public:
-  explicit AllReduceOp(tf::OpKernelConstruction* c) : CollectiveKernel(c) {
+  explicit ReduceKernel(tf::OpKernelConstruction* c) : CollectiveKernel(c) {
     std::string op;
     OP_REQUIRES_OK(c, c->GetAttr("op", &op));
     OP_REQUIRES(c, ParseOp(op, &op_), tf::errors::InvalidArgument("unknown op ", op));
   }
+
+ protected:
+  ReduceOp op_;
+};
+
+class AllReduceOp : public ReduceKernel {
+ public:
+  using ReduceKernel::ReduceKernel;
   void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
     RunLikeInput(ctx, done, [this](Peer* peer, const tf::Tensor& in, tf::Tensor* out) {
       return peer->AllReduce(In(in), Out(out), in.NumElements(), dtype_, op_, options_);
     });
   }
-
- private:
-  ReduceOp op_;
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuAllReduce").Device(tf::DEVICE_CPU), AllReduceOp);
 
@@ -72,13 +78,9 @@ REGISTER_OP("KungfuGroupAllReduce")
       return tf::OkStatus();
     });
 
-class GroupAllReduceOp : public CollectiveKernel {
+class GroupAllReduceOp : public ReduceKernel {
  public:
-  explicit GroupAllReduceOp(tf::OpKernelConstruction* c) : CollectiveKernel(c) {
-    std::string op;
-    OP_REQUIRES_OK(c, c->GetAttr("op", &op));
-    OP_REQUIRES(c, ParseOp(op, &op_), tf::errors::InvalidArgument("unknown op ", op));
-  }
+  using ReduceKernel::ReduceKernel;
   void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
     Peer* peer = GetPeer(ctx);
     if (!peer) return done();
@@ -91,9 +93,6 @@ class GroupAllReduceOp : public CollectiveKernel {
     }
     Finish(ctx, done, peer->AllReduceV(std::move(pieces), dtype_, op_, options_));
   }
-
- private:
-  ReduceOp op_;
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuGroupAllReduce").Device(tf::DEVICE_CPU), GroupAllReduceOp);
 

@@ -191,7 +191,7 @@ Status Session::AllReduceV(const OpContext& ctx, const std::vector<Piece>& piece
   const size_t es = DTypeSize(dtype);
   std::vector<bool> packed(pieces.size(), false);
   size_t packed_count = 0, small = 0;
-  if (pack_bytes > 0) {
+  if (pack_bytes > 0 && size() > 1) {
     for (const Piece& x : pieces) small += x.count * es <= pack_bytes;
   }
   for (size_t i = 0; i < pieces.size() && small > 1; ++i) {
