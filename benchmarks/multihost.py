@@ -149,6 +149,10 @@ def parse_args(argv=None):
     ap.add_argument("--mode", choices=["fused", "per-tensor", "both"], default="both",
                     help="allreduce.py --mode: the gradient set as one buffer (fused), one async "
                          "allreduce per tensor (per-tensor), or both (default both)")
+    ap.add_argument("--api", choices=["numpy", "tf"], default="numpy",
+                    help="allreduce.py --api: the kungfu arms through the numpy API, or through "
+                         "TensorFlow ops in a tf.function (fused: one group_all_reduce; "
+                         "per-tensor: one all_reduce per tensor); gloo is the same either way")
     ap.add_argument("--no-gloo", action="store_true",
                     help="leave gloo out even when torch is importable")
     ap.add_argument("--repeats", type=int, default=3,
@@ -329,7 +333,7 @@ def run_repeat(net: Network, args, repeat: int, gloo: bool, out_dir: str,
     token = secrets.token_hex(16)
     json_path = os.path.join(out_dir, f"repeat{repeat}.jsonl")
     bench = [sys.executable, os.path.join(HERE, "allreduce.py"), "--model", "resnet50",
-             "--mode", args.mode, "--strategy", ",".join(arm_order(args.strategy_list, repeat)),
+             "--mode", args.mode, "--api", args.api, "--strategy", ",".join(arm_order(args.strategy_list, repeat)),
              "--iters", str(args.iters), "--max-seconds", str(args.max_seconds),
              "--no-table", "--json", json_path]
     if gloo:
