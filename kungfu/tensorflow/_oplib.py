@@ -46,10 +46,15 @@ def _load():
 # themselves. TensorFlow's automatic control dependencies run every stateful op in program order,
 # which made a step's per-tensor allreduces run one after another, a round trip each (ResNet-50's
 # 214 gradients at np=2: about 85 ms, against 31-34 ms when they overlap and the runtime fuses
-# them; docs/tensorflow.md).
-# kungfu matches operations by name, never by order, so they may run in any order, like
-# TensorFlow's own collectives (CollectiveReduce and the like are exempt the same way). As with
-# them, an op whose output nothing uses is pruned: synchronize with barrier(), which stays ordered.
+# them; docs/tensorflow.md). kungfu matches operations by name, never by order, so they may run
+# in any order, like TensorFlow's own collectives (CollectiveReduce and the like are exempt the
+# same way). As with them, an op whose output nothing uses is pruned: synchronize with barrier(),
+# which stays ordered.
+#
+# Not inside a loop or a cond: there the same op runs again under the same name (every
+# iteration), and without its control edges a later iteration's op may start before an earlier
+# one's, so the k-th run of the name would pair different iterations on different workers (wrong
+# sums, seen in a tf.range loop). Ops of one name outside loops are ordered by ops._issue.
 UNORDERED_OPS = frozenset(("KungfuAllReduce", "KungfuGroupAllReduce", "KungfuBroadcast",
                            "KungfuAllGather"))
 
@@ -57,11 +62,27 @@ UNORDERED_OPS = frozenset(("KungfuAllReduce", "KungfuGroupAllReduce", "KungfuBro
 def _run_unordered():
     try:
         from tensorflow.python.framework import auto_control_deps as acd
-    except ImportError:  # a TensorFlow without it: the ops stay ordered (correct, slower)
+        from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
+    except ImportError:  # a TensorFlow without them: the ops stay ordered (correct, slower)
         return
-    exempt = getattr(acd, "ASYNC_STATEFUL_OPS", None)
-    if isinstance(exempt, frozenset):
-        acd.ASYNC_STATEFUL_OPS = exempt | UNORDERED_OPS
+    ordered = getattr(acd, "op_is_stateful", None)
+    if ordered is None or getattr(ordered, "_kungfu", False):
+        return
+
+    def in_control_flow(graph) -> bool:
+        while graph is not None:
+            if isinstance(graph, ControlFlowFuncGraph):
+                return True
+            graph = getattr(graph, "outer_graph", None)
+        return False
+
+    def op_is_stateful(op):
+        if op.type in UNORDERED_OPS and not in_control_flow(op.graph):
+            return False
+        return ordered(op)
+
+    op_is_stateful._kungfu = True
+    acd.op_is_stateful = op_is_stateful
 
 
 lib = _load()

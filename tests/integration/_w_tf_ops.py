@@ -223,6 +223,20 @@ def values():
         for o in crossed.get_concrete_function().graph.get_operations() if o.type in kinds
         for c in o.control_inputs if c.type in kinds)
     res["crossed"] = _outcome(lambda: [t.numpy().tolist() for t in crossed()])
+
+    # Inside a loop the same op runs once per iteration under one name; an iteration's input
+    # does not wait for the previous iteration's allreduce, so only program order pairs the k-th
+    # run of the name with iteration k on every worker.
+    @graph
+    def looped():
+        def body(i, acc):
+            x = tf.fill([1000], tf.cast(i, tf.float32) * 10 + r)
+            y = ops.all_reduce(x, name="looped", timeout=20)
+            return i + 1, acc + y * tf.cast(i + 1, tf.float32)
+
+        return tf.while_loop(lambda i, acc: i < 6, body, (tf.constant(0), tf.zeros([1000])))[1]
+
+    res["looped"] = _outcome(lambda: [sorted(set(looped().numpy().tolist())) for _ in range(10)])
     if res["group/graph"]["error"] is None:
         res["group/graph_buckets"] = sorted(
             o.get_attr("op_name").decode()

@@ -164,6 +164,15 @@ def test_collectives_in_tf_function_need_no_program_order(values, n):
 
 
 @pytest.mark.parametrize("n", NPS)
+def test_collectives_in_a_loop_pair_iterations_in_order(values, n):
+    want = float(sum((10 * i * n + sum(range(n))) * (i + 1) for i in range(6)))
+    for res in values(n):
+        o = res["looped"]
+        assert o["error"] is None, f"rank {res['rank']}: {error_text(o)}"
+        assert o["value"] == [[want]] * 10, (res["rank"], o["value"])
+
+
+@pytest.mark.parametrize("n", NPS)
 def test_group_all_reduce_default_is_one_op_per_dtype_without_copies(values, n):
     results = values(n)
     for res in results:
