@@ -161,6 +161,7 @@ void TuneStream(int fd, bool tcp) {
   int one = 1;
   if (tcp) {
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    return;
   }
   int buf = 4 << 20;
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
