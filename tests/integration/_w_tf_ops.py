@@ -236,6 +236,20 @@ def values():
 
         return tf.while_loop(lambda i, acc: i < 6, body, (tf.constant(0), tf.zeros([1000])))[1]
 
+    # Ordering same-name ops keeps nothing of a traced graph alive once its function is gone.
+    import gc
+    import weakref
+
+    @graph
+    def twice(x):
+        return ops.all_reduce(x, name="twice") + ops.all_reduce(x, name="twice")
+
+    traced = weakref.ref(twice.get_concrete_function(tf.TensorSpec([2])).graph)
+    res["twice"] = twice(tf.ones([2])).numpy().tolist()
+    del twice
+    gc.collect()
+    res["twice/graph_freed"] = traced() is None
+
     res["looped"] = _outcome(lambda: [sorted(set(looped().numpy().tolist())) for _ in range(10)])
     if res["group/graph"]["error"] is None:
         res["group/graph_buckets"] = sorted(

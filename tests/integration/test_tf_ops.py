@@ -164,6 +164,13 @@ def test_collectives_in_tf_function_need_no_program_order(values, n):
 
 
 @pytest.mark.parametrize("n", NPS)
+def test_ordering_same_name_ops_keeps_no_graph_alive(values, n):
+    for res in values(n):
+        assert res["twice"] == [2.0 * n] * 2, res["twice"]
+        assert res["twice/graph_freed"], f"rank {res['rank']}: the traced graph is still alive"
+
+
+@pytest.mark.parametrize("n", NPS)
 def test_collectives_in_a_loop_pair_iterations_in_order(values, n):
     want = float(sum((10 * i * n + sum(range(n))) * (i + 1) for i in range(6)))
     for res in values(n):

@@ -53,8 +53,9 @@ def _name(name: Optional[str], t, kind: str, caller: Optional[str] = None) -> st
 # Inside a tf.function the collectives of _oplib.UNORDERED_OPS run in no fixed order (each is
 # matched across workers by name), except among ops of one name: the k-th run of a name must be
 # the k-th on every worker, so each such op waits for the previous one of its name in its graph.
-_last_of_name: "weakref.WeakKeyDictionary[tf.Graph, Dict[str, tf.Operation]]" = (
-    weakref.WeakKeyDictionary())
+# Graph -> {kungfu op name: TensorFlow name of its latest op}. Names, not operations: an
+# operation refers to its graph, which would keep every traced graph alive as a weak key.
+_last_of_name: "weakref.WeakKeyDictionary[tf.Graph, Dict[str, str]]" = weakref.WeakKeyDictionary()
 
 
 def _issue(op_name: str, build: Callable[[str], Any]):
@@ -64,9 +65,9 @@ def _issue(op_name: str, build: Callable[[str], Any]):
     graph = tf.compat.v1.get_default_graph()
     last = _last_of_name.setdefault(graph, {})
     prev = last.get(op_name)
-    with tf.control_dependencies([prev] if prev is not None else None):
+    with tf.control_dependencies([graph.get_operation_by_name(prev)] if prev else None):
         out = build(op_name)
-    last[op_name] = (out[0] if isinstance(out, (list, tuple)) else out).op
+    last[op_name] = (out[0] if isinstance(out, (list, tuple)) else out).op.name
     return out
 
 
