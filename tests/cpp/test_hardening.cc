@@ -174,6 +174,39 @@ TEST(DisagreementsFailEveryPeerAtOnce) {
   }
 }
 
+// A disagreement among messages that arrive before a peer begins the op: rank 1 (which agrees with
+// rank 0) is heard first, rank 2 (which does not) second. Rank 0 must still find it; with STAR it
+// alone hears rank 2, so if it missed it, ranks 0 and 1 would return a sum over different calls.
+TEST(ADisagreementHeardBeforeTheOpBeginsIsNotLost) {
+  for (StrategyKind s : {StrategyKind::kStar, StrategyKind::kBinaryTreeStar, StrategyKind::kRing,
+                         StrategyKind::kAuto}) {
+    LocalCluster c(3);
+    REQUIRE(c.Start());
+    std::vector<std::vector<float>> in(3, std::vector<float>(64, 1.f)), out(3, std::vector<float>(64));
+    Handle h[3];
+    auto issue = [&](int r) {
+      OpOptions o = Named("x", static_cast<int>(s));
+      o.digest = r == 2 ? 777 : 0;
+      h[r] = c[r].AllReduce(in[r].data(), out[r].data(), 64, DType::kFloat32, ReduceOp::kSum, o);
+    };
+    issue(1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    issue(2);
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    issue(0);
+    for (int r = 0; r < 3; ++r) {
+      Status st = WAIT(h[r]);
+      CHECK_MSG(st.code() == Code::kInvalidArgument,
+                std::string(kungfu::StrategyName(s)) + " rank " + std::to_string(r) + ": " +
+                    st.ToString());
+      CHECK_CONTAINS(st.message(), "shape digest");
+    }
+    CheckSumWorks(c, "after");
+    std::string what;
+    CHECK_MSG(Drained(c, 2000, &what), what);
+  }
+}
+
 // Different names cannot be matched by anything but the deadline; its message says what the
 // other peer called instead. (Fused allreduces learn that name in a negotiation cycle once an op
 // has been queued 150 ms; the deadline leaves room for that on a loaded machine under TSan.)

@@ -177,6 +177,11 @@ struct RendezvousTransport::OpRecord {
   Status error;              // a disagreement this peer found
   int first_src = -1;        // the first peer whose message arrived before the op began
   OpSig first_remote;
+  // The first one before the op began whose signature differs from first_remote's: whatever this
+  // peer calls, it disagrees with one of the two (keeping only the first lost a disagreement
+  // between later arrivals and this peer).
+  int other_src = -1;
+  OpSig other_remote;
   TimePoint begun_at{};      // when BeginOp ran
   TimePoint first_arrival{};  // the first data or signature frame of the op from any peer
   bool arrived = false;
@@ -250,8 +255,12 @@ void RendezvousTransport::BeginOp(const std::string& name, uint64_t seq, const O
   rec.begun = true;
   rec.begun_at = Clock::now();
   rec.sig = sig;
-  if (rec.first_src >= 0 && rec.first_remote != sig && rec.error.ok()) {
+  if (!rec.error.ok()) return;
+  if (rec.first_src >= 0 && rec.first_remote != sig) {
     rec.error = Disagreement(Describe(rec.first_src), rec.first_remote,
+                             "this peer " + Describe(rank_), sig, name);
+  } else if (rec.other_src >= 0) {  // differs from first_remote, which equals sig
+    rec.error = Disagreement(Describe(rec.other_src), rec.other_remote,
                              "this peer " + Describe(rank_), sig, name);
   }
 }
@@ -332,6 +341,9 @@ void RendezvousTransport::NoteRemoteSig(int src, const OpKey& op, const OpSig& t
     if (rec.first_src < 0) {
       rec.first_src = src;
       rec.first_remote = theirs;
+    } else if (rec.other_src < 0 && theirs != rec.first_remote) {
+      rec.other_src = src;
+      rec.other_remote = theirs;
     }
   } else if (theirs != rec.sig && rec.error.ok()) {
     rec.error = Disagreement("peer " + Describe(src), theirs, "this peer " + Describe(rank_),
