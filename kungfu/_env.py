@@ -92,6 +92,10 @@ ETCD_KEY = Var("KUNGFU_ETCD_KEY", str, None, "the client certificate's key (KUNG
 WATCHDOG_FD = Var("KUNGFU_WATCHDOG_FD", int, None,
                   "set by kungfu-run: a pipe whose end of file means the launcher died; the "
                   "worker then ends its process group (wrappers like bash -c included)")
+EXIT_NOTE_FD = Var("KUNGFU_EXIT_NOTE_FD", str, None,
+                   "set by kungfu-run: FD:INODE of a pipe on which the worker notes the moment it "
+                   "begins to exit, before it says goodbye to its peers (the launcher blames the "
+                   "worker that began to fail first)")
 RESIZE_TIMEOUT = Var("KUNGFU_RESIZE_TIMEOUT", _positive_duration, 120.0,
                      "how long a resize waits for its joiners before it is abandoned")
 MIN_SIZE = Var("KUNGFU_MIN_SIZE", _positive_int, 1,
@@ -181,9 +185,9 @@ SLOWDOWN = Var("KUNGFU_SLOWDOWN", _slowdown, [],
 
 ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
        ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, ETCD_CACERT, ETCD_CERT, ETCD_KEY, WATCHDOG_FD,
-       RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT, PEER_TIMEOUT,
-       CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, FUSION_BYTES, TIMELINE, GPU_COUNT,
-       SAMPLE_TIME, SAMPLE_JITTER, SLOWDOWN]
+       EXIT_NOTE_FD, RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT,
+       PEER_TIMEOUT, CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, FUSION_BYTES,
+       TIMELINE, GPU_COUNT, SAMPLE_TIME, SAMPLE_JITTER, SLOWDOWN]
 
 
 # The variables other launchers set (torchrun, and Horovod's scripts read them too): the worker's

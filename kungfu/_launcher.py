@@ -65,6 +65,8 @@ STRATEGIES = (
 # After SIGTERM, how long a worker may take to exit before it gets SIGKILL.
 GRACE_SECONDS = 5.0
 BLAME_WINDOW = 0.1  # seconds of exits compared to find the worker that failed first
+# How long a failure waits for the exit of a worker that had begun to exit before it.
+EXITING_WAIT = 5.0
 
 
 @dataclass
@@ -619,6 +621,10 @@ class Launcher:
         # Workers inherit the read end; only this process holds the write end, so the workers
         # see end of file when it dies, however it dies (kungfu/_watchdog.py).
         self._watchdog = os.pipe()
+        # Workers note on this one when they begin to exit (kungfu/_watchdog.py): {pid: time}.
+        self._exit_notes = os.pipe()
+        self._exit_noted: Dict[int, float] = {}
+        self._notes_reader: Optional[threading.Thread] = None
         configure_logging(opts, self.err)
         self.gpus = gpu_count() if opts.gpu_per_worker else 0
         self.user_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -662,6 +668,8 @@ class Launcher:
             logger.debug(f"worker {worker.rank}: {ident}: {shlex.join(self.opts.command)}")
         env[_env.JOB_TOKEN.name] = self.opts.job_token
         env[_env.WATCHDOG_FD.name] = str(self._watchdog[0])
+        notes = self._exit_notes[1]
+        env[_env.EXIT_NOTE_FD.name] = f"{notes}:{os.fstat(notes).st_ino}"
         env["PYTHONUNBUFFERED"] = "1"
         if self.opts.timeline is not None:
             env[_env.TIMELINE.name] = self.opts.timeline
@@ -677,7 +685,7 @@ class Launcher:
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # own process group: signals reach its children too
                 preexec_fn=_preexec_parent_death_signal(),
-                pass_fds=(self._watchdog[0],),
+                pass_fds=(self._watchdog[0], notes),
             )
         except BaseException:
             if log is not None:
@@ -706,19 +714,53 @@ class Launcher:
                      f"after {time.monotonic() - run.started:.1f}s")
         self.events.put(("exit", run.worker.rank if key is None else key, code, time.monotonic()))
 
-    def _first_failure(self, event: tuple) -> tuple:
-        """Of the failing exits seen within BLAME_WINDOW of `event`, the earliest: a worker
-        that fails takes its peers down a moment later (PeerFailedError), and their exits can
-        be reported first."""
-        exits, others = [event], []
-        until = time.monotonic() + BLAME_WINDOW
+    def _read_exit_notes(self) -> None:
+        fd, pending = self._exit_notes[0], b""
         while True:
             try:
-                e = self.events.get(timeout=max(0.0, until - time.monotonic()))
-            except queue.Empty:
+                data = os.read(fd, 4096)
+            except OSError:
+                return
+            if not data:
+                return
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                try:
+                    pgid, at = line.split()
+                    self._exit_noted.setdefault(int(pgid), float(at))
+                except ValueError:
+                    continue  # not a note
+
+    def _began_failing(self, event: tuple) -> float:
+        """When the worker of an exit event began to exit: its note, else its exit."""
+        run = self.running.get(event[1])
+        noted = None if run is None else self._exit_noted.get(run.proc.pid)
+        return event[3] if noted is None else min(noted, event[3])
+
+    def _first_failure(self, event: tuple) -> tuple:
+        """The failing exit to blame: of those seen within BLAME_WINDOW of `event`, the one whose
+        worker began to exit first. A worker that fails takes its peers down a moment later
+        (PeerFailedError), and their exits can come first: a worker that has said goodbye still
+        has its own exit to finish. So a worker that noted its exit before the failures seen
+        began is waited for (up to EXITING_WAIT)."""
+        exits, others = [event], []
+        start = time.monotonic()
+        while True:
+            failing = [e for e in exits if e[2] != 0]
+            began = min(self._began_failing(e) for e in failing)
+            seen = {e[1] for e in exits}
+            exiting = any(run.returncode is None and key not in seen
+                          and self._exit_noted.get(run.proc.pid, began) < began
+                          for key, run in self.running.items())
+            left = start + (EXITING_WAIT if exiting else BLAME_WINDOW) - time.monotonic()
+            if left <= 0:
                 break
+            try:  # a note may come in meanwhile: look again soon
+                e = self.events.get(timeout=min(left, 0.02))
+            except queue.Empty:
+                continue
             (exits if e[0] == "exit" else others).append(e)
-        first = min((e for e in exits if e[2] != 0), key=lambda e: e[3])
+        first = min(failing, key=self._began_failing)
         for e in others + sorted((e for e in exits if e is not first), key=lambda e: e[3]):
             self.events.put(e)  # handled in turn, after the culprit
         return first
@@ -804,7 +846,11 @@ class Launcher:
         return None
 
     def _watch(self, run: _Running, key=None) -> None:
-        """Threads that copy the worker's output and report its exit."""
+        """Threads that copy the worker's output and report its exit (and, once, the one that
+        reads the workers' exit notes)."""
+        if self._notes_reader is None:
+            self._notes_reader = threading.Thread(target=self._read_exit_notes, daemon=True)
+            self._notes_reader.start()
         for pipe, sink in ((run.proc.stdout, self.out), (run.proc.stderr, self.err)):
             t = threading.Thread(target=self._pump, args=(run, pipe, sink), daemon=True)
             t.start()

@@ -90,11 +90,18 @@ def _create(self_spec: Optional[str], peers: List[str], version: int):
         timeline=record,
     )
     raise_for_status(peer.start())
-    atexit.register(peer.stop)
+    atexit.register(_stop_at_exit, peer)
     if record:
         where = f"rank {peer.rank} {self_spec}" if multi else "alone"
         timeline._attach(peer, f"worker {where} (version {version}, pid {os.getpid()})")
     return peer
+
+
+def _stop_at_exit(peer) -> None:
+    from kungfu import _watchdog
+
+    _watchdog.note_exit()  # before the goodbye that fails the peers' waits on this worker
+    peer.stop()
 
 
 def _stop(peer) -> None:

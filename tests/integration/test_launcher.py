@@ -537,6 +537,28 @@ def test_the_worker_that_failed_first_is_blamed(tmp_path):
         assert "worker 1 (" in r.stderr and "worker 0 (" not in r.stderr, r.stderr
 
 
+def test_a_failed_worker_slow_to_exit_is_blamed_not_the_peer_it_took_down(tmp_path):
+    """Rank 0 exits 3 and says goodbye, then takes 2 s to finish exiting (an exit handler of its
+    own); rank 1, whose allreduce fails on that goodbye, exits 1 long before. The launcher must
+    name worker 0 and exit 3: it noted first that it was exiting."""
+    path = write_script(tmp_path, "slow_exit.py", """
+        import atexit, sys, time
+        import numpy as np
+        import kungfu as kf
+
+        if kf.rank() == 0:
+            atexit.register(time.sleep, 2)  # registered before the peer: runs after its goodbye
+        kf.allreduce(np.ones(1))  # creates the peer
+        if kf.rank() == 0:
+            sys.exit(3)
+        kf.allreduce(np.ones(1), timeout=30)
+    """)
+    r = run_launcher("-np", "2", "-port-range", free_port_range(2), PY, path, timeout=60)
+    assert r.returncode == 3, r.stderr
+    assert re.search(r"worker 0 \(\S+\) exited with code 3", r.stderr), r.stderr
+    assert "PeerFailedError" in r.stderr  # rank 1 did fail first, of rank 0's goodbye
+
+
 def test_a_lost_config_store_is_reported_once(tmp_path):
     """The probe: an elastic launcher printed 'cannot reach the config store' 188 times in 19 s
     (every poll). Now: once per change, and the job, which needs no store to run, goes on."""

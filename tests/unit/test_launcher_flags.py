@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -391,6 +394,26 @@ def test_the_earliest_failure_is_blamed_whatever_order_exits_are_reported_in():
     assert launcher._first_failure(rank0) == ("exit", 1, 1, 10.00)
     rest = [launcher.events.get_nowait() for _ in range(2)]
     assert ("signal", 15) in rest and rank0 in rest  # nothing is lost
+
+
+def test_the_worker_that_noted_its_exit_first_is_blamed_even_if_it_exits_later():
+    # Rank 0 failed and noted its exit at 9.0 (before its goodbye), but finishes exiting only
+    # after rank 1, which its goodbye took down, was reaped at 10.0; beyond the blame window.
+    opts = L.parse_args(["-np", "2", "true"])
+    launcher = L.Launcher(opts, [], [])
+    launcher.running = {r: types.SimpleNamespace(proc=types.SimpleNamespace(pid=100 + r),
+                                                 returncode=None) for r in (0, 1)}
+    launcher._exit_noted = {100: 9.0}
+    rank0 = ("exit", 0, 3, 10.5)
+    later = threading.Timer(0.4, launcher.events.put, args=(rank0,))
+    later.start()
+    assert launcher._first_failure(("exit", 1, 1, 10.0)) == rank0
+    assert launcher.events.get_nowait() == ("exit", 1, 1, 10.0)  # handled after the culprit
+    # A note after the failure began is no cause: the blame window alone, then rank 1.
+    launcher._exit_noted = {100: 10.2}
+    t0 = time.monotonic()
+    assert launcher._first_failure(("exit", 1, 1, 10.0)) == ("exit", 1, 1, 10.0)
+    assert time.monotonic() - t0 < L.EXITING_WAIT
 
 
 def test_failure_flags_of_elastic_jobs():
