@@ -77,6 +77,7 @@ def init() -> None:
 # never imports TensorFlow.
 _TENSORFLOW_NAMES = {
     "Optimizer": "kungfu.tensorflow",
+    "load_model": "kungfu.tensorflow",
     "BroadcastGlobalVariablesCallback": "kungfu.tensorflow",
     "broadcast_variables": "kungfu.tensorflow",
     "grad_noise_scale": "kungfu.tensorflow",

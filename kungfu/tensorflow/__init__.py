@@ -26,10 +26,12 @@ from kungfu.tensorflow.initializer import (  # noqa: F401
     broadcast_variables,
 )
 from kungfu.tensorflow.optimizers import Optimizer  # noqa: F401
+from kungfu.tensorflow._saving import load_model  # noqa: F401
 
 __all__ = [
     "ops",
     "Optimizer",
+    "load_model",
     "BroadcastGlobalVariablesCallback",
     "broadcast_variables",
     "grad_noise_scale",

@@ -170,3 +170,68 @@ def warmup(initial_lr: float, warmup_epochs: int):
               callbacks=[kf.LearningRateWarmupCallback(initial_lr, warmup_epochs), seen,
                          kf.Hook()])
     return rates
+
+
+def resume_from_saved(folder: str, loader: str):
+    """Rank 0 saves a model trained with kf.Optimizer(Adam) (.keras); every worker loads it with
+    `loader` ("kf": kf.load_model, "keras": keras.models.load_model) and goes on training on its
+    own shard with BroadcastGlobalVariablesCallback. Returns the loaded optimizer's state, the
+    kungfu warnings fit gave, and the weights after it."""
+    import os
+    import warnings
+
+    kf, tf, keras = _setup()
+    rank = kf.rank()
+    x, y = shard(rank)
+    path = os.path.join(folder, "model.keras")
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=kf.Optimizer(keras.optimizers.Adam(0.01)), loss="mse",
+                  jit_compile=False)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    saved = _digest([v.numpy() for v in model.optimizer.variables])
+    if rank == 0:
+        os.makedirs(folder, exist_ok=True)
+        model.save(path)
+    kf.barrier()
+    model = (kf.load_model(path) if loader == "kf" else keras.models.load_model(path))
+    opt = model.optimizer
+    loaded = {"distributed": isinstance(opt, kf.Optimizer), "iterations": int(opt.iterations),
+              "slots": _digest([v.numpy() for v in opt.variables]), "saved_slots": saved}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                  callbacks=[kf.BroadcastGlobalVariablesCallback()])
+    return {**loaded, "warnings": [str(w.message) for w in caught if "kungfu" in str(w.message)],
+            "weights": _digest(model.get_weights())}
+
+
+def own_train_step_no_warning():
+    """A model whose own train_step averages the gradients (Horovod's way), with a plain
+    optimizer: fit must not warn that each worker trains alone; the workers stay equal."""
+    import warnings
+
+    kf, tf, keras = _setup()
+    from kungfu.tensorflow import ops
+
+    class Averaging(keras.Sequential):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            grads = ops.group_all_reduce(grads, name="own-step")
+            n = float(kf.size())
+            self.optimizer.apply([g / n for g in grads], self.trainable_variables)
+            return {"loss": loss}
+
+    x, y = shard(kf.rank())
+    keras.utils.set_random_seed(5 + kf.rank())
+    model = Averaging([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                  callbacks=[kf.BroadcastGlobalVariablesCallback()])
+    return {"warnings": [str(w.message) for w in caught if "kungfu" in str(w.message)],
+            "weights": _digest(model.get_weights())}

@@ -351,6 +351,11 @@ def single_worker_checks():
     expect("xla_callback", lambda: model.fit(x, y, batch_size=BATCH, verbose=0,
                                              callbacks=[kf.BroadcastGlobalVariablesCallback()]))
     out["xla_after_callback"] = model.jit_compile
+    model = _mlp(keras, seed=5)  # kf.Hook alone does the same
+    model.compile(kf.Optimizer(keras.optimizers.SGD(0.1)), _loss_fn(keras), jit_compile=True)
+    expect("xla_hook", lambda: model.fit(x, y, batch_size=BATCH, verbose=0,
+                                         callbacks=[kf.Hook()]))
+    out["xla_after_hook"] = model.jit_compile
 
     # get_config / serialization round trip.
     configs = {}

@@ -96,3 +96,29 @@ def test_learning_rate_warmup_goes_from_lr_over_size_to_lr(spawn):
     # 4 steps an epoch: the rate at step s of the warmup is 0.4 (1/2 + 1/2 * s / 8), then 0.4.
     expected = [0.4 * (0.5 + 0.5 * s / 8) for s in range(8)] + [0.4] * 4
     assert r0 == pytest.approx(expected, rel=1e-6)
+
+
+def test_kf_load_model_resumes_distributed_and_a_plain_reload_is_warned_of(spawn, tmp_path):
+    """A model saved with kf.Optimizer reloads with its plain optimizer (it saves as the one it
+    wraps): keras.models.load_model then trains each worker alone, and fit says so;
+    kf.load_model distributes the optimizer again, with its saved state."""
+    plain = spawn(2, w.resume_from_saved, str(tmp_path / "keras"), "keras", env=ENV,
+                  timeout=150)
+    ours = spawn(2, w.resume_from_saved, str(tmp_path / "kf"), "kf", env=ENV, timeout=150)
+    for r in plain + ours:
+        assert r["iterations"] == 4  # one epoch of 64 samples in batches of 16, then saved
+        assert r["slots"] == r["saved_slots"]  # the saved Adam state, kept by the wrapping
+    assert not any(r["distributed"] for r in plain)
+    for r in plain:
+        assert len(r["warnings"]) == 1 and "each worker trains on its own" in r["warnings"][0]
+        assert "kf.load_model" in r["warnings"][0]
+    assert plain[0]["weights"] != plain[1]["weights"]  # what the warning is about
+    assert all(r["distributed"] for r in ours)
+    assert [r["warnings"] for r in ours] == [[], []]
+    assert ours[0]["weights"] == ours[1]["weights"]
+
+
+def test_no_warning_for_a_model_that_averages_in_its_own_train_step(spawn):
+    r0, r1 = spawn(2, w.own_train_step_no_warning, env=ENV, timeout=150)
+    assert r0["warnings"] == r1["warnings"] == []
+    assert r0["weights"] == r1["weights"]

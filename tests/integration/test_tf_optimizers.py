@@ -145,6 +145,7 @@ def test_bad_input_errors(single_run):
     assert e["nccl"][0] == "NotImplementedError"
     assert e["xla"][0] == "RuntimeError" and "jit_compile=False" in e["xla"][1]
     assert e["xla_callback"] is None and single_run["xla_after_callback"] is False
+    assert e["xla_hook"] is None and single_run["xla_after_hook"] is False
 
 
 @pytest.mark.timeout(200)

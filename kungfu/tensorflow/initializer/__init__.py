@@ -114,7 +114,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         from kungfu import _env
 
-        _disable_xla_for_distributed_optimizer(self.model)
+        prepare_fit(self.model)
         # A worker that joins a running elastic job takes the others' state from kf.Hook; a
         # broadcast of its own would wait for peers that are not in it.
         if _env.ELASTIC_JOINING.get():
@@ -127,12 +127,27 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             self.broadcast()
 
 
-def _disable_xla_for_distributed_optimizer(model) -> None:
-    """kungfu's collectives have no XLA kernels: a model whose optimizer is distributed must not
-    train in an XLA-compiled step (Keras picks XLA by itself on GPUs with jit_compile="auto")."""
+def prepare_fit(model) -> None:
+    """What model.fit needs before its first step, from BroadcastGlobalVariablesCallback or
+    kf.Hook (either may be the only kungfu callback):
+    - kungfu's collectives have no XLA kernels: a model whose optimizer is distributed must not
+      train in an XLA-compiled step (Keras picks XLA by itself on GPUs with jit_compile="auto");
+    - a model with Keras's own train_step and a plain optimizer trains on each worker alone:
+      say so (the usual cause is a model reloaded with keras.models.load_model, which gives the
+      plain optimizer back; kf.load_model distributes it again)."""
     from kungfu.tensorflow.optimizers import Optimizer
 
-    if not isinstance(getattr(model, "optimizer", None), Optimizer):
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        return
+    if not isinstance(opt, Optimizer):
+        own_step = getattr(type(model), "train_step", None) is not keras.Model.train_step
+        if kungfu.size() > 1 and not own_step:
+            warnings.warn(
+                f"kungfu: the model's optimizer is a plain {type(opt).__name__}, not a kungfu "
+                "distributed optimizer: each worker trains on its own. Wrap it with "
+                "kf.Optimizer before compile; a model loaded with keras.models.load_model has "
+                "its plain optimizer back (kf.load_model distributes it again)")
         return
     if getattr(model, "jit_compile", False) and not getattr(model, "run_eagerly", False):
         warnings.warn("kungfu: training without XLA (jit_compile=False): the distributed "
