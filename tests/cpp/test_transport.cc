@@ -380,6 +380,26 @@ TEST(StopFailsPendingOperationsOnOtherPeers) {
   }
 }
 
+// Rank 1 leaves, then rank 0 (as a survivor that finished would): rank 2's next op may wait on
+// rank 0 first, and its error must still name rank 1, which left first.
+TEST(AnOpAfterTwoPeersLeftNamesTheFirst) {
+  for (StrategyKind s : {StrategyKind::kStar, StrategyKind::kTree, StrategyKind::kRing}) {
+    LocalCluster c(3);
+    REQUIRE(c.Start());
+    c[1].Stop();
+    std::this_thread::sleep_for(Ms(100));
+    c[0].Stop();
+    std::this_thread::sleep_for(Ms(100));
+    float x = 1.f;
+    kungfu::Status st = WAIT_OR_REPORT(
+        c[2].AllReduce(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, Opts("after", s)), 5000);
+    const std::string where = std::string(kungfu::StrategyName(s)) + ": " + st.ToString();
+    CHECK_MSG(IsPeerGone(st), where);
+    CHECK_MSG(st.message().find(c.peer_list()[1].ToString()) != std::string::npos, where);
+    c.StopAll();
+  }
+}
+
 TEST(StopWhileLargeTransfersAreInFlight) {
   // A peer stops in the middle of large allreduces: the others fail, nobody hangs or crashes.
   const size_t count = size_t(4) << 20;

@@ -426,7 +426,7 @@ Status RendezvousTransport::Send(int dst, const MsgKey& key, const MsgExpect& me
     std::lock_guard<std::mutex> lk(mu_);
     if (!failure_.ok()) return failure_;
     if (closed_) return Cancelled("peer stopped");
-    if (peer_left_[dst]) return Unavailable("peer " + Describe(dst) + " has left");
+    if (peer_left_[dst]) return LeftLocked(dst);
     auto it = ops_.find({BaseName(key.name), key.seq});
     if (it != ops_.end() && it->second.begun) sig = it->second.sig;
   }
@@ -449,7 +449,7 @@ Status RendezvousTransport::WaitState(std::unique_lock<std::mutex>& lk, Slot* sl
     Status stop = op_error;
     if (stop.ok()) stop = failure_;
     if (stop.ok() && closed_) stop = Cancelled("peer stopped");
-    if (stop.ok() && peer_left_[src]) stop = Unavailable("peer " + Describe(src) + " has left");
+    if (stop.ok() && peer_left_[src]) stop = LeftLocked(src);
     if (stop.ok() && Clock::now() >= deadline) {
       stop = DeadlineExceeded("no message from peer " + Describe(src) + " before the deadline" +
                               UnstartedFrom(src));
@@ -557,7 +557,7 @@ Status RendezvousTransport::SendRequest(int dst, const MsgKey& key, const std::s
     std::lock_guard<std::mutex> lk(mu_);
     if (!failure_.ok()) return failure_;
     if (closed_) return Cancelled("peer stopped");
-    if (peer_left_[dst]) return Unavailable("peer " + Describe(dst) + " has left");
+    if (peer_left_[dst]) return LeftLocked(dst);
   }
   Status s = SendBlobRequest(dst, key, blob);
   if (!s.ok()) return Fail(Unavailable("peer " + Describe(dst) + " is unreachable: " + s.message()));
@@ -690,8 +690,25 @@ void RendezvousTransport::OnMissing(int src, const MsgKey& key) {
 
 void RendezvousTransport::OnBye(int src) {
   std::lock_guard<std::mutex> lk(mu_);
+  if (!peer_left_[src]) left_order_.push_back(src);
   peer_left_[src] = true;
   WakeAllLocked();
+}
+
+Status RendezvousTransport::LeftLocked(int peer) const {
+  std::string msg = "peer " + Describe(peer) + " has left";
+  std::string before;
+  int n = 0;
+  for (int q : left_order_) {
+    if (q == peer) break;
+    if (n++ == 3) {
+      before += ", ...";
+      break;
+    }
+    before += (before.empty() ? "" : ", ") + Describe(q);
+  }
+  if (!before.empty()) msg += "; before it, " + before + " left";
+  return Unavailable(msg);
 }
 
 }  // namespace kungfu

@@ -302,6 +302,11 @@ class RendezvousTransport : public Transport {
   bool closed_ = false;
   Status failure_;
   std::vector<bool> peer_left_;
+  std::vector<int> left_order_;  // the peers that said goodbye, in the order they did
+  // Requires mu_: the error for an operation that needs `peer`, which has left. It names the
+  // peers that left before it too: once one peer has gone, the others may finish and leave, and
+  // a later operation may wait on one of those first.
+  Status LeftLocked(int peer) const;
 
  private:
   struct OpRecord;
