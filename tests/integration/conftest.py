@@ -44,13 +44,41 @@ _PORT_ERRORS = ("cannot listen on", "Address already in use")
 _CONSEQUENCES = ("PeerFailedError", "CancelledError")
 
 
+def _undone(records) -> Callable[[str, dict], bool]:
+    """Whether a worker's step record was undone by a recovery: the survivors rolled back to
+    the recovery's step, so a record of a later step written before that worker failed (or,
+    for a worker lost there, at all) is not part of the training. A step's agreement may
+    complete on one worker and fail on another when a peer stops in the middle of it: the
+    first has recorded the step, at the old size, and is then rolled back with the others.
+    Keras sees one step per call, so the step it trains again is not recorded a second time."""
+    recoveries: Dict[int, list] = {}  # version -> [(worker, its recovery)]
+    for worker, rows in records.items():
+        if rows and "done" in rows[-1]:
+            for rec in rows[-1]["recoveries"]:
+                recoveries.setdefault(rec["version"], []).append((worker, rec))
+    rules = []  # (worker, step rolled back to, records written before this time are undone)
+    for survivors in recoveries.values():
+        step = survivors[0][1]["step"]
+        agreed = min(rec["agreed_at"] for _, rec in survivors)
+        rules += [(worker, step, rec["failed_at"]) for worker, rec in survivors]
+        rules += [(lost.replace(":", "_"), step, agreed) for lost in survivors[0][1]["lost"]]
+
+    def undone(worker: str, row: dict) -> bool:
+        return any(worker == w and row["step"] > step and row["t"] < before
+                   for w, step, before in rules)
+    return undone
+
+
 def steps_of(records):
     """The per-step records of elastic runs (elastic_train.py: {worker: [row per step]}) as
-    {step: [the row of every worker that trained it]}, in step order."""
+    {step: [the row of every worker that trained it]}, in step order, without the records
+    that a recovery undid (_undone)."""
+    undone = _undone(records)
     by_step: Dict[int, list] = {}
-    for rows in records.values():
+    for worker, rows in records.items():
         for row in rows:
-            if "done" not in row and "fault" not in row and "begin" not in row:
+            if "done" not in row and "fault" not in row and "begin" not in row and \
+                    not undone(worker, row):
                 by_step.setdefault(row["step"], []).append(row)
     return dict(sorted(by_step.items()))
 
