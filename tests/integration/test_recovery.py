@@ -4,8 +4,9 @@ fixed size; every worker records each step it trained.
 
 Each run checks what a user is promised: the job finishes with exit code 0 and says what it
 survived, every sample of every epoch is trained exactly once (the failed step's batch is redone
-by the survivors), the survivors' weights are bit-identical after every step, and each survivor
-recovered once, without the lost peer.
+by the survivors), the survivors' weights are bit-identical after every step (leaving out the
+records of a step that a recovery undid: conftest.steps_of), and each survivor recovered once,
+without the lost peer.
 """
 from __future__ import annotations
 
