@@ -46,26 +46,33 @@ _CONSEQUENCES = ("PeerFailedError", "CancelledError")
 
 def _undone(records) -> Callable[[str, dict], bool]:
     """Whether a worker's step record was undone by a recovery: the survivors rolled back to
-    the recovery's step, so a record of a later step written before that worker failed (or,
-    for a worker lost there, at all) is not part of the training. A step's agreement may
-    complete on one worker and fail on another when a peer stops in the middle of it: the
-    first has recorded the step, at the old size, and is then rolled back with the others.
-    Keras sees one step per call, so the step it trains again is not recorded a second time."""
+    the recovery's step, so a record of a later step is not part of the training if a survivor
+    wrote it before it failed, or if the process of a worker lost there wrote it (a stopped
+    worker may finish its step when it wakes up; a replacement at its address is another
+    process). A step's agreement may complete on one worker and fail on another when a peer
+    stops in the middle of it: the first has recorded the step, at the old size, and is then
+    rolled back with the others. Keras sees one step per call, so the step it trains again is
+    not recorded a second time."""
     recoveries: Dict[int, list] = {}  # version -> [(worker, its recovery)]
     for worker, rows in records.items():
         if rows and "done" in rows[-1]:
             for rec in rows[-1]["recoveries"]:
                 recoveries.setdefault(rec["version"], []).append((worker, rec))
-    rules = []  # (worker, step rolled back to, records written before this time are undone)
+    survived: List[tuple] = []  # (worker, step rolled back to, it failed at this time)
+    lost: List[tuple] = []  # (worker, its process, step rolled back to)
     for survivors in recoveries.values():
         step = survivors[0][1]["step"]
         agreed = min(rec["agreed_at"] for _, rec in survivors)
-        rules += [(worker, step, rec["failed_at"]) for worker, rec in survivors]
-        rules += [(lost.replace(":", "_"), step, agreed) for lost in survivors[0][1]["lost"]]
+        survived += [(worker, step, rec["failed_at"]) for worker, rec in survivors]
+        for worker in (w.replace(":", "_") for w in survivors[0][1]["lost"]):
+            lost += [(worker, row["pid"], step) for row in records.get(worker, [])
+                     if "pid" in row and row["t"] < agreed]
 
     def undone(worker: str, row: dict) -> bool:
-        return any(worker == w and row["step"] > step and row["t"] < before
-                   for w, step, before in rules)
+        return any(worker == w and row["step"] > step and row["t"] < failed
+                   for w, step, failed in survived) or \
+            any((worker, row.get("pid")) == (w, pid) and row["step"] > step
+                for w, pid, step in lost)
     return undone
 
 

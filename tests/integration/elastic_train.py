@@ -268,7 +268,7 @@ def main():
             served = data.served[-1].tolist() if data.served else []
             out.write(json.dumps({"step": st.step, "epoch": st.epoch, "size": kf.size(),
                                   "t": time.time(), "from_files": data.source is not None or data.stream is not None,
-                                  "rank": kf.rank(), "served": served,
+                                  "rank": kf.rank(), "pid": os.getpid(), "served": served,
                                   "loss": float(logs["loss"]), "digest": weights_digest(),
                                   # the step's slice of the epoch's order: [start, length]
                                   "slice": [data.offset - data.last_length, data.last_length],
