@@ -9,6 +9,7 @@ without the TensorFlow op library, which otherwise must be built or the build fa
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ class Var:
     parse: Callable[[str], object]
     default: object
     doc: str
+    secret: bool = False  # an error about the value never shows it
 
     def get(self, environ: Optional[dict] = None):
         env = os.environ if environ is None else environ
@@ -42,7 +44,8 @@ class Var:
         try:
             return self.parse(raw)
         except ValueError as e:
-            raise ValueError(f"environment variable {self.name}={raw!r} is invalid: {e}") from None
+            shown = self.name if self.secret else f"{self.name}={raw!r}"
+            raise ValueError(f"environment variable {shown} is invalid: {e}") from None
 
 
 def _positive_int(s: str) -> int:
@@ -64,10 +67,45 @@ SELF_SPEC = Var("KUNGFU_SELF_SPEC", str, None, "this worker's host:port")
 INIT_PEERS = Var("KUNGFU_INIT_PEERS", str, None, "comma-separated host:port of all workers, in rank order")
 INIT_CLUSTER_VERSION = Var("KUNGFU_INIT_CLUSTER_VERSION", int, 0, "cluster version the worker starts in")
 ALLREDUCE_STRATEGY = Var("KUNGFU_ALLREDUCE_STRATEGY", str, "AUTO", "default collective strategy")
-JOB_TOKEN = Var("KUNGFU_JOB_TOKEN", str, None,
+
+# The job token's strength. A listener proves the token to whoever says hello as a peer (an HMAC
+# over a transcript the stranger knows), so a weak token can be guessed offline from one reply:
+# a token must resist an offline search. Its strength is estimated from its length and alphabet,
+# as if every character were drawn at random: bits = length x log2(the smallest of these
+# alphabets that holds all its characters): decimal digits (10), hexadecimal digits of either
+# case (16), base64 and base64url with '=' (64), anything else (95, printable ASCII). So 128
+# bits take 39 digits, 32 hex digits or 22 base64 characters. The estimate cannot see that a
+# long token is made of words or repeats itself: make tokens with a random generator.
+MIN_TOKEN_BITS = 128
+MAKE_TOKEN = 'python -c "import secrets; print(secrets.token_hex(32))"'
+_TOKEN_ALPHABETS = ((10, re.compile(r"[0-9]+")), (16, re.compile(r"[0-9a-fA-F]+")),
+                    (64, re.compile(r"[A-Za-z0-9+/_=-]+")))
+
+
+def token_bits(token: str) -> float:
+    """The strength of a job token in bits, estimated from its length and alphabet (above)."""
+    size = next((n for n, chars in _TOKEN_ALPHABETS if chars.fullmatch(token)), 95)
+    return len(token) * math.log2(size)
+
+
+def check_job_token(token: str) -> str:
+    """`token` if it is strong enough (MIN_TOKEN_BITS), else a ValueError that says why and how
+    to make one, without showing it."""
+    bits = token_bits(token)
+    if bits < MIN_TOKEN_BITS:
+        raise ValueError(
+            f"the job token is too weak: {len(token)} characters, about {int(bits)} bits, fewer "
+            f"than {MIN_TOKEN_BITS} (judged by length and alphabet: 32 hex digits or 22 base64 "
+            f"characters make {MIN_TOKEN_BITS}); make one with: {MAKE_TOKEN}")
+    return token
+
+
+JOB_TOKEN = Var("KUNGFU_JOB_TOKEN", check_job_token, None,
                 "the job's secret: peers prove they know it in every handshake (HMAC over a nonce) "
                 "and the builtin config store requires it; kungfu-run makes one per job unless "
-                "this is set (give every host's launcher the same value for a multi-host job)")
+                "this is set (give every host's launcher the same value for a multi-host job). "
+                f"At least {MIN_TOKEN_BITS} bits (see token_bits): kungfu-run and the workers "
+                "refuse a weaker one", secret=True)
 
 # Elastic jobs (kungfu-run -w): set by kungfu-run for each worker.
 def _bool(s: str) -> bool:

@@ -157,7 +157,9 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
                       every handshake and the builtin config store answers only requests that
                       carry it, so no other process can join or change the job. Default:
                       KUNGFU_JOB_TOKEN if set, else a random secret for this job; a job on
-                      several hosts must give every launcher the same one
+                      several hosts must give every launcher the same one. A given secret
+                      needs 128 bits (32 hex digits or 22 base64 characters); make one with
+                      python -c "import secrets; print(secrets.token_hex(32))"
   -V, -version        print kungfu-run's version and exit
   -h, -help, --help   print this help and exit
 
@@ -353,7 +355,8 @@ def parse_args(argv: Sequence[str]) -> Options:
 def job_token(opts: Options, alone: bool) -> str:
     """The job's secret: from -job-token-file, else KUNGFU_JOB_TOKEN, else a new random one when
     this launcher runs the whole job (`alone`). A job with a launcher per host needs the same
-    secret on every host, so it must be given there (a random one would differ per host)."""
+    secret on every host, so it must be given there (a random one would differ per host). A
+    given secret must have _env.MIN_TOKEN_BITS (see _env.token_bits)."""
     if opts.job_token_file is not None:
         try:
             with open(opts.job_token_file) as f:
@@ -363,8 +366,14 @@ def job_token(opts: Options, alone: bool) -> str:
                              f"{e.strerror or e}") from None
         if not token:
             raise UsageError(f"-job-token-file {opts.job_token_file!r} is empty")
-        return token
-    token = _env.JOB_TOKEN.get()
+        try:
+            return _env.check_job_token(token)
+        except ValueError as e:
+            raise UsageError(f"-job-token-file {opts.job_token_file!r}: {e}") from None
+    try:
+        token = _env.JOB_TOKEN.get()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if token:
         return token
     if not alone:

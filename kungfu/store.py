@@ -631,14 +631,19 @@ def server_main(argv=None) -> int:
     args = p.parse_args(argv)
     from kungfu import _env
 
-    token = _env.JOB_TOKEN.get()
-    if args.token_file:
-        try:
-            token = open(args.token_file).read().strip()
-        except OSError as e:
-            p.exit(2, f"kungfu-config-server: cannot read --token-file: {e}\n")
-        if not token:
-            p.exit(2, f"kungfu-config-server: --token-file {args.token_file} is empty\n")
+    try:
+        token = _env.JOB_TOKEN.get()
+        if args.token_file:
+            try:
+                with open(args.token_file) as f:
+                    token = f.read().strip()
+            except OSError as e:
+                p.exit(2, f"kungfu-config-server: cannot read --token-file: {e}\n")
+            if not token:
+                p.exit(2, f"kungfu-config-server: --token-file {args.token_file} is empty\n")
+            _env.check_job_token(token)
+    except ValueError as e:
+        p.exit(2, f"kungfu-config-server: {e}\n")
     try:
         server = ConfigServer(args.host, args.port, token=token).start()
     except OSError as e:

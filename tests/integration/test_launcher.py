@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -221,10 +222,11 @@ def test_one_launcher_per_host_with_self(script):
     base = int(ports.split("-")[0])
     path = script(ALLREDUCE)
     common = ["-np", "5", "-H", "127.0.0.1:3,127.0.0.2:3", "-port-range", ports, "-q"]
+    token = secrets.token_hex(32)  # one secret for both launchers
     procs = [
         subprocess.Popen(launcher_cmd(*common, "-self", ip, PY, path), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True,
-                         env=env_with_repo(KUNGFU_JOB_TOKEN="one-secret-for-both-launchers"))
+                         env=env_with_repo(KUNGFU_JOB_TOKEN=token))
         for ip in ("127.0.0.2", "127.0.0.1")
     ]
     try:

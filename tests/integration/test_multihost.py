@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+TOKEN = secrets.token_hex(32)  # the job token of every launcher in a test
 PY = sys.executable
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,7 +91,7 @@ def two_hosts():
 
 def launcher_env(pythonpath: str = "") -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
-    env["KUNGFU_JOB_TOKEN"] = "multihost-test-secret"  # one secret for the launchers of all hosts
+    env["KUNGFU_JOB_TOKEN"] = TOKEN  # one secret for the launchers of all hosts
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO)] + [p for p in [pythonpath, env.get("PYTHONPATH")] if p])
     return env

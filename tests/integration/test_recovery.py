@@ -335,6 +335,7 @@ def test_an_etcd_job_survives_the_loss_of_a_launcher(tmp_path):
     ends, and finish training on their own."""
     import json
     import os
+    import secrets
     import subprocess
     import sys
     import time
@@ -349,7 +350,8 @@ def test_an_etcd_job_survives_the_loss_of_a_launcher(tmp_path):
     out = tmp_path / "records"
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
-    env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3", KUNGFU_JOB_TOKEN="etcd-test")
+    env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3",
+               KUNGFU_JOB_TOKEN=secrets.token_hex(32))
     common = ["-w", "-np", "4", "-H", "127.0.0.1:2,127.0.0.2:2", "-port-range",
               free_port_range(2), "-config-server", f"etcd://{etcd.host_port}",
               "-replace=false", "-timeout", "150s"]

@@ -6,6 +6,7 @@ code 2 and the one-line message; the rest call the parsing functions directly.
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from kungfu import _env
 from kungfu import _launcher as L
 
 REPO = Path(__file__).resolve().parents[2]
+STRONG_TOKEN = secrets.token_hex(32)
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -313,7 +315,7 @@ def test_help_wins_over_other_flags():
 
 def test_nothing_to_run_on_a_host_without_workers():
     r = launcher("-np", "2", "-H", "10.0.0.1:2,10.0.0.2:2", "-self", "10.0.0.2", "true",
-                 env_extra={"KUNGFU_JOB_TOKEN": "s"})
+                 env_extra={"KUNGFU_JOB_TOKEN": STRONG_TOKEN})
     assert r.returncode == 0, r.stderr
     assert "nothing to run" in r.stderr
 
@@ -327,7 +329,7 @@ def test_a_job_on_several_hosts_needs_one_secret(tmp_path):
     assert r.returncode == 2 and "same -job-token-file" in r.stderr, r.stderr
     empty, secret = tmp_path / "empty", tmp_path / "secret"
     empty.write_text("\n")
-    secret.write_text("0123456789abcdef\n")
+    secret.write_text(STRONG_TOKEN + "\n")
     r = launcher("-job-token-file", str(empty), *args)
     assert r.returncode == 2 and "is empty" in r.stderr, r.stderr
     r = launcher("-job-token-file", str(tmp_path / "missing"), *args)
@@ -345,9 +347,38 @@ def test_workers_get_the_job_token_and_it_is_never_printed(tmp_path):
     assert lines == ["[0] 64 True", "[1] 64 True"], r.stdout  # one random 32-byte secret
     r = launcher("-np", "1", sys.executable, "-c",
                  "import os; print(os.environ['KUNGFU_JOB_TOKEN'] == os.environ['WANT'])",
-                 env_extra={"KUNGFU_JOB_TOKEN": "hunter2-xyz", "WANT": "hunter2-xyz"})
+                 env_extra={"KUNGFU_JOB_TOKEN": STRONG_TOKEN, "WANT": STRONG_TOKEN})
     assert r.stdout.strip() == "[0] True", r.stdout + r.stderr
-    assert "hunter2" not in r.stderr
+    assert STRONG_TOKEN not in r.stderr
+
+
+@pytest.mark.parametrize("token", ["4821", "etcd-test", "multihost-test-secret",
+                                   "0123456789abcdef0123456789abcde",  # 31 hex digits
+                                   "x" * 19])
+def test_weak_job_tokens_are_refused(tmp_path, token):
+    """The probe (3f): a stranger gets one HMAC proof of the token from any listener and
+    guesses offline; KUNGFU_JOB_TOKEN=4821 fell in 0.02 s. Tokens under 128 bits (by length and
+    alphabet) are refused, from the environment and from a file, and never shown."""
+    weak = tmp_path / "weak"
+    weak.write_text(token + "\n")
+    for how in ({"env_extra": {"KUNGFU_JOB_TOKEN": token}}, {"args": ("-job-token-file", str(weak))}):
+        r = launcher(*how.get("args", ()), "-np", "1", sys.executable, "-c", "print('ran')",
+                     env_extra=how.get("env_extra"))
+        assert r.returncode == 2, r.stderr
+        assert "ran" not in r.stdout
+        assert "too weak" in r.stderr and "fewer than 128" in r.stderr, r.stderr
+        assert "secrets.token_hex(32)" in r.stderr, r.stderr
+        assert token not in r.stderr.replace("kungfu-run", "")
+    assert "-job-token-file" in r.stderr  # names where it came from
+
+
+@pytest.mark.parametrize("token,bits", [
+    ("4821", 4 * 3.3219), ("0123456789abcdef" * 2, 128), ("ABCDEF0123456789" * 2, 128),
+    ("a" * 22, 22 * 4), ("qM1diGAPy6NCpTjsYetKNQ", 132), ("a-b_c=d/e+f" * 2, 22 * 6),
+    ("a b!c" * 4, 20 * 6.5699), ("1" * 39, 39 * 3.3219)])
+def test_token_strength_is_length_times_alphabet(token, bits):
+    assert _env.token_bits(token) == pytest.approx(bits, rel=1e-3)
+    assert (_env.token_bits(token) >= 128) == (bits >= 128)
 
 
 def test_importing_the_launcher_loads_neither_tensorflow_nor_the_runtime():

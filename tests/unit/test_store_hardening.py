@@ -2,6 +2,7 @@
 each case here was found by probing the store, and fails on the store before it was hardened."""
 import http.client
 import json
+import secrets
 import socket
 import threading
 import time
@@ -11,7 +12,7 @@ import pytest
 from kungfu import store as st
 
 pytestmark = pytest.mark.timeout(60)
-TOKEN = "job-secret-123"
+TOKEN = secrets.token_hex(32)
 
 
 @pytest.fixture
