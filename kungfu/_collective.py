@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
@@ -127,6 +128,11 @@ class Handle:
     def __init__(self, native, result: Callable[[], Any]):
         self._native = native
         self._result = result
+        # The result is made once, by the first wait() that sees the operation done (an avg
+        # divides; a second division would change the array the first wait returned).
+        self._lock = threading.Lock()
+        self._made = False
+        self._value = None
 
     def done(self) -> bool:
         return self._native.poll()
@@ -143,7 +149,11 @@ class Handle:
         if not self._native.wait(-1.0 if timeout is None else float(timeout)):
             raise OpTimeoutError(f"operation still running after {timeout} s")
         raise_for_status(self._native.status())
-        return self._result()
+        with self._lock:
+            if not self._made:
+                self._value = self._result()
+                self._made = True
+            return self._value
 
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
         """Calls fn(handle) once the operation completes (on a runtime thread, with the GIL)."""
@@ -177,12 +187,37 @@ def _takes_part(kind: str, name, timeout):
 
 
 def _shape_digest(shape: tuple) -> int:
-    """A nonzero 64-bit digest (FNV-1a) of the trailing dimensions: peers compare it."""
+    """A nonzero 64-bit digest (FNV-1a) of a shape: peers compare it (the whole shape for
+    allreduce and broadcast, the dimensions after the first for allgather and gather)."""
     h = 0xcbf29ce484222325
     for d in (len(shape),) + tuple(shape):
         for byte in int(d).to_bytes(8, "little", signed=True):
             h = ((h ^ byte) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
     return h or 1
+
+
+class _IntegerMean:
+    """The exact floor of the mean of integers, by one sum that cannot overflow.
+
+    Each worker sends x = q*n + r (q = x // n, 0 <= r < n) as the pair (q, r) in 64 bits. The
+    mean's floor is sum(q) + sum(r) // n. sum(r) < n*n. sum(q) wraps only when the mean itself is
+    within n of the 64-bit limits, and then wraps back once sum(r) // n is added (sums wrap, as
+    numpy's), so the result is exact for every integer dtype."""
+
+    def __init__(self, x: np.ndarray, n: int):
+        wide = np.int64 if np.issubdtype(x.dtype, np.signedinteger) else np.uint64
+        x = x.reshape(-1).astype(wide)
+        q = x // wide(n)
+        self.n = n
+        self.dtype = np.dtype(wide)
+        self.send = np.concatenate([q, x - q * wide(n)])
+        self.recv = np.empty_like(self.send)
+
+    def into(self, out: np.ndarray) -> None:
+        half = self.recv.size // 2
+        with np.errstate(over="ignore"):
+            mean = self.recv[:half] + self.recv[half:] // self.dtype.type(self.n)
+        out[...] = mean.reshape(out.shape).astype(out.dtype)
 
 
 def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
@@ -192,22 +227,28 @@ def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Op
         if op not in ops and op != "avg":
             raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, avg, min, max, prod)")
         inp = _Input(x)
-        if op == "avg" and inp.array.dtype == np.bool_:
+        average = op == "avg"
+        if average and inp.array.dtype == np.bool_:
             raise InvalidArgumentError("op 'avg' is not defined for bool")
         peer = _peer.get()
-        send = inp.array
+        n = peer.size
         recv = _output(inp, out)
-        native = peer.allreduce(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
-                                send.size, inp.code, ops.get(op, 1), name or "",
-                                _strategy_code(strategy), _timeout_ms(timeout))
+        send, into, code = inp.array, recv, inp.code
+        exact = None
+        if average and np.issubdtype(inp.array.dtype, np.integer):
+            exact = _IntegerMean(inp.array, n)
+            send, into, code = exact.send, exact.recv, _dtype_code(exact.dtype)
+        # avg is a sum on the wire; the signature says avg, so sum here and avg there fail.
+        native = peer.allreduce(send.reshape(-1).view(np.uint8), into.reshape(-1).view(np.uint8),
+                                send.size, code, ops["sum" if average else op], name or "",
+                                _strategy_code(strategy), _timeout_ms(timeout),
+                                _shape_digest(inp.array.shape), average)
 
     def result():
-        if op == "avg":
-            n = peer.size
-            if np.issubdtype(recv.dtype, np.integer):
-                np.floor_divide(recv, n, out=recv)
-            else:
-                recv[...] = recv.astype(np.float64) / n
+        if exact is not None:
+            exact.into(recv)
+        elif average:
+            recv[...] = recv.astype(np.float64) / n
         return inp.back(recv)
 
     return Handle(native, result)
@@ -217,7 +258,10 @@ def allreduce(x, op: str = "sum", name: Optional[str] = None, strategy: Optional
               timeout: Optional[float] = None, out: Optional[np.ndarray] = None):
     """Reduces x across all workers with op (sum, avg, min, max, prod); every worker gets the result.
 
-    avg on integers is the floor of the mean. float16/bfloat16 are computed in float32 per step.
+    x must have the same shape and dtype on every worker, and op must be the same (else every
+    worker fails, naming both). avg on integers is the floor of the exact mean (no overflow,
+    whatever the dtype: the workers sum a 64-bit quotient and remainder); avg on floats divides
+    the sum. float16/bfloat16 are computed in float32 per step.
     min and max propagate NaN (NaN wins, as numpy's minimum/maximum). `out` (an array of x's
     shape and dtype, x itself for in place) receives the result without a new allocation.
     """
@@ -255,7 +299,8 @@ def broadcast_async(x, root: int = 0, name: Optional[str] = None, strategy: Opti
         recv = _output(inp, out)
         native = peer.broadcast(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
                                 send.size, inp.code, _root(root), name or "",
-                                _strategy_code(strategy), _timeout_ms(timeout))
+                                _strategy_code(strategy), _timeout_ms(timeout),
+                                _shape_digest(send.shape))
     return Handle(native, lambda: inp.back(recv))
 
 

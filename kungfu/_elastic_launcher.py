@@ -124,9 +124,12 @@ class ElasticLauncher(Launcher):
         initial = ClusterConfig(0, [w.spec for w in self.peers])
         start = time.monotonic()
         said = 0  # progress lines so far, one every STORE_PROGRESS seconds
+        what = f"waiting for the config store at {self.url}"
         while True:
             try:
-                store.propose(initial)  # only the first proposal of version 0 is stored
+                # Only the first proposal of version 0 is stored. On a helper thread, as the
+                # pause below: a signal or -timeout ends the wait at once (_wait_at_start).
+                self._wait_at_start(what, call=lambda: store.propose(initial))
                 if said:
                     self.info(f"the config store at {self.url} answers")
                 return store
@@ -138,7 +141,7 @@ class ElasticLauncher(Launcher):
                     said = int(waited // STORE_PROGRESS)
                     self.info(f"waiting for the config store ({int(waited)} s so far; gives up "
                               f"after {int(STORE_WAIT)} s): {e}")
-                time.sleep(0.5)
+                self._wait_at_start(what, 0.5)
 
     def _local(self, cfg: ClusterConfig) -> List[Worker]:
         out = []

@@ -508,6 +508,14 @@ def _preexec_parent_death_signal():
     return preexec
 
 
+class _Interrupted(Exception):
+    """A signal or -timeout ended a wait before the event loop ran; `code` is the exit code."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
 class _Running:
     def __init__(self, worker: Worker, proc: subprocess.Popen, log: Optional[BinaryIO]):
         self.worker = worker
@@ -873,8 +881,12 @@ class Launcher:
 
     def _run(self, start: float) -> int:
         self.start = start
-        code = self._begin()
+        try:
+            code = self._begin()
+        except _Interrupted as e:
+            code = e.code
         if code is not None:
+            self._close()
             return code
         deadline = None if self.opts.timeout is None else start + self.opts.timeout
         try:
@@ -941,6 +953,46 @@ class Launcher:
             self.error(f"received {name} again; killing the workers")
             self._signal_all(signal.SIGKILL)
             self.killed = True
+
+    def _wait_at_start(self, what: str, seconds: float = 0.0, call=None):
+        """A wait before the event loop runs, which honours what the loop would: SIGINT and
+        SIGTERM end it at once (exit code 128+k) and so does -timeout (124), by _Interrupted.
+        Waits `seconds`, or, given `call`, runs it on a helper thread and returns its result (or
+        raises its exception), so that a call that blocks (a request to a host that does not
+        answer) cannot hold a signal up. `what` names the wait in the line that ends it."""
+        tag = object()
+        if call is not None:
+            def helper():
+                try:
+                    self.events.put(("call", tag, True, call()))
+                except Exception as e:  # handed to the waiting thread
+                    self.events.put(("call", tag, False, e))
+
+            threading.Thread(target=helper, name="kungfu-run-start", daemon=True).start()
+        until = None if call is not None else time.monotonic() + seconds
+        deadline = None if self.opts.timeout is None else self.start + self.opts.timeout
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                self.error(f"timeout: the job did not start within "
+                           f"{_fmt_seconds(self.opts.timeout)} ({what})")
+                raise _Interrupted(EXIT_TIMEOUT)
+            if until is not None and now >= until:
+                return None
+            waits = [self.POLL_SECONDS] + [t - now for t in (until, deadline) if t is not None]
+            try:
+                event = self.events.get(timeout=max(0.0, min(waits)))
+            except queue.Empty:
+                continue
+            if event[0] == "signal":
+                self.received_signal = event[1]
+                self.info(f"received {signal.Signals(event[1]).name} while {what}; exiting")
+                raise _Interrupted(128 + event[1])
+            if event[0] == "call" and event[1] is tag:
+                if event[2]:
+                    return event[3]
+                raise event[3]
+            # Anything else is a late answer of a call given up on: dropped.
 
     # What a static job does at each point of the loop.
 

@@ -126,3 +126,77 @@ def allgather_shapes() -> dict:
 def nan_max() -> list:
     x = np.array([np.nan, 1.0], np.float32) if kf.rank() == 0 else np.array([1.0, np.nan], np.float32)
     return [np.isnan(kf.allreduce(x, op="max")).tolist(), np.isnan(kf.allreduce(x, op="min")).tolist()]
+
+
+# (rank 0's call, every other rank's call): valid calls that disagree, each under the name 'x'.
+DISAGREEMENTS = {
+    "sum-vs-avg": (lambda: kf.allreduce(np.array([1.0, 2.0, 3.0]), op="sum", name="x"),
+                   lambda: kf.allreduce(np.array([1.0, 2.0, 3.0]), op="avg", name="x")),
+    "int-sum-vs-avg": (lambda: kf.allreduce(np.array([1, 2], np.int64), op="sum", name="x"),
+                       lambda: kf.allreduce(np.array([1, 2], np.int64), op="avg", name="x")),
+    "allreduce-shape": (lambda: kf.allreduce(np.ones((2, 3), np.float32), name="x"),
+                        lambda: kf.allreduce(np.ones((3, 2), np.float32), name="x")),
+    "allreduce-flat": (lambda: kf.allreduce(np.ones((4, 4), np.float32), name="x"),
+                       lambda: kf.allreduce(np.ones(16, np.float32), name="x")),
+    "broadcast-shape": (lambda: kf.broadcast(np.ones((2, 3), np.float32), name="x"),
+                        lambda: kf.broadcast(np.ones((3, 2), np.float32), name="x")),
+}
+
+
+def disagreements() -> dict:
+    """Every case of DISAGREEMENTS in turn: its outcome here, how long it took, and whether the
+    next allreduce of 'x' pairs (numbering intact)."""
+    out = {}
+    for case, calls in DISAGREEMENTS.items():
+        start = time.time()
+        try:
+            got = calls[0 if kf.rank() == 0 else 1]()
+            err = None
+        except errors.InvalidArgumentError as e:
+            got, err = None, str(e)
+        after = kf.allreduce(np.full(2, 10.0, np.float32), name="x").tolist()
+        out[case] = {"error": err, "got": None if got is None else np.asarray(got).tolist(),
+                     "seconds": time.time() - start, "after": after}
+    return out
+
+
+def avg_results() -> dict:
+    """avg's result is made once, and integer avg is the exact floor of the mean."""
+    r, n = kf.rank(), kf.size()
+    out = {}
+    h = kf.allreduce_async(np.array([4.0, 8.0]) * (r + 1), op="avg")
+    first = h.wait()
+    kept = first.copy()
+    second = h.wait()
+    out["twice"] = {"first": first.tolist(), "kept": kept.tolist(), "second": second.tolist(),
+                    "same_object": first is second}
+    h = kf.allreduce_async(np.array([7, -7], np.int64) * (r + 1), op="avg")
+    out["twice-int"] = [h.wait().tolist(), h.wait().tolist()]
+    # Inputs whose sum overflows its dtype, per rank; the expected value is computed exactly by
+    # the test from the same table.
+    for key, (dtype, values) in INTEGER_MEANS.items():
+        x = np.array(values(r), dtype=dtype)
+        got = kf.allreduce(x, op="avg", name=f"avg/{key}")
+        out[key] = {"dtype": str(got.dtype), "shape": list(got.shape), "values": got.tolist()}
+    # The same through out= (the result is written there) and as a numpy scalar.
+    buf = np.empty(2, np.int8)
+    res = kf.allreduce(np.array([100, -100], np.int8), op="avg", out=buf)
+    out["out"] = {"values": buf.tolist(), "is_out": res is buf}
+    out["scalar"] = kf.allreduce(np.int16(30000 - r), op="avg").item()
+    return out
+
+
+_I64 = np.iinfo(np.int64)
+_U64 = np.iinfo(np.uint64)
+# name -> (dtype, rank -> values): sums that overflow the dtype, and the 64-bit extremes.
+INTEGER_MEANS = {
+    "int8": ("int8", lambda r: [100, 120, -128, 127, 5 - r, -5 + r]),
+    "uint8": ("uint8", lambda r: [255, 200 + r, 0, 1]),
+    "int16": ("int16", lambda r: [32767, -32768, 30000 + r]),
+    "int32": ("int32", lambda r: [2**31 - 1, -2**31, 2**31 - 1 - 3 * r]),
+    "uint32": ("uint32", lambda r: [2**32 - 1, 2**32 - 2 - r]),
+    "int64": ("int64", lambda r: [2**62, _I64.max, _I64.min, _I64.max - r, _I64.min + r,
+                                  -1 - r, (-1) ** r * 3]),
+    "uint64": ("uint64", lambda r: [int(_U64.max), int(_U64.max) - r, 2**63 + r]),
+    "int32-2d": ("int32", lambda r: [[2**30 * (1 + r % 2) - 1, -7], [r, 2**31 - 1]]),
+}

@@ -373,6 +373,9 @@ def values():
         lambda: ops.request_variable(r, name="no-such-blob-self", shape=[2], dtype=tf.float32))
     p2p["size/peer"] = _outcome(lambda: ops.request_variable(peer, name="w", shape=[5], dtype=tf.float32))
     p2p["size/self"] = _outcome(lambda: ops.request_variable(r, name="w", shape=[2, 2], dtype=tf.float32))
+    # Another dtype of the same byte size is refused, not reinterpreted.
+    p2p["dtype/peer"] = _outcome(lambda: ops.request_variable(peer, name="w", shape=[2, 3], dtype=tf.int32))
+    p2p["dtype/self"] = _outcome(lambda: ops.request_variable(r, name="w", shape=[2, 3], dtype=tf.int32))
     p2p["after_errors"] = _pack(ops.request_variable(peer, name="w", shape=[2, 3], dtype=tf.float32))
     # KungFu's positional order: (target, version, name, shape, dtype).
     p2p["kungfu_order"] = _pack(ops.request_variable(peer, None, "w", [2, 3], tf.float32))
@@ -458,6 +461,16 @@ def errors():
         # Same dtype and total count, split differently between the tensors.
         ("group-split", lambda: ops.group_all_reduce(
             [tf.ones([4 if odd else 3]), tf.ones([3 if odd else 4])], name="mm/group")),
+        # Same dtype and element count, another shape: the whole shape must agree.
+        ("all_reduce-shape", lambda: ops.all_reduce(tf.ones([3, 2] if odd else [2, 3]),
+                                                    name="mm/shape")),
+        ("broadcast-shape", lambda: ops.broadcast(tf.ones([3, 2] if odd else [2, 3]), root=0,
+                                                  name="mm/bc-shape")),
+        ("group-shape", lambda: ops.group_all_reduce(
+            [tf.ones([2]), tf.ones([3, 2] if odd else [2, 3])], name="mm/group-shape")),
+        # Rows of the same size but another shape (6 elements either way).
+        ("all_gather-dims", lambda: ops.all_gather(tf.ones([2, 2, 3] if odd else [2, 3, 2]),
+                                                   name="mm/ag-dims")),
     ]
     mm = []
     for i, (label, fn) in enumerate(cases):

@@ -1,5 +1,6 @@
 """The Python edge keeps the runtime's promises: buffers owned by their operation, bad input on
 one rank failing every rank with numbering intact, shapes kept, NaN propagated."""
+import numpy as np
 import pytest
 
 import _w_hardening_python as W
@@ -62,3 +63,52 @@ def test_allgather_rows_of_different_shapes_fail_every_rank(spawn):
 def test_nan_wins_max_and_min(spawn):
     for r in spawn(2, W.nan_max):
         assert r == [[True, True], [True, True]]
+
+
+# What each disagreement's message must name (beyond the operation), on every rank.
+DISAGREEMENT_WORDS = {"sum-vs-avg": ("sum", "avg"), "int-sum-vs-avg": ("sum", "avg"),
+                      "allreduce-shape": ("shape",), "allreduce-flat": ("shape",),
+                      "broadcast-shape": ("shape",)}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_disagreements_fail_every_rank_at_once(spawn, n):
+    # Before: sum on one rank and avg on another returned [3, 6, 9] and [1.5, 3, 4.5]; shapes
+    # (2, 3) and (3, 2), or (4, 4) and (16,), were accepted with each rank's own shape.
+    results = spawn(n, W.disagreements, env={"KUNGFU_OP_TIMEOUT": "30s"})
+    assert set(results[0]) == set(DISAGREEMENT_WORDS)
+    for rank, res in enumerate(results):
+        for case, words in DISAGREEMENT_WORDS.items():
+            o = res[case]
+            assert o["error"] is not None, (rank, case, o)
+            for w in words:
+                assert w in o["error"], (rank, case, o)
+            assert o["seconds"] < 5, (rank, case, o)  # at once, not at the 30 s deadline
+            assert o["after"] == [10.0 * n] * 2, (rank, case, o)
+
+
+def _floor_mean(rows) -> list:
+    """The exact floor of the mean of each column, in Python integers."""
+    flat = [np.asarray(r, dtype=object).reshape(-1) for r in rows]
+    return [sum(int(x[i]) for x in flat) // len(flat) for i in range(len(flat[0]))]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_avg_is_made_once_and_exact_for_integers(spawn, n):
+    # Before: a second wait() divided again ([4, 8] then [2, 4], the first array changed too);
+    # int8 avg(100, 100) was -28 and int64 avg(2**62, 2**62) was -2**62 (the sum wrapped).
+    mean = (n + 1) / 2
+    for r, res in enumerate(spawn(n, W.avg_results)):
+        t = res["twice"]
+        assert t["first"] == [4.0 * mean, 8.0 * mean] and t["second"] == t["first"], (r, t)
+        assert t["kept"] == t["first"] and t["same_object"], (r, t)
+        want = _floor_mean([[7 * (k + 1), -7 * (k + 1)] for k in range(n)])
+        assert res["twice-int"] == [want, want], (r, res["twice-int"])
+        for key, (dtype, values) in W.INTEGER_MEANS.items():
+            got = res[key]
+            rows = [np.array(values(k), dtype=dtype) for k in range(n)]
+            assert got["dtype"] == dtype and got["shape"] == list(rows[0].shape), (r, key, got)
+            assert np.array(got["values"], dtype=object).reshape(-1).tolist() == \
+                _floor_mean(rows), (r, key, got)
+        assert res["out"] == {"values": [100, -100], "is_out": True}, (r, res["out"])
+        assert res["scalar"] == _floor_mean([[30000 - k] for k in range(n)])[0], (r, res)

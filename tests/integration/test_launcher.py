@@ -651,3 +651,48 @@ def test_a_bad_gpu_count_is_a_usage_error(script):
                      env=env_with_repo(KUNGFU_GPU_COUNT="two"))
     assert r.returncode == 2, r.stderr
     assert "KUNGFU_GPU_COUNT='two' is invalid" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM", "timeout"])
+@pytest.mark.parametrize("store", ["refused", "silent"])
+def test_a_launcher_waiting_for_its_store_honours_signals_and_timeout(stop, store):
+    """The probe (6d): SIGINT or SIGTERM to `kungfu-run -w` while it waited for its config store
+    at start were ignored until its 60 s wait ended; -timeout too. Now each ends the wait at
+    once, with the usual exit code, whether nobody listens at the store's address ("refused")
+    or something accepts and never answers (a request that blocks for its 5 s deadline)."""
+    import socket
+
+    listener = None
+    if store == "silent":
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)  # connections queue up; nothing is ever read or answered
+        port = listener.getsockname()[1]
+    else:
+        port = int(free_port_range(1).split("-")[0])
+    extra = ["-timeout", "1.5s"] if stop == "timeout" else []
+    job = subprocess.Popen(
+        launcher_cmd("-w", "-np", "1", "-H", "127.0.0.1:1", "-port-range", free_port_range(1),
+                     *extra, "-config-server", f"http://127.0.0.1:{port}", PY, "-c", "pass"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with_repo())
+    try:
+        time.sleep(1.5 if stop == "timeout" else 2.0)  # the launcher is waiting by then
+        sent = time.monotonic()
+        if stop != "timeout":
+            job.send_signal(getattr(signal, stop))
+        out, err = job.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        job.kill()
+        if listener is not None:
+            listener.close()
+    want = {"SIGINT": 130, "SIGTERM": 143, "timeout": 124}[stop]
+    assert job.returncode == want, err
+    assert took < 3, (took, err)  # not the 60 s store wait (nor a 5 s request)
+    if stop == "timeout":
+        assert "timeout: the job did not start within 1.5s (waiting for the config store at " \
+               f"http://127.0.0.1:{port})" in err, err
+    else:
+        assert f"received {stop} while waiting for the config store at " \
+               f"http://127.0.0.1:{port}; exiting" in err, err
+    assert "Traceback" not in err, err

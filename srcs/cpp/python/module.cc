@@ -231,12 +231,15 @@ PYBIND11_MODULE(_kungfu, m) {
       .def_property_readonly("version", &Peer::version)
       .def("allreduce",
            [](Peer& p, py::buffer send, py::buffer recv, size_t count, int dtype, int op,
-              const std::string& name, int strategy, int64_t timeout_ms) {
+              const std::string& name, int strategy, int64_t timeout_ms, uint64_t digest,
+              bool average) {
              size_t n;
              const void* s = ReadPtr(send, &n);
              auto h = std::make_shared<PyHandle>();
+             OpOptions o = Options(name, strategy, timeout_ms, digest);
+             o.average = average;
              h->handle = p.AllReduce(s, WritablePtr(recv), count, static_cast<DType>(dtype),
-                                     static_cast<ReduceOp>(op), Options(name, strategy, timeout_ms));
+                                     static_cast<ReduceOp>(op), o);
              PinUntilDone(h->handle, {send, recv});
              return h;
            })
@@ -253,12 +256,12 @@ PYBIND11_MODULE(_kungfu, m) {
            })
       .def("broadcast",
            [](Peer& p, py::buffer send, py::buffer recv, size_t count, int dtype, int root,
-              const std::string& name, int strategy, int64_t timeout_ms) {
+              const std::string& name, int strategy, int64_t timeout_ms, uint64_t digest) {
              size_t n;
              const void* s = ReadPtr(send, &n);
              auto h = std::make_shared<PyHandle>();
              h->handle = p.Broadcast(s, WritablePtr(recv), count, static_cast<DType>(dtype), root,
-                                     Options(name, strategy, timeout_ms));
+                                     Options(name, strategy, timeout_ms, digest));
              PinUntilDone(h->handle, {send, recv});
              return h;
            })

@@ -70,6 +70,26 @@ inline Peer* GetPeer(tf::OpKernelContext* ctx) {
   return p;
 }
 
+// A digest of dims [from, rank) of a shape, folded into h (start with kShapeDigestSeed): peers
+// compare it, so tensors of equal size but other shapes fail instead of mixing elements. The same
+// FNV-1a over (rank - from, dims...) as little-endian int64 as kungfu._collective._shape_digest.
+constexpr uint64_t kShapeDigestSeed = 0xcbf29ce484222325ull;
+inline uint64_t ShapeDigest(const tf::TensorShape& shape, int from = 0,
+                            uint64_t h = kShapeDigestSeed) {
+  auto mix = [&h](int64_t v) {
+    for (int i = 0; i < 8; ++i) h = (h ^ ((static_cast<uint64_t>(v) >> (8 * i)) & 0xff)) * 0x100000001b3ull;
+  };
+  mix(shape.dims() - from);
+  for (int d = from; d < shape.dims(); ++d) mix(shape.dim_size(d));
+  return h == 0 ? 1 : h;
+}
+
+// options with the digest of `shape` from dimension `from` on.
+inline OpOptions WithShape(OpOptions options, const tf::TensorShape& shape, int from = 0) {
+  options.digest = ShapeDigest(shape, from);
+  return options;
+}
+
 inline const void* In(const tf::Tensor& t) { return t.tensor_data().data(); }
 inline void* Out(tf::Tensor* t) { return const_cast<char*>(t->tensor_data().data()); }
 

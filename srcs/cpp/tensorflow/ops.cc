@@ -52,7 +52,8 @@ class AllReduceOp : public ReduceKernel {
   using ReduceKernel::ReduceKernel;
   void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
     RunLikeInput(ctx, done, [this](Peer* peer, const tf::Tensor& in, tf::Tensor* out) {
-      return peer->AllReduce(In(in), Out(out), in.NumElements(), dtype_, op_, options_);
+      return peer->AllReduce(In(in), Out(out), in.NumElements(), dtype_, op_,
+                             WithShape(options_, in.shape()));
     });
   }
 };
@@ -85,13 +86,16 @@ class GroupAllReduceOp : public ReduceKernel {
     Peer* peer = GetPeer(ctx);
     if (!peer) return done();
     std::vector<Piece> pieces;
+    OpOptions o = options_;  // every tensor's shape must match, in order
+    o.digest = kShapeDigestSeed;
     for (int i = 0; i < ctx->num_inputs(); ++i) {
       const tf::Tensor& in = ctx->input(i);
       tf::Tensor* out = nullptr;
       OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(i, in.shape(), &out), done);
       pieces.push_back({In(in), Out(out), static_cast<size_t>(in.NumElements())});
+      o.digest = ShapeDigest(in.shape(), 0, o.digest);
     }
-    Finish(ctx, done, peer->AllReduceV(std::move(pieces), dtype_, op_, options_));
+    Finish(ctx, done, peer->AllReduceV(std::move(pieces), dtype_, op_, o));
   }
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuGroupAllReduce").Device(tf::DEVICE_CPU), GroupAllReduceOp);
@@ -115,7 +119,8 @@ class BroadcastOp : public CollectiveKernel {
   }
   void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
     RunLikeInput(ctx, done, [this](Peer* peer, const tf::Tensor& in, tf::Tensor* out) {
-      return peer->Broadcast(In(in), Out(out), in.NumElements(), dtype_, root_, options_);
+      return peer->Broadcast(In(in), Out(out), in.NumElements(), dtype_, root_,
+                             WithShape(options_, in.shape()));
     });
   }
 
@@ -158,7 +163,9 @@ class AllGatherOp : public CollectiveKernel {
     tf::TensorShape row = in.shape();
     row.RemoveDim(0);
     const int64_t row_size = row.num_elements();
-    Handle h = peer->AllGather(In(in), in.NumElements(), dtype_, result, options_);
+    // The dimensions after the first must agree (axis 0 may differ).
+    Handle h = peer->AllGather(In(in), in.NumElements(), dtype_, result,
+                               WithShape(options_, in.shape(), 1));
     h.OnComplete([ctx, done, result, row, row_size](const Status& s) {
       if (!s.ok()) {
         ctx->SetStatus(ToTF(s));
@@ -248,6 +255,8 @@ class SaveVariableOp : public tf::OpKernel {
  public:
   explicit SaveVariableOp(tf::OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("blob_name", &name_));
+    OP_REQUIRES(c, ToDType(c->input_type(0), &dtype_),
+                tf::errors::InvalidArgument("unsupported dtype ", tf::DataTypeString(c->input_type(0))));
   }
   void Compute(tf::OpKernelContext* ctx) override {
     Peer* peer = GetPeer(ctx);
@@ -255,11 +264,12 @@ class SaveVariableOp : public tf::OpKernel {
     // Lent, not copied: the blob holds a reference to the tensor's buffer, which TensorFlow
     // leaves unchanged while it is shared (a variable updated meanwhile copies on write).
     auto in = std::make_shared<const tf::Tensor>(ctx->input(0));
-    OP_REQUIRES_OK(ctx, ToTF(peer->Lend(name_, In(*in), in->tensor_data().size(), in)));
+    OP_REQUIRES_OK(ctx, ToTF(peer->Lend(name_, In(*in), in->tensor_data().size(), in, dtype_)));
   }
 
  private:
   std::string name_;
+  DType dtype_ = DType::kUInt8;
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuSaveVariable").Device(tf::DEVICE_CPU), SaveVariableOp);
 
@@ -287,6 +297,10 @@ class RequestVariableOp : public tf::AsyncOpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("blob_name", &name_));
     OP_REQUIRES_OK(c, c->GetAttr("shape", &shape_));
     OP_REQUIRES_OK(c, c->GetAttr("timeout_ms", &options_.timeout_ms));
+    tf::DataType t;
+    OP_REQUIRES_OK(c, c->GetAttr("T", &t));
+    OP_REQUIRES(c, ToDType(t, &dtype_),
+                tf::errors::InvalidArgument("unsupported dtype ", tf::DataTypeString(t)));
   }
   void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
     Peer* peer = GetPeer(ctx);
@@ -294,13 +308,15 @@ class RequestVariableOp : public tf::AsyncOpKernel {
     const int target = ctx->input(0).scalar<int32_t>()();
     tf::Tensor* out = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, shape_, &out), done);
-    Finish(ctx, done, peer->Request(target, name_, Out(out), out->tensor_data().size(), options_));
+    Finish(ctx, done, peer->Request(target, name_, Out(out), out->tensor_data().size(), options_,
+                                    dtype_));
   }
 
  private:
   std::string name_;
   tf::TensorShape shape_;
   OpOptions options_;
+  DType dtype_ = DType::kUInt8;
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuRequestVariable").Device(tf::DEVICE_CPU), RequestVariableOp);
 

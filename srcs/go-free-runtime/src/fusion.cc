@@ -56,7 +56,7 @@ std::string OpWhat(const std::string& name) { return "allreduce '" + name + "'";
 struct Fusion::Record {
   uint64_t hash = 0;
   uint64_t count = 0;
-  uint64_t kind = 0;  // dtype | op << 8 | (strategy + 1) << 16 | flags << 32
+  uint64_t kind = 0;  // dtype | op << 8 | (strategy + 1) << 16 | average << 24 | flags << 32
   uint64_t digest = 0;
   bool tomb() const { return (kind >> 32) & kTombstone; }
   bool named() const { return (kind >> 32) & kNamed; }
@@ -72,6 +72,7 @@ struct Fusion::Record {
     sig.op = static_cast<int>(op());
     sig.strategy = strategy();
     sig.digest = digest;
+    sig.average = ((kind >> 24) & 1) != 0;
     return sig;
   }
   std::string Shape() const {
@@ -90,6 +91,7 @@ struct Fusion::Op {
   ReduceOp op = ReduceOp::kSum;
   int strategy = -1;
   uint64_t digest = 0;
+  bool average = false;
   TimePoint called, deadline;
   Handle handle;
   std::vector<int8_t> seen;  // per rank: 1 listed it in the last cycle, 0 did not, -1 unknown
@@ -100,7 +102,7 @@ struct Fusion::Op {
     r.hash = hash;
     r.count = count;
     r.kind = static_cast<uint64_t>(dtype) | static_cast<uint64_t>(op) << 8 |
-             static_cast<uint64_t>(strategy + 1) << 16;
+             static_cast<uint64_t>(strategy + 1) << 16 | static_cast<uint64_t>(average) << 24;
     r.digest = digest;
     return r;
   }
@@ -152,6 +154,7 @@ Handle Fusion::AllReduce(const void* send, void* recv, size_t count, DType dtype
   o->strategy = options.strategy < 0 ? -1 : options.strategy;
   o->digest = options.digest;
   o->called = Clock::now();
+  o->average = options.average;
   const int64_t timeout = options.timeout_ms < 0 ? op_timeout_ms_ : options.timeout_ms;
   o->deadline = o->called + std::chrono::milliseconds(timeout);
   o->seen.assign(session_->size(), -1);

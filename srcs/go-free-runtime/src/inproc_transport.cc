@@ -87,7 +87,7 @@ Status InProcTransport::SendBlobRequest(int dst, const MsgKey& key, const std::s
   // Answered at once, as dst's reader thread would: the blob as a data message, or "missing".
   Blob b = to->LookupBlob(blob);
   if (b) {
-    Deliver(dst, key, MsgExpect{DType::kUInt8, b->size, b->size}, b->data, OpSig());
+    Deliver(dst, key, BlobReply(*b), b->data, OpSig());
   } else {
     OnMissing(dst, key);
   }

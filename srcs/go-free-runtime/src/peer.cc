@@ -117,21 +117,26 @@ void ProgressToStderr(const std::string& line) {
 Peer* DefaultPeer() { return default_peer.load(); }
 void SetDefaultPeer(Peer* peer) { default_peer.store(peer); }
 
-Status Peer::Save(const std::string& name, const void* data, size_t bytes) {
+Status Peer::Save(const std::string& name, const void* data, size_t bytes, DType dtype) {
   auto copy = std::make_shared<const std::vector<char>>(static_cast<const char*>(data),
                                                         static_cast<const char*>(data) + bytes);
-  return Lend(name, copy->data(), copy->size(), copy);
+  return Lend(name, copy->data(), copy->size(), copy, dtype);
 }
 
 Status Peer::Lend(const std::string& name, const void* data, size_t bytes,
-                  std::shared_ptr<const void> owner) {
+                  std::shared_ptr<const void> owner, DType dtype) {
   if (!owner && bytes > 0) return InvalidArgument("a lent blob needs an owner of its memory");
   struct Lent {
     std::shared_ptr<const void> owner;
+  KF_RETURN_IF_ERROR(CheckDType(dtype));
+  if (bytes % DTypeSize(dtype) != 0) {
+    return InvalidArgument("a blob of " + std::to_string(bytes) + " bytes is not a whole number of " +
+                           DTypeName(dtype));
+  }
     Transport::BlobBytes bytes;
   };
   auto lent = std::make_shared<const Lent>(
-      Lent{std::move(owner), {static_cast<const char*>(data), bytes}});
+      Lent{std::move(owner), {static_cast<const char*>(data), bytes, dtype}});
   Transport::Blob blob(lent, &lent->bytes);  // shares lent's ownership
   std::lock_guard<std::mutex> lk(store_mu_);
   store_[name] = std::move(blob);
@@ -144,25 +149,34 @@ void Peer::Drop(const std::string& name) {
 }
 
 Handle Peer::Request(int target, const std::string& name, void* dst, size_t bytes,
-                     const OpOptions& options) {
+                     const OpOptions& options, DType dtype) {
   OpOptions o = options;
   o.name = "p2p:" + name;
   return Run(Sig(OpKind::kRequest, o), o, bytes, [=](Session& s, const OpContext& ctx) -> Status {
     KF_RETURN_IF_ERROR(CheckRoot(target, s.size()));
     if (target == rank_) {
       std::lock_guard<std::mutex> lk(store_mu_);
+    KF_RETURN_IF_ERROR(CheckDType(dtype));
+    if (bytes % DTypeSize(dtype) != 0) {
+      return InvalidArgument("a request of " + std::to_string(bytes) +
+                             " bytes is not a whole number of " + DTypeName(dtype));
+    }
       auto it = store_.find(name);
       if (it == store_.end()) return NotFound("this peer has no blob named '" + name + "'");
-      if (it->second->size != bytes) {
-        return InvalidArgument("blob '" + name + "' has " + std::to_string(it->second->size) +
-                               " bytes, the request wants " + std::to_string(bytes));
+      if (it->second->size != bytes || it->second->dtype != dtype) {
+        const Transport::BlobBytes& b = *it->second;
+        return InvalidArgument("blob '" + name + "' holds " +
+                               std::to_string(b.size / DTypeSize(b.dtype)) + " x " +
+                               DTypeName(b.dtype) + ", the request wants " +
+                               std::to_string(bytes / DTypeSize(dtype)) + " x " + DTypeName(dtype));
       }
       if (bytes > 0) std::memcpy(dst, it->second->data, bytes);
       return Status::OK();
     }
     Transport& t = s.transport();
     MsgKey key{ctx.name, ctx.seq, 0};
-    auto posted = t.Post(target, key, MsgExpect{DType::kUInt8, bytes, bytes}, dst);
+    // The reply says the blob's dtype and element count; a request for other ones fails.
+    auto posted = t.Post(target, key, MsgExpect{dtype, bytes / DTypeSize(dtype), bytes}, dst);
     KF_RETURN_IF_ERROR(t.SendRequest(target, key, name));
     return t.Wait(posted, ctx.deadline);
   }, /*collective=*/false);
@@ -494,6 +508,7 @@ OpSig Peer::Sig(OpKind kind, const OpOptions& options, int op, int root) const {
   sig.digest = options.digest;
   return sig;
 }
+  sig.average = options.average && kind == OpKind::kAllReduce;
 
 // 1. Number the op (name, seq). 2. On a worker: BeginOp, run the body, abort the op on every
 // peer if it failed, EndOp (no receive of it is left posted into the caller's buffers), and only

@@ -304,8 +304,7 @@ void StreamTransport::ReadFrames(int src, int fd) {
       Blob b = LookupBlob(blob);
       // Best effort: if the requester is gone, its own transport reports that.
       if (b) {
-        SendFrame(src, net::kData, key, MsgExpect{DType::kUInt8, b->size, b->size}, b->data,
-                  b->size);
+        SendFrame(src, net::kData, key, BlobReply(*b), b->data, b->size);
       } else {
         SendFrame(src, net::kMissing, key, MsgExpect{}, nullptr, 0);
       }

@@ -113,7 +113,7 @@ uint64_t OpSig::Word() const {
   // Unsigned arithmetic: a signature read off the wire may hold any root, INT_MAX included.
   return uint64_t(static_cast<uint8_t>(kind)) | uint64_t(static_cast<uint8_t>(op)) << 8 |
          uint64_t(static_cast<uint8_t>(static_cast<uint32_t>(strategy) + 1u)) << 16 |
-         uint64_t(static_cast<uint32_t>(root) + 1u) << 32;
+         uint64_t(average ? 1u : 0u) << 24 | uint64_t(static_cast<uint32_t>(root) + 1u) << 32;
 }
 
 OpSig OpSig::FromWire(uint64_t word, uint64_t digest) {
@@ -122,6 +122,7 @@ OpSig OpSig::FromWire(uint64_t word, uint64_t digest) {
   s.op = static_cast<int>((word >> 8) & 0xff);
   s.strategy = static_cast<int>((word >> 16) & 0xff) - 1;
   s.root = static_cast<int>(static_cast<int64_t>(word >> 32) - 1);
+  s.average = ((word >> 24) & 1) != 0;
   s.digest = digest;
   return s;
 }
@@ -129,7 +130,8 @@ OpSig OpSig::FromWire(uint64_t word, uint64_t digest) {
 std::string OpSig::ToString() const {
   std::string args;
   auto add = [&](const std::string& a) { args += (args.empty() ? "" : ", ") + a; };
-  if (op != 0) add(ReduceOpName(static_cast<ReduceOp>(op)));
+  if (average) add("avg");
+  else if (op != 0) add(ReduceOpName(static_cast<ReduceOp>(op)));
   if (root >= 0) add("root " + std::to_string(root));
   if (strategy >= 0) add(std::string("strategy ") + StrategyName(static_cast<StrategyKind>(strategy)));
   if (digest != 0) add("shape digest " + std::to_string(digest % 100000));

@@ -115,6 +115,8 @@ class Fusion;
 Peer* DefaultPeer();
 void SetDefaultPeer(Peer* peer);
 
+  // allreduce with kSum only: the caller divides the result by the peer count (see OpSig).
+  bool average = false;
 class Peer {
  public:
   static Status Create(const PeerConfig& config, std::unique_ptr<Peer>* out);
@@ -158,16 +160,18 @@ class Peer {
 
   // Peer-to-peer store (model averaging). Save replaces this peer's blob `name` atomically: a
   // concurrent request sees the old or the new bytes, never a mix. Request copies peer `target`'s
-  // blob `name` into dst, which must be exactly as large (else InvalidArgument; NotFound if the
-  // target has no such blob).
-  Status Save(const std::string& name, const void* data, size_t bytes);
+  // blob `name` into dst, which must be exactly as large and of the blob's dtype (else
+  // InvalidArgument naming both; NotFound if the target has no such blob). A blob saved as bytes
+  // (kUInt8) is requested as bytes.
+  Status Save(const std::string& name, const void* data, size_t bytes,
+              DType dtype = DType::kUInt8);
   // Like Save without the copy: serves [data, data + bytes) as it is, for as long as the blob is
   // stored or being sent; `owner` keeps that memory alive and unchanged until then (a tensor).
   Status Lend(const std::string& name, const void* data, size_t bytes,
-              std::shared_ptr<const void> owner);
+              std::shared_ptr<const void> owner, DType dtype = DType::kUInt8);
   void Drop(const std::string& name);  // forgets blob `name`; a later request gets NotFound
   Handle Request(int target, const std::string& name, void* dst, size_t bytes,
-                 const OpOptions& options);
+                 const OpOptions& options, DType dtype = DType::kUInt8);
   // *agreed becomes true on every peer iff every peer passed the same bytes.
   Handle Consensus(const void* data, size_t bytes, bool* agreed, const OpOptions& options);
 

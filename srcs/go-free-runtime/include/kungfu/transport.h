@@ -124,6 +124,9 @@ struct MsgExpect {
   DType dtype = DType::kUInt8;
   uint64_t total_count = 0;  // element count of the whole operation buffer
   uint64_t bytes = 0;        // payload bytes of this message
+  // An allreduce whose sum the caller divides by the peer count ("avg", sum on the wire): part of
+  // the signature so that sum on one peer and avg on another fail instead of both returning.
+  bool average = false;
 };
 
 // Options of every implementation; those about peers' liveness, handshakes and connecting are
@@ -208,7 +211,12 @@ class Transport {
   // src's address space into `dst`. Only memory src itself pointed this peer at (in a message)
   // may be read; a transport says yes only for a peer whose identity it can vouch for.
   virtual bool CanReadPeerMemory(int /*src*/) const { return false; }
+    DType dtype = DType::kUInt8;  // what the bytes hold; a request must ask for the same
   virtual Status ReadPeerMemory(int src, uint64_t addr, void* dst, size_t bytes);
+  // The data message that answers a request for b.
+  static MsgExpect BlobReply(const BlobBytes& b) {
+    return MsgExpect{b.dtype, b.size / DTypeSize(b.dtype), b.size};
+  }
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
