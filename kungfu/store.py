@@ -18,19 +18,25 @@ a malformed configuration (bad JSON, bad peers, a version other than the stored 
 
 Security: a ConfigServer given the job's token (kungfu-run passes KUNGFU_JOB_TOKEN) answers only
 requests that carry it (`Authorization: Bearer <token>`, else 401); values are limited to
-MAX_VALUE_BYTES (413), bodies must be exactly as long as announced, a client idle for
-IDLE_TIMEOUT is dropped, and configurations are parsed outside the store's lock. EtcdStore
+MAX_VALUE_BYTES (413), bodies must be exactly as long as announced, a request (headers and body)
+must arrive within REQUEST_DEADLINE in all, however slowly it trickles in, a client address may
+hold at most MAX_CONNECTIONS_PER_ADDRESS connections at once (more are refused at once, 503), and
+configurations are parsed outside the store's lock. EtcdStore
 supports etcd's user/password authentication and an https:// gateway with a CA and a client
 certificate; whatever etcd holds that cannot be parsed is a StoreError, never a crash.
 """
 from __future__ import annotations
 
 import base64
+import collections
 import hmac
+import io
 import json
 import re
+import socket
 import ssl
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -50,7 +56,16 @@ RECOVERED_PREFIX = "cluster/recovered/"  # recovered/<v> = the survivors' decisi
 COOLDOWN_PREFIX = "cluster/cooldown/"  # cooldown/<host> = time.time() until which it gets no worker
 REQUEST_TIMEOUT = 5.0  # seconds
 MAX_VALUE_BYTES = 1 << 20  # a configuration of ~50k peers; the store holds nothing bigger
-IDLE_TIMEOUT = 10.0  # seconds a client of the builtin server may stay silent mid-request
+# The builtin server's limits on clients. A thread serves each connection: a client that sends
+# one byte every few seconds would hold its thread for as long as it likes, and many such
+# clients every thread. So a request (request line, headers and body) must arrive within
+# REQUEST_DEADLINE in all, and one address may hold MAX_CONNECTIONS_PER_ADDRESS connections
+# at once. A job's own requests are small and take milliseconds; a host's launcher and workers
+# share one address, and a client refused while a burst of theirs is served (503) tries again
+# (_request), so 16 leaves room for hosts with more workers than that.
+REQUEST_DEADLINE = 10.0  # seconds
+MAX_CONNECTIONS_PER_ADDRESS = 16
+BUSY_RETRY = 0.05  # seconds before a client refused for its address's connections tries again
 # A host as the runtime's PeerID parser takes it: a name or an IPv4 address (letters, digits,
 # '-', '.', '_'), no spaces, no shell characters.
 _HOST = re.compile(r"[A-Za-z0-9_.-]{1,253}")
@@ -290,20 +305,48 @@ def _check_version(old: Optional[str], cfg: ClusterConfig) -> None:
                          f"{'nothing' if old is None else want - 1}: expected {want}")
 
 
+class _DeadlineReader(io.RawIOBase):
+    """A connection's reads, all before one deadline: each waits only for the time left, so a
+    request that trickles in is cut off when the deadline passes, not when it falls silent."""
+
+    def __init__(self, sock: socket.socket, seconds: float):
+        self._sock = sock
+        self._deadline = time.monotonic() + seconds
+        self._seconds = seconds
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the request did not arrive within {self._seconds:g}s")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
 class ConfigServer:
     """An HTTP server over a MemoryStore: GET/PUT /v1/kv/<key>[?revision=R], GET /v1/kv?prefix=P.
 
     PUT with ?revision=R is a compare-and-swap (409 when stale); 400 for a malformed write, 401
-    without the token (when one is set), 411/413 for a missing or too large body."""
+    without the token (when one is set), 411/413 for a missing or too large body, 503 at once
+    for a connection beyond `max_per_address`. A request must arrive within `request_deadline`
+    (headers and body together), else the connection is closed and nothing is stored."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None,
-                 idle_timeout: float = IDLE_TIMEOUT):
+                 request_deadline: float = REQUEST_DEADLINE,
+                 max_per_address: int = MAX_CONNECTIONS_PER_ADDRESS):
         self.store = MemoryStore()
         store = self.store
         expected = f"Bearer {token}".encode() if token else None
 
         class Handler(BaseHTTPRequestHandler):
-            timeout = idle_timeout  # a client silent this long mid-request is dropped
+            timeout = request_deadline  # replies too: a client that does not read is dropped
+
+            def setup(self):
+                super().setup()
+                # One request per connection (HTTP/1.0): its deadline counts from the accept.
+                self.rfile = io.BufferedReader(_DeadlineReader(self.connection, request_deadline))
 
             def log_message(self, *args):  # quiet
                 pass
@@ -366,7 +409,7 @@ class ConfigServer:
                                                       f"bytes, this one {length}"})
                 try:
                     body = self.rfile.read(length)
-                except OSError:  # the idle timeout: nothing is stored
+                except OSError:  # the request's deadline passed: nothing is stored
                     self.close_connection = True
                     return
                 if len(body) != length:  # the client went away mid-body: store nothing
@@ -391,6 +434,49 @@ class ConfigServer:
         class Server(ThreadingHTTPServer):
             request_queue_size = 128  # 20 concurrent writers saw resets with the default 5
             daemon_threads = True
+
+            def __init__(self, *args):
+                self.held = collections.Counter()  # client address -> connections being served
+                self.held_lock = threading.Lock()
+                super().__init__(*args)
+
+            def verify_request(self, request, client_address):
+                """Refuses a connection beyond max_per_address of its address, at once (this
+                runs on the accepting thread: it must not wait)."""
+                address = client_address[0]
+                with self.held_lock:
+                    if self.held[address] < max_per_address:
+                        self.held[address] += 1
+                        return True
+                body = json.dumps({"error": f"{address} holds {max_per_address} connections "
+                                            "to the config store already"}).encode()
+                try:
+                    request.setblocking(False)
+                    request.send(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: "
+                                 b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                                 % (len(body), body))
+                except OSError:
+                    pass  # the refusal is the close that follows
+                return False
+
+            def process_request_thread(self, request, client_address):
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    self._release(client_address)
+
+            def process_request(self, request, client_address):
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    self._release(client_address)  # no thread to release it
+                    raise
+
+            def _release(self, client_address):
+                with self.held_lock:
+                    self.held[client_address[0]] -= 1
+                    if self.held[client_address[0]] <= 0:
+                        del self.held[client_address[0]]
 
         self._server = Server((host, port), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, name="kungfu-config",
@@ -419,10 +505,16 @@ def _request(method: str, url: str, body: Optional[bytes] = None,
     for k, v in (headers or {}).items():
         req.add_header(k, v)
     # A reset before any reply (a listen queue that overflowed) is retried once when repeating
-    # the request cannot do harm: reads, and compare-and-swaps (a second try of one that was in
-    # fact applied fails as stale, which the caller handles like any lost race).
-    tries = 2 if method == "GET" or "revision=" in url or "/v3/kv/range" in url else 1
-    for attempt in range(tries):
+    # the request cannot do harm: reads, compare-and-swaps (a second try of one that was in
+    # fact applied fails as stale, which the caller handles like any lost race), and the
+    # builtin server's plain puts (the same value again).
+    again = (method == "GET" or "revision=" in url or "/v3/kv/range" in url
+             or (method == "PUT" and "/v1/kv/" in url))
+    resets = 0
+    # A connection refused for its address's count (503 from the builtin server) did nothing:
+    # tried again, with growing pauses, until the request's deadline.
+    until, pause = time.monotonic() + timeout, BUSY_RETRY
+    while True:
         try:
             with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
                 return r.status, json.loads(r.read() or b"{}")
@@ -431,14 +523,18 @@ def _request(method: str, url: str, body: Optional[bytes] = None,
                 payload = json.loads(e.read() or b"{}")
             except ValueError:
                 payload = {}
+            if e.code == 503 and time.monotonic() + pause < until:
+                time.sleep(pause)
+                pause *= 2
+                continue
             return e.code, payload
         except ConnectionResetError as e:
-            if attempt + 1 < tries:
+            if again and resets == 0:
+                resets += 1
                 continue
             raise StoreError(f"cannot reach the config store at {url}: {e}") from None
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise StoreError(f"cannot reach the config store at {url}: {e}") from None
-    raise AssertionError("unreachable")
 
 
 class HTTPStore(Store):

@@ -17,7 +17,7 @@ TOKEN = secrets.token_hex(32)
 
 @pytest.fixture
 def server():
-    s = st.ConfigServer("127.0.0.1", 0, token=TOKEN, idle_timeout=0.5).start()
+    s = st.ConfigServer("127.0.0.1", 0, token=TOKEN, request_deadline=0.5).start()
     yield s
     s.stop()
 
@@ -149,3 +149,103 @@ def test_garbage_in_the_store_is_a_store_error():
     s._data[st.CONFIG_KEY] = ("{not json", 1)  # as written straight into etcd, around kungfu
     with pytest.raises(st.StoreError, match="no valid configuration"):
         s.config()
+
+
+def _trickle(sock, data, every, stop):
+    """Sends `data` one byte every `every` seconds until done, closed or `stop` is set."""
+    for i in range(len(data)):
+        if stop.wait(every):
+            return
+        try:
+            sock.send(data[i:i + 1])
+        except OSError:
+            return
+
+
+def _closed_by_server(sock, within):
+    """Whether the server closes the connection (or refuses it) within `within` seconds."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(4096):
+            pass  # a refusal's 503, then the close
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_a_trickling_client_is_dropped_at_the_request_deadline():
+    # The probe (4g): one byte every 5 s held a store thread for as long as the client liked
+    # (each byte reset the per-read timeout). The deadline is for the whole request now.
+    s = st.ConfigServer("127.0.0.1", 0, token=TOKEN, request_deadline=1.5).start()
+    stop = threading.Event()
+    try:
+        host, port = s._server.server_address[:2]
+        request = (b"PUT /v1/kv/k HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+                   + b"\r\nX-Pad: " + b"a" * 200 + b"\r\nContent-Length: 2\r\n\r\nhi")
+        slow = socket.create_connection((host, port))
+        sender = threading.Thread(target=_trickle, args=(slow, request, 0.2, stop))
+        sender.start()  # 0.2 s apart: never silent for the 1.5 s; the whole takes 60 s
+        t0 = time.monotonic()
+        assert _closed_by_server(slow, 10)
+        assert time.monotonic() - t0 < 5  # at the deadline, not at the end of the trickle
+        slow.close()
+        assert s.store.get("k") == (None, 0)
+        assert st.HTTPStore(s.url, token=TOKEN).put("k2", "v") > 0  # the server goes on
+    finally:
+        stop.set()
+        s.stop()
+
+
+def test_connections_per_address_are_capped_and_the_job_goes_on():
+    # Connections from 127.0.0.2 (a stranger trickling requests) beyond the cap are refused at
+    # once; the job's clients, from 127.0.0.1, are served meanwhile, and once the stranger's
+    # connections end its address may connect again.
+    s = st.ConfigServer("127.0.0.1", 0, token=TOKEN, request_deadline=60,
+                        max_per_address=4).start()
+    stop = threading.Event()
+    held = []
+    try:
+        host, port = s._server.server_address[:2]
+
+        def stranger():
+            c = socket.socket()
+            c.bind(("127.0.0.2", 0))
+            c.connect((host, port))
+            return c
+
+        for _ in range(4):
+            held.append(stranger())
+            held[-1].send(b"GET /v1/kv?prefix= HTTP/1.1\r\n")  # and then nothing more
+        time.sleep(0.3)  # the four are being served (each on its thread)
+        for c in held:
+            assert not _closed_by_server(c, 0.05)  # held, not refused
+        extra = stranger()
+        assert _closed_by_server(extra, 5)  # refused at once
+        extra.close()
+        job = st.HTTPStore(s.url, token=TOKEN)
+        assert job.propose(st.ClusterConfig(0, ["127.0.0.1:10000"]))
+        assert job.config()[0].peers == ("127.0.0.1:10000",)
+        for c in held:
+            c.close()
+        deadline = time.monotonic() + 10
+        while True:  # the server sees the closes and frees the address's connections
+            again = stranger()
+            again.sendall(b"GET /v1/kv/cluster%2Fconfig HTTP/1.0\r\nAuthorization: Bearer "
+                          + TOKEN.encode() + b"\r\n\r\n")
+            again.settimeout(5)
+            try:
+                reply = again.recv(4096)
+            except ConnectionResetError:
+                reply = b""
+            again.close()
+            if b" 200 " in reply or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert b" 200 " in reply, reply
+    finally:
+        stop.set()
+        for c in held:
+            c.close()
+        s.stop()
