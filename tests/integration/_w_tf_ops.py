@@ -425,6 +425,26 @@ def values():
     res["bad_op"] = _outcome(lambda: ops.all_reduce(t, op="mean", name="bad-op"))
     # Nobody leaves while another worker may still be reading its blobs.
     ops.barrier(name="values/done")
+
+    # -- broadcast_variables in a TF1-style graph session ---------------------------------
+    # Before: the op it returned grouped nothing, so a session broadcast nothing.
+    from kungfu.tensorflow.initializer import broadcast_variables
+    g = tf.Graph()
+    with g.as_default():
+        v = tf.Variable(np.full(3, float(r + 1), np.float32))
+        w = tf.compat.v1.Variable(np.full(2, 10.0 * (r + 1), np.float64))
+        bcast = kf.broadcast_variables([v, w], root=n - 1, name="tf1/a")
+        bcast2 = broadcast_variables([w], root=0, name="tf1/b")
+        import keras
+        k = keras.Variable([1.0])
+        res["tf1/keras"] = _outcome(lambda: kf.broadcast_variables([k], name="tf1/k"))
+        with tf.compat.v1.Session(graph=g) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(bcast)
+            res["tf1/first"] = [sess.run(v).tolist(), sess.run(w).tolist()]
+            sess.run(w.assign(np.full(2, -1.0 - r)))
+            sess.run(bcast2)
+            res["tf1/second"] = sess.run(w).tolist()
     return res
 
 

@@ -316,6 +316,15 @@ def test_save_and_request_variable(values, n):
             assert not same(got, "float32", (2, 3), np.full((2, 3), 100 * k + peer)), (where, k)
 
 
+@pytest.mark.parametrize("n", NPS)
+def test_broadcast_variables_in_a_graph_session(values, n):
+    for res in values(n):
+        assert res["tf1/first"] == [[float(n)] * 3, [10.0 * n] * 2], res["tf1/first"]
+        assert res["tf1/second"] == [-1.0, -1.0], res["tf1/second"]
+        o = res["tf1/keras"]  # Keras 3 cannot assign its variables there: said, not ignored
+        assert o["error"] == "TypeError" and "keras.Variable" in o["message"], o
+
+
 # -- eager mode needs names --------------------------------------------------------------------
 
 def test_eager_ops_without_name_raise_value_error(values):

@@ -48,15 +48,26 @@ def broadcast_variables(variables: Iterable, root: int = 0, name: str = "kungfu/
     if not 0 <= root < size:
         raise ValueError(f"root {root} is not a rank of this cluster of {size} workers")
     variables = _flatten(variables)
+    # A TF1-style graph (tf.compat.v1.Session), not a tf.function: there the assigns run only if
+    # the returned op runs them.
+    session_graph = not tf.executing_eagerly() and not tf.inside_function()
     for v in variables:
         if not isinstance(v, (tf.Variable, keras.Variable)):
             raise TypeError(f"broadcast_variables takes variables, got {type(v).__name__}")
+        if session_graph and not isinstance(v, tf.Variable):
+            raise TypeError(
+                f"broadcast_variables: {v.name} is a keras.Variable, which Keras 3 cannot assign "
+                "in a TF1-style graph (its assign returns the value and changes nothing when "
+                "run); use tf.Variable there, or call it eagerly or inside a tf.function")
         if not tf.TensorShape(v.shape).is_fully_defined():
             raise ValueError(f"variable {v.name} has a shape that is not fully defined: "
                              f"{v.shape}")
     received = _fusion.broadcast([tf.convert_to_tensor(v) for v in variables], root, name,
                                  bucket_bytes)
-    assigns = [v.assign(r) for v, r in zip(variables, received)]
+    # tf.Variable.assign in a graph returns an unread view of the variable, not the assign op (a
+    # group of those was empty, so a session broadcast nothing); read_value=False returns the op.
+    assigns = [v.assign(r, read_value=False) if isinstance(v, tf.Variable) else v.assign(r)
+               for v, r in zip(variables, received)]
     if tf.executing_eagerly():
         return None
     return tf.group([a for a in assigns if isinstance(a, (tf.Tensor, tf.Operation))])
