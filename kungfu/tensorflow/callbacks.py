@@ -198,8 +198,10 @@ class RankZeroOutput:
 
 class LearningRateWarmupCallback(keras.callbacks.Callback):
     """Gradual warmup (Goyal et al.), as Horovod's callback of this name: over the first
-    `warmup_epochs` epochs the learning rate grows linearly, step by step, from
-    initial_lr / size to initial_lr (the rate for the whole cluster's batch), then stays there
+    `warmup_epochs` epochs the learning rate grows linearly, step by step, from about
+    initial_lr / size to initial_lr (the rate for the whole cluster's batch), reached on the last
+    warmup batch (batch b of epoch e trains at the fraction (e + (b + 1) / steps) / warmup_epochs
+    of the way, as Horovod's callback does), then stays there
     for other callbacks and policies to change. `steps_per_epoch`: Keras's count when None (an
     input of unknown length then warms up per epoch). The size is the cluster's at each step, so
     an elastic job's warmup follows its resizes. Every worker computes the same rate."""
@@ -220,8 +222,11 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self._done = False
 
     def rate(self, epoch: int, batch: int, size: int) -> float:
+        # Horovod's schedule: batch b trains at the progress reached after it, so the last batch
+        # of the warmup trains at the full rate (with batch / steps it came one batch late).
         steps = self.steps_per_epoch or (self.params or {}).get("steps") or 0
-        progress = min(1.0, (epoch + (batch / steps if steps else 0.0)) / self.warmup_epochs)
+        done = epoch + ((batch + 1) / steps if steps else 1.0)
+        progress = min(1.0, done / self.warmup_epochs)
         return self.initial_lr * (1.0 / size + (1.0 - 1.0 / size) * progress)
 
     def on_epoch_begin(self, epoch, logs=None):

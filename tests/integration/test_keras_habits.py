@@ -93,8 +93,10 @@ def test_a_worker_a_shrink_left_out_keeps_its_rank(spawn):
 def test_learning_rate_warmup_goes_from_lr_over_size_to_lr(spawn):
     r0, r1 = spawn(2, w.warmup, 0.4, 2, env=ENV, timeout=90)
     assert r0 == r1
-    # 4 steps an epoch: the rate at step s of the warmup is 0.4 (1/2 + 1/2 * s / 8), then 0.4.
-    expected = [0.4 * (0.5 + 0.5 * s / 8) for s in range(8)] + [0.4] * 4
+    # 4 steps an epoch: step s (from 0) of the warmup trains at 0.4 (1/2 + 1/2 * (s + 1) / 8), as
+    # Horovod's callback: the last warmup step at the full 0.4 (it came one step late), then 0.4.
+    expected = [0.4 * (0.5 + 0.5 * (s + 1) / 8) for s in range(8)] + [0.4] * 4
+    assert expected[7] == 0.4
     assert r0 == pytest.approx(expected, rel=1e-6)
 
 
