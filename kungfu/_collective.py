@@ -186,6 +186,7 @@ def _takes_part(kind: str, name, timeout):
         raise
 
 
+@functools.lru_cache(maxsize=4096)  # called per operation: a training loop has few shapes
 def _shape_digest(shape: tuple) -> int:
     """A nonzero 64-bit digest (FNV-1a) of a shape: peers compare it (the whole shape for
     allreduce and broadcast, the dimensions after the first for allgather and gather)."""
