@@ -67,6 +67,13 @@ GRACE_SECONDS = 5.0
 BLAME_WINDOW = 0.1  # seconds of exits compared to find the worker that failed first
 # How long a failure waits for the exit of a worker that had begun to exit before it.
 EXITING_WAIT = 5.0
+# A worker killed by a signal notes no exit: when it died is known only by its reap, and its
+# peers, whose collectives fail on it within milliseconds, may note their exits before the
+# launcher's waiting thread reaps it (under load, tens of milliseconds later: 4 of 9 kills blamed
+# a survivor). So such a death counts as having begun this long before its reap. A failure
+# noted earlier than that came first; a signal that is a consequence of a noted failure (a
+# crash after a peer's) within it would be blamed instead, which kungfu's workers never do.
+SIGNAL_SLACK = 1.0
 
 
 @dataclass
@@ -508,6 +515,17 @@ def _preexec_parent_death_signal():
     return preexec
 
 
+def _ended(proc) -> bool:
+    """Whether a worker's process has ended, though its waiting thread may not have reported
+    the exit yet: a look that leaves the process to that thread to reap (WNOWAIT)."""
+    if getattr(proc, "returncode", None) is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return False  # not a child of this process (or reaped this instant: reported soon)
+
+
 class _Interrupted(Exception):
     """A signal or -timeout ended a wait before the event loop ran; `code` is the exit code."""
 
@@ -749,17 +767,21 @@ class Launcher:
                     continue  # not a note
 
     def _began_failing(self, event: tuple) -> float:
-        """When the worker of an exit event began to exit: its note, else its exit."""
+        """When the worker of an exit event began to exit: its note, else its exit (for a death
+        by a signal, SIGNAL_SLACK before it)."""
         run = self.running.get(event[1])
         noted = None if run is None else self._exit_noted.get(run.proc.pid)
-        return event[3] if noted is None else min(noted, event[3])
+        if noted is not None:
+            return min(noted, event[3])
+        return event[3] - SIGNAL_SLACK if event[2] < 0 else event[3]
 
     def _first_failure(self, event: tuple) -> tuple:
         """The failing exit to blame: of those seen within BLAME_WINDOW of `event`, the one whose
         worker began to exit first. A worker that fails takes its peers down a moment later
         (PeerFailedError), and their exits can come first: a worker that has said goodbye still
         has its own exit to finish. So a worker that noted its exit before the failures seen
-        began is waited for (up to EXITING_WAIT)."""
+        began is waited for (up to EXITING_WAIT), and so is one whose process has ended but
+        whose exit is not reported yet (a worker killed by a signal: see SIGNAL_SLACK)."""
         exits, others = [event], []
         start = time.monotonic()
         while True:
@@ -767,7 +789,8 @@ class Launcher:
             began = min(self._began_failing(e) for e in failing)
             seen = {e[1] for e in exits}
             exiting = any(run.returncode is None and key not in seen
-                          and self._exit_noted.get(run.proc.pid, began) < began
+                          and (self._exit_noted.get(run.proc.pid, began) < began
+                               or _ended(run.proc))
                           for key, run in self.running.items())
             left = start + (EXITING_WAIT if exiting else BLAME_WINDOW) - time.monotonic()
             if left <= 0:

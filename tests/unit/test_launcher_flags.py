@@ -447,6 +447,25 @@ def test_the_worker_that_noted_its_exit_first_is_blamed_even_if_it_exits_later()
     assert time.monotonic() - t0 < L.EXITING_WAIT
 
 
+def test_a_death_by_signal_wins_over_notes_just_before_its_reap():
+    # Rank 1 was SIGKILLed: no note; ranks 0 and 2 failed of it and noted their exits at 9.97
+    # and 9.98, before the launcher reaped rank 1 at 10.0 (probe 1b: a survivor was blamed).
+    opts = L.parse_args(["-np", "3", "true"])
+    launcher = L.Launcher(opts, [], [])
+    launcher.running = {r: types.SimpleNamespace(proc=types.SimpleNamespace(pid=100 + r),
+                                                 returncode=None) for r in (0, 1, 2)}
+    launcher._exit_noted = {100: 9.97, 102: 9.98}
+    killed = ("exit", 1, -9, 10.0)
+    launcher.events.put(killed)
+    launcher.events.put(("exit", 2, 3, 10.02))
+    assert launcher._first_failure(("exit", 0, 3, 9.99)) == killed
+    # A failure noted longer than SIGNAL_SLACK before the reap came first.
+    launcher._exit_noted = {100: 10.0 - L.SIGNAL_SLACK - 0.1}
+    launcher.events = L.queue.SimpleQueue()
+    launcher.events.put(killed)
+    assert launcher._first_failure(("exit", 0, 3, 10.0)) == ("exit", 0, 3, 10.0)
+
+
 def test_failure_flags_of_elastic_jobs():
     opts = L.parse_args(["-w", "-builtin-config-port", "9", "-min-np", "2", "-max-restarts", "0",
                          "-replace=false", "-host-cooldown", "1m30s", "prog"])
