@@ -45,6 +45,7 @@ from kungfu.store import (
     ConfigServer,
     StoreError,
     connect,
+    shown_url,
 )
 
 LEAVE_GRACE = 10.0  # seconds a worker left out of the latest version may take to exit
@@ -120,18 +121,19 @@ class ElasticLauncher(Launcher):
                                        token=self.opts.job_token).start()
             self.url = self.server.url
             self.info(f"config store at {self.url}")
-        store = connect(self.url, token=self.opts.job_token)
+        store = connect(self.url, token=self.opts.job_token,
+                        credentials=self.opts.config_server_credentials)
         initial = ClusterConfig(0, [w.spec for w in self.peers])
         start = time.monotonic()
         said = 0  # progress lines so far, one every STORE_PROGRESS seconds
-        what = f"waiting for the config store at {self.url}"
+        what = f"waiting for the config store at {shown_url(self.url)}"
         while True:
             try:
                 # Only the first proposal of version 0 is stored. On a helper thread, as the
                 # pause below: a signal or -timeout ends the wait at once (_wait_at_start).
                 self._wait_at_start(what, call=lambda: store.propose(initial))
                 if said:
-                    self.info(f"the config store at {self.url} answers")
+                    self.info(f"the config store at {shown_url(self.url)} answers")
                 return store
             except StoreError as e:
                 waited = time.monotonic() - start

@@ -127,6 +127,11 @@ ETCD_CACERT = Var("KUNGFU_ETCD_CACERT", str, None,
                   "CA file that verifies an etcds:// config store (etcd's gateway over TLS)")
 ETCD_CERT = Var("KUNGFU_ETCD_CERT", str, None, "client certificate for an etcds:// config store")
 ETCD_KEY = Var("KUNGFU_ETCD_KEY", str, None, "the client certificate's key (KUNGFU_ETCD_CERT)")
+ETCD_CREDENTIALS = Var("KUNGFU_ETCD_CREDENTIALS", str, None,
+                       "a file holding USER:PASSWORD for an etcd:// or etcds:// config store "
+                       "(etcd's authentication), readable by its owner only (chmod 600); kept out "
+                       "of the URL, which every local user can read in ps. Set for the workers "
+                       "by kungfu-run -config-server-credentials FILE")
 WATCHDOG_FD = Var("KUNGFU_WATCHDOG_FD", int, None,
                   "set by kungfu-run: a pipe whose end of file means the launcher died; the "
                   "worker then ends its process group (wrappers like bash -c included)")
@@ -222,7 +227,8 @@ SLOWDOWN = Var("KUNGFU_SLOWDOWN", _slowdown, [],
                "on (default 0; later entries of a rank replace earlier ones)")
 
 ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
-       ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, ETCD_CACERT, ETCD_CERT, ETCD_KEY, WATCHDOG_FD,
+       ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, ETCD_CACERT, ETCD_CERT, ETCD_KEY,
+       ETCD_CREDENTIALS, WATCHDOG_FD,
        EXIT_NOTE_FD, RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT,
        PEER_TIMEOUT, CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, FUSION_BYTES,
        TIMELINE, GPU_COUNT, SAMPLE_TIME, SAMPLE_JITTER, SLOWDOWN]

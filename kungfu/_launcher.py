@@ -96,6 +96,7 @@ class Options:
     elastic: bool = False
     builtin_config_port: Optional[int] = None
     config_server: Optional[str] = None
+    config_server_credentials: Optional[str] = None  # a file with etcd's USER:PASSWORD
     job_token_file: Optional[str] = None
     job_token: str = ""  # resolved by run(), never printed
     min_np: Optional[int] = None  # -w: the fewest workers a failure may leave
@@ -148,7 +149,10 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
   -builtin-config-port P  host the config store here, on port P of this host's address
                       (one launcher of the job hosts it; the others use -config-server)
   -config-server URL  the job's config store: http://HOST:P (a builtin one), or etcd's gateway:
-                      etcd://[USER:PASSWORD@]HOST:P, or etcds://... over TLS
+                      etcd://HOST:P, or etcds://... over TLS
+  -config-server-credentials F  etcd's USER:PASSWORD, read from file F, which only its owner
+                      may read (chmod 600); the workers read it too (KUNGFU_ETCD_CREDENTIALS).
+                      A password in the URL works but every local user can read it in ps
   -min-np N           -w: a worker that dies or hangs (KUNGFU_PEER_TIMEOUT) is left behind
                       and the others go on from the step it failed in (model.fit with
                       kf.Hook and kf.ElasticData); the job fails instead when fewer than N
@@ -218,6 +222,7 @@ _VALUE_FLAGS = {
     "timeout": "timeout",
     "builtin-config-port": "builtin_config_port",
     "config-server": "config_server",
+    "config-server-credentials": "config_server_credentials",
     "job-token-file": "job_token_file",
     "min-np": "min_np",
     "max-restarts": "max_restarts",
@@ -347,6 +352,10 @@ def parse_args(argv: Sequence[str]) -> Options:
         raise UsageError("give only one of -q and -v")
     if opts.elastic and (opts.builtin_config_port is None) == (opts.config_server is None):
         raise UsageError("-w needs exactly one of -builtin-config-port P and -config-server URL")
+    if opts.config_server_credentials is not None and not (opts.config_server or "").startswith(
+            ("etcd://", "etcds://")):
+        raise UsageError("-config-server-credentials is for an etcd store "
+                         "(-config-server etcd://HOST:P or etcds://HOST:P)")
     if not opts.elastic and (opts.builtin_config_port is not None or opts.config_server
                              or opts.min_np is not None or opts.max_restarts is not None
                              or opts.replace is not None or opts.host_cooldown is not None):
@@ -357,6 +366,31 @@ def parse_args(argv: Sequence[str]) -> Options:
         raise UsageError(f"-config-server must be http://HOST:P, etcd://HOST:P or etcds://HOST:P, "
                          f"got {opts.config_server!r}")
     return opts
+
+
+def _check_store_credentials(opts: Options) -> None:
+    """Reads -config-server-credentials (or KUNGFU_ETCD_CREDENTIALS) once, so that a bad file is
+    a usage error here rather than every worker's; warns, once, when the -config-server URL
+    holds a password: kungfu-run's command line is readable by every local user."""
+    from kungfu import store
+
+    if opts.config_server_credentials is not None:
+        opts.config_server_credentials = os.path.abspath(opts.config_server_credentials)
+    try:
+        path = opts.config_server_credentials or _env.ETCD_CREDENTIALS.get()
+        if path is not None and opts.config_server.startswith(("etcd://", "etcds://")):
+            store.read_credentials(path)
+            if store.url_password(opts.config_server) is not None:
+                raise ValueError(f"etcd credentials given twice: in -config-server and in "
+                                 f"{path!r}")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    given = store.url_password(opts.config_server)
+    if given is not None:
+        logger.warning(f"warning: -config-server {store.shown_url(opts.config_server)} holds "
+                       f"etcd user {given[0]!r}'s password, which every local user can read in "
+                       f"this command line (ps); put USER:PASSWORD in a file only you can read "
+                       f"(chmod 600) and give -config-server-credentials FILE instead")
 
 
 def job_token(opts: Options, alone: bool) -> str:
@@ -702,6 +736,8 @@ class Launcher:
                 "CUDA_VISIBLE_DEVICES") if k in env)
             logger.debug(f"worker {worker.rank}: {ident}: {shlex.join(self.opts.command)}")
         env[_env.JOB_TOKEN.name] = self.opts.job_token
+        if self.opts.config_server_credentials is not None:
+            env[_env.ETCD_CREDENTIALS.name] = self.opts.config_server_credentials
         env[_env.WATCHDOG_FD.name] = str(self._watchdog[0])
         notes = self._exit_notes[1]
         env[_env.EXIT_NOTE_FD.name] = f"{notes}:{os.fstat(notes).st_ino}"
@@ -1147,6 +1183,8 @@ def run(argv: Sequence[str]) -> int:
                 raise UsageError(f"cannot create -{flag} {directory!r}: {reason}") from None
         if opts.timeline is not None:
             opts.timeline = os.path.abspath(opts.timeline)  # workers may change directory
+        if opts.config_server is not None:
+            _check_store_credentials(opts)
     except UsageError as e:
         sys.stderr.write(f"{PROG}: {e}\n")
         sys.stderr.flush()

@@ -22,7 +22,8 @@ MAX_VALUE_BYTES (413), bodies must be exactly as long as announced, a request (h
 must arrive within REQUEST_DEADLINE in all, however slowly it trickles in, a client address may
 hold at most MAX_CONNECTIONS_PER_ADDRESS connections at once (more are refused at once, 503), and
 configurations are parsed outside the store's lock. EtcdStore
-supports etcd's user/password authentication and an https:// gateway with a CA and a client
+supports etcd's user/password authentication (from a file only its owner can read, or the URL)
+and an https:// gateway with a CA and a client
 certificate; whatever etcd holds that cannot be parsed is a StoreError, never a crash.
 """
 from __future__ import annotations
@@ -32,9 +33,12 @@ import collections
 import hmac
 import io
 import json
+import os
 import re
+import shlex
 import socket
 import ssl
+import stat
 import threading
 import time
 import urllib.error
@@ -687,10 +691,53 @@ class EtcdStore(Store):
         return out
 
 
-def connect(url: str, token: Optional[str] = None) -> Store:
+def read_credentials(path: str) -> Tuple[str, str]:
+    """(user, password) from a file holding USER:PASSWORD (one line), which only its owner may
+    read or write: a password is kept out of URLs and command lines, where every local user can
+    read it (ps), and a file others can read would expose it the same way. ValueError if not."""
+    try:
+        with open(path) as f:
+            mode = os.fstat(f.fileno()).st_mode
+            text = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the etcd credentials file {path!r}: "
+                         f"{e.strerror or e}") from None
+    if mode & 0o077:
+        raise ValueError(f"the etcd credentials file {path!r} is open to other users (mode "
+                         f"{stat.S_IMODE(mode):04o}): chmod 600 {shlex.quote(path)}")
+    user, sep, password = text.partition(":")
+    if not sep or not user or not password or "\n" in text:
+        raise ValueError(f"the etcd credentials file {path!r} must hold USER:PASSWORD on one "
+                         "line")
+    return user, password
+
+
+def url_password(url: str) -> Optional[Tuple[str, str]]:
+    """(user, password) when an etcd:// or etcds:// URL carries a password, else None."""
+    scheme = next((s for s in ("etcd://", "etcds://") if url.startswith(s)), None)
+    if scheme is None:
+        return None
+    parts = urllib.parse.urlsplit("x://" + url[len(scheme):])
+    if not parts.username or parts.password is None:
+        return None
+    return urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password)
+
+
+def shown_url(url: str) -> str:
+    """`url` with a password in it replaced by ***, for messages."""
+    if url_password(url) is None:
+        return url
+    scheme, _, rest = url.partition("://")
+    userinfo, _, hostpart = rest.rpartition("@")
+    return f"{scheme}://{userinfo.partition(':')[0]}:***@{hostpart}"
+
+
+def connect(url: str, token: Optional[str] = None, credentials: Optional[str] = None) -> Store:
     """A Store for http://host:port (the builtin server; `token` defaults to KUNGFU_JOB_TOKEN),
     etcd://[user:password@]host:port or etcds://... (etcd's gateway over TLS; the CA and client
-    certificate come from KUNGFU_ETCD_CACERT, KUNGFU_ETCD_CERT, KUNGFU_ETCD_KEY)."""
+    certificate come from KUNGFU_ETCD_CACERT, KUNGFU_ETCD_CERT, KUNGFU_ETCD_KEY). etcd's user
+    and password: from the file `credentials` (default KUNGFU_ETCD_CREDENTIALS; see
+    read_credentials), or from the URL; not both."""
     for scheme, web in (("etcd://", "http://"), ("etcds://", "https://")):
         if url.startswith(scheme):
             from kungfu import _env
@@ -698,6 +745,12 @@ def connect(url: str, token: Optional[str] = None) -> Store:
             parts = urllib.parse.urlsplit("x://" + url[len(scheme):])
             user = urllib.parse.unquote(parts.username) if parts.username else None
             password = urllib.parse.unquote(parts.password or "") if user else None
+            credentials = credentials or _env.ETCD_CREDENTIALS.get()
+            if credentials:
+                if user is not None:
+                    raise ValueError(f"etcd credentials given twice: in the URL "
+                                     f"{shown_url(url)} and in the file {credentials!r}")
+                user, password = read_credentials(credentials)
             netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
             return EtcdStore(web + netloc, user=user, password=password,
                              cacert=_env.ETCD_CACERT.get(), cert=_env.ETCD_CERT.get(),

@@ -533,3 +533,33 @@ def test_gpu_count_override():
     assert L.gpu_count({_env.GPU_COUNT.name: "0"}) == 0
     with pytest.raises(ValueError, match="KUNGFU_GPU_COUNT"):
         L.gpu_count({_env.GPU_COUNT.name: "-1"})
+
+
+def test_etcd_password_in_the_url_is_warned_about_and_never_shown(tmp_path):
+    """The probe (3g): `-config-server etcd://alice:S3cretPW@...` shows the password to every
+    local user (ps). It still works, with one warning that does not repeat the password; a
+    credentials file is the way that does not show it, and one open to others is refused."""
+    from kungfu._ports import free_port_range
+
+    port = free_port_range(1).split("-")[0]  # nobody listens: -timeout ends the wait
+    common = ("-w", "-np", "1", "-H", "127.0.0.1:1", "-port-range", free_port_range(1),
+              "-timeout", "1s")
+    r = launcher(*common, "-config-server", f"etcd://alice:S3cretPW@127.0.0.1:{port}",
+                 sys.executable, "-c", "pass")
+    assert r.returncode == 124, r.stderr
+    assert r.stderr.count("-config-server-credentials FILE") == 1, r.stderr
+    assert f"etcd://alice:***@127.0.0.1:{port} holds etcd user 'alice'" in r.stderr, r.stderr
+    assert "S3cretPW" not in r.stderr + r.stdout
+    creds = tmp_path / "etcd.credentials"
+    creds.write_text("alice:S3cretPW\n")
+    creds.chmod(0o600)
+    r = launcher(*common, "-config-server", f"etcd://127.0.0.1:{port}",
+                 "-config-server-credentials", str(creds), sys.executable, "-c", "pass")
+    assert r.returncode == 124 and "warning" not in r.stderr, r.stderr
+    creds.chmod(0o644)
+    r = launcher(*common, "-config-server", f"etcd://127.0.0.1:{port}",
+                 "-config-server-credentials", str(creds), sys.executable, "-c", "pass")
+    assert r.returncode == 2 and "open to other users (mode 0644): chmod 600" in r.stderr, r.stderr
+    r = launcher(*common, "-builtin-config-port", port, "-config-server-credentials", str(creds),
+                 sys.executable, "-c", "pass")
+    assert r.returncode == 2 and "is for an etcd store" in r.stderr, r.stderr

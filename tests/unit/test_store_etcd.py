@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import threading
 import uuid
 
@@ -215,5 +216,21 @@ def test_user_and_password(tmp_path):
         host = url[len("http://"):]
         via_url = st.connect(f"etcd://root:rootpw@{host}")
         assert via_url.config()[0].version == 0
+        # From a file only its owner reads (the URL shows the password in ps): given, or named
+        # by KUNGFU_ETCD_CREDENTIALS as kungfu-run -config-server-credentials tells workers.
+        creds = tmp_path / "credentials"
+        creds.write_text("root:rootpw\n")
+        creds.chmod(0o600)
+        via_file = st.connect(f"etcd://{host}", credentials=str(creds))
+        assert via_file.config()[0].version == 0
+        assert via_file.propose(st.ClusterConfig(1, ["127.0.0.1:2"]))
+        os.environ["KUNGFU_ETCD_CREDENTIALS"] = str(creds)
+        try:
+            assert st.connect(f"etcd://{host}").config()[0].peers == ("127.0.0.1:2",)
+            creds.write_text("root:wrong\n")
+            with pytest.raises(st.StoreError, match="refused user 'root'"):
+                st.connect(f"etcd://{host}").config()
+        finally:
+            del os.environ["KUNGFU_ETCD_CREDENTIALS"]
     finally:
         server.stop()

@@ -249,3 +249,43 @@ def test_connections_per_address_are_capped_and_the_job_goes_on():
         for c in held:
             c.close()
         s.stop()
+
+
+def _credentials(tmp_path, text, mode=0o600):
+    path = tmp_path / "etcd.credentials"
+    path.write_text(text)
+    path.chmod(mode)
+    return str(path)
+
+
+def test_etcd_credentials_come_from_a_file_only_its_owner_reads(tmp_path, monkeypatch):
+    # The probe (3g): etcd://USER:PASSWORD@... put the password in every local user's ps.
+    monkeypatch.delenv("KUNGFU_ETCD_CREDENTIALS", raising=False)
+    path = _credentials(tmp_path, "alice:S3cret:PW\n")  # the password may hold ':'
+    assert st.read_credentials(path) == ("alice", "S3cret:PW")
+    s = st.connect("etcd://127.0.0.1:2379", credentials=path)
+    assert (s._user, s._password, s.url) == ("alice", "S3cret:PW", "http://127.0.0.1:2379")
+    monkeypatch.setenv("KUNGFU_ETCD_CREDENTIALS", path)  # how workers get it
+    s = st.connect("etcds://127.0.0.1:2379")
+    assert (s._user, s._password, s.url) == ("alice", "S3cret:PW", "https://127.0.0.1:2379")
+    with pytest.raises(ValueError, match="given twice"):
+        st.connect("etcd://bob:pw@127.0.0.1:2379")
+    monkeypatch.delenv("KUNGFU_ETCD_CREDENTIALS")
+    for mode in (0o644, 0o640, 0o604, 0o620):
+        with pytest.raises(ValueError, match=f"open to other users \\(mode 0{mode:o}\\): chmod 600"):
+            st.read_credentials(_credentials(tmp_path, "alice:pw", mode))
+    for bad in ("alice", "alice:", ":pw", "", "alice:pw\nbob:pw"):
+        with pytest.raises(ValueError, match="must hold USER:PASSWORD") as e:
+            st.read_credentials(_credentials(tmp_path, bad))
+        assert "pw" not in str(e.value).replace(str(tmp_path), "")
+    with pytest.raises(ValueError, match="cannot read"):
+        st.read_credentials(str(tmp_path / "missing"))
+
+
+def test_a_password_in_the_url_still_works_and_is_never_shown():
+    s = st.connect("etcd://alice:S3cret%40PW@127.0.0.1:2379")
+    assert (s._user, s._password) == ("alice", "S3cret@PW")
+    assert st.url_password("etcd://alice:S3cret%40PW@h:1") == ("alice", "S3cret@PW")
+    assert st.url_password("etcd://alice@h:1") is None and st.url_password("http://a:b@h:1") is None
+    assert st.shown_url("etcd://alice:S3cret%40PW@h:1") == "etcd://alice:***@h:1"
+    assert st.shown_url("etcds://h:1") == "etcds://h:1"
