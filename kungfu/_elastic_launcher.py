@@ -234,7 +234,10 @@ class ElasticLauncher(Launcher):
         launcher keeps watching."""
         run = self.running[key]
         spec, how = run.worker.spec, _describe_exit(rc)
-        self.error(f"worker {run.worker.rank} ({spec}) {how}; the others go on without it")
+        gone = {f[2] for f in self.failures} | {spec}
+        left = [p for p in (self.latest.peers if self.latest else ()) if p not in gone]
+        self.error(f"worker {run.worker.rank} ({spec}) {how}; " + (
+            "the others go on without it" if left else "no other worker of the job is left"))
         self.unreported.append((spec, self.version_of[key]))
         self._flush_dead(store)
         self._failed(run, how, rc)
@@ -285,10 +288,12 @@ class ElasticLauncher(Launcher):
         return any(v.isdigit() and int(v) >= self.version_of[key] for v in versions)
 
     def _summary(self, done: bool) -> Optional[int]:
-        """The failures survived, last; the exit code if training did not finish."""
+        """The failures, last: survived when training finished, else lost (the job ended
+        with them); the exit code if training did not finish."""
         for t, rank, spec, how, _, version in self.failures:
             by = "not replaced" if version is None else f"replaced in version {version}"
-            self.info(f"survived: worker {rank} ({spec}) {how} at {t:.1f}s; {by}")
+            self.info(f"{'survived' if done else 'lost'}: worker {rank} ({spec}) {how} at "
+                      f"{t:.1f}s; {by}")
         if done or not self.failures:
             return None
         self.error("elastic job: training did not finish after the failures above")
