@@ -5,10 +5,12 @@
 - `_membership.py`: `Membership`, the state machine a trainer drives at its step boundaries
   (training, proposing, waiting for joiners, switching, recovering), with the in-memory commits
   and the durable checkpoint; a framework binding supplies `Variables` (capture and restore).
+- `_checkpoint.py`: the checkpoint file's format (header, checksum) and its atomic write.
 
 kf.Hook (kungfu/tensorflow/_hook.py) is the TensorFlow trainer; kungfu/tensorflow/_variables.py
 its binding. Nothing here imports a framework or the launcher.
 """
+from kungfu.elastic._checkpoint import CheckpointError, check_writable  # noqa: F401
 from kungfu.elastic._membership import (  # noqa: F401
     Commit,
     Membership,

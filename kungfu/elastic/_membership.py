@@ -29,7 +29,6 @@ import collections
 import copy
 import dataclasses
 import enum
-import os
 import pickle
 import sys
 import time
@@ -39,6 +38,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from kungfu import _env, _peer, timeline
+from kungfu.elastic import _checkpoint
+from kungfu.elastic._checkpoint import CheckpointError
 from kungfu.elastic._protocol import ExpelledError, broadcast_blob, context
 from kungfu.policy import TrainingState, _actions
 from kungfu.store import ClusterConfig, StoreError
@@ -175,6 +176,7 @@ class Membership:
         self._replace_check = 0.0  # time.monotonic() of the next check for free slots
         self.checkpoint: Optional[str] = None
         self.checkpoint_every = 100
+        self._checkpoint_failing: Optional[int] = None  # the step whose write failed first
 
     def _enter(self, state: State) -> None:
         if state is not self.state and state not in _MOVES[self.state]:
@@ -451,34 +453,66 @@ class Membership:
                 and not at_end)
 
     def _save_checkpoint(self, c: Commit) -> None:
-        """Writes commit `c` to the checkpoint file atomically (a temporary file, flushed to
-        disk, renamed over the old one): a crash leaves the previous checkpoint whole."""
-        payload = pickle.dumps({
-            "format": 1, "arrays": self.variables.arrays(c.snapshot),
+        """Writes commit `c` to the checkpoint file (kungfu/elastic/_checkpoint.py: checked
+        format, atomic, mode 0600). A write that fails (a full disk, a folder gone) is this
+        worker's own trouble, not a lost peer: it is reported once, with the path, and training
+        goes on; the next checkpoint tries again (and says when one is written again)."""
+        content = pickle.dumps({
+            "arrays": self.variables.arrays(c.snapshot),
             "variables": self.variables.describe(c.variables), "state": c.state,
             "policies": c.policies, "data": None if c.data is None else c.data[:4],
             "epochs_total": self.trainer.epochs_total})
-        tmp = f"{self.checkpoint}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.checkpoint)
+        step = self.trainer.state.step
+        try:
+            _checkpoint.write(self.checkpoint, content)
+        except OSError as e:
+            if self._checkpoint_failing is None:
+                print(f"kungfu: cannot write the checkpoint {self.checkpoint} at step {step} "
+                      f"({e}); training goes on and the next checkpoint tries again (further "
+                      "failures are not reported until one is written)", file=sys.stderr,
+                      flush=True)
+                self._checkpoint_failing = step
+            return
+        if self._checkpoint_failing is not None:
+            print(f"kungfu: the checkpoint {self.checkpoint} is written again at step {step} "
+                  f"(the writes failed since step {self._checkpoint_failing})", file=sys.stderr,
+                  flush=True)
+            self._checkpoint_failing = None
 
     def resume(self) -> bool:
         """At the start of training, when the checkpoint file exists: rank 0 reads it and every
         worker takes its state (variables, trainer and policy state, data position), whatever
-        the cluster size was when it was written. Returns whether it did."""
+        the cluster size was when it was written. Returns whether it did (False: no file). A
+        file that is empty, truncated, corrupted or not a kungfu checkpoint raises
+        CheckpointError on every worker, naming it: it is never taken for "no checkpoint" (and
+        so never overwritten by this training)."""
         peer = _peer.identity()
+        # Rank 0 reads and checks the file; every worker learns the outcome from its broadcast
+        # (b"": no checkpoint, b"+" and the content, b"!" and why the file cannot be used), so
+        # a bad file stops every worker with the same error instead of leaving them waiting.
         blob = b""
-        if peer.rank == 0 and os.path.exists(self.checkpoint):
-            with open(self.checkpoint, "rb") as f:
-                blob = f.read()
+        if peer.rank == 0:
+            try:
+                blob = b"+" + _checkpoint.read(self.checkpoint)
+            except FileNotFoundError:
+                pass
+            except CheckpointError as e:
+                blob = b"!" + str(e).encode()
+            except OSError as e:
+                blob = b"!" + f"kungfu: cannot read the checkpoint {self.checkpoint}: {e}".encode()
         if peer.size > 1:
             blob = broadcast_blob(blob, "kungfu/checkpoint")
         if not blob:
             return False
-        got = pickle.loads(blob)
+        if blob[:1] == b"!":
+            raise CheckpointError(blob[1:].decode())
+        try:
+            got = pickle.loads(blob[1:])
+            got["arrays"], got["variables"], got["state"]  # noqa: B018 - what a commit holds
+        except Exception as e:  # noqa: BLE001 - checked bytes that are no commit of kungfu's
+            raise CheckpointError(f"kungfu: the checkpoint {self.checkpoint} holds no training "
+                                  f"state kungfu can load ({type(e).__name__}: {e}); it is not "
+                                  "loaded") from None
         variables = self.variables.committed()
         problem = mismatch(self.variables.describe(variables), got["variables"], "this model",
                            f"the checkpoint {self.checkpoint}")

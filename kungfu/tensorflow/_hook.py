@@ -123,6 +123,10 @@ class Hook(keras.callbacks.Callback):
         # A file rank 0 keeps the last commit in (every `checkpoint_every` steps and at each
         # epoch's end); training that starts with it there resumes from it (see _resume).
         checkpoint = None if checkpoint is None else os.fspath(checkpoint)
+        if checkpoint is not None:
+            # Every worker may become rank 0 (the writer) after a failure: each checks now,
+            # rather than the job losing one rank 0 after the other to the same write error.
+            _elastic.check_writable(checkpoint)
         for p in policies:
             if not isinstance(p, BasePolicy):
                 raise TypeError(f"kf.Hook takes kf.BasePolicy instances, got {type(p).__name__}")
@@ -312,6 +316,11 @@ class Hook(keras.callbacks.Callback):
         # (mid-epoch) or begun (written at an epoch's end).
         self._resumed = self.state.step_in_epoch > 0
         self._epoch_shift = self.state.epoch
+        if self.data is not None and self.data.attached:
+            # model.fit: the data's epochs are counted from the checkpoint's position, whether
+            # its epoch is continued or begun (else the first batch waits for a release of an
+            # epoch the Hook never reaches).
+            self.data.attach()
         return True
 
     def _recover(self, error: Exception) -> None:
@@ -630,9 +639,7 @@ class Hook(keras.callbacks.Callback):
             return
         if self.data is not None:
             self.data.attach()  # tf.data reads ahead: make each batch wait for its step
-        self.before_train()
-        if self._resumed and self.data is not None:
-            self.data.attach()  # counts epochs from the checkpoint's position
+        self.before_train()  # a resume re-attaches the data at the checkpoint's position
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._output is not None:

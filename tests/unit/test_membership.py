@@ -183,3 +183,122 @@ def test_a_plan_keeps_the_members_and_skips_hosts_that_cool_down(monkeypatch):
         assert list(e.propose(1).peers) == ["a:10000"]  # shrinking needs no free slot
     finally:
         server.stop()
+
+
+def _written(tmp_path):
+    """A trainer that wrote its commit of step 2 to tmp_path/job.ckpt."""
+    path = str(tmp_path / "job.ckpt")
+    writer = Loop([(3,), (2,)])
+    writer.membership.checkpoint, writer.membership.checkpoint_every = path, 1
+    writer.train(2)
+    writer.membership.commit("step")
+    return path, writer
+
+
+def _reader(path):
+    reader = Loop([(3,), (2,)])
+    reader.membership.checkpoint = path
+    return reader.membership
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda b: b"", r"is empty \(0 bytes\)"),
+    (lambda b: b[:20], r"is truncated: 20 bytes, shorter than its 52-byte header"),
+    (lambda b: b[:-1], r"is truncated: \d+ bytes of content, its header says \d+"),
+    (lambda b: b + b"x", r"has 1 bytes more than its header says"),
+    (lambda b: b[:-40] + bytes([b[-40] ^ 0x40]) + b[-39:],
+     r"is corrupted: the SHA-256 of its content does not match its header"),
+    (lambda b: b[52:], r"is not a kungfu checkpoint \(it starts with b'\\x80"),  # a bare pickle
+    (lambda b: b[:8] + b"\x07" + b[9:], r"has format version 7; this kungfu reads version 1"),
+], ids=["empty", "header-cut", "content-cut", "longer", "bit-flipped", "foreign", "version"])
+def test_a_bad_checkpoint_file_is_refused_naming_it_and_left_alone(tmp_path, damage, why):
+    from kungfu.elastic import CheckpointError
+
+    path, _ = _written(tmp_path)
+    with open(path, "rb") as f:
+        bad = damage(f.read())
+    with open(path, "wb") as f:
+        f.write(bad)
+    with pytest.raises(CheckpointError, match=f"the checkpoint {path} {why}.*delete or move it"):
+        _reader(path).resume()
+    with open(path, "rb") as f:
+        assert f.read() == bad  # never taken for "no checkpoint", never overwritten
+
+
+def test_a_checkpoint_file_is_private_and_its_temporary_file_unpredictable(tmp_path,
+                                                                          monkeypatch):
+    import os
+    import stat
+
+    names = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (names.append(a), real_replace(a, b)))
+    path, writer = _written(tmp_path)
+    writer.train(1)
+    writer.membership.commit("step")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert len(names) == 2 and names[0] != names[1], names  # not <path>.tmp<pid>
+    assert all(os.path.dirname(n) == str(tmp_path) for n in names)
+    assert os.listdir(tmp_path) == ["job.ckpt"]
+    assert _reader(path).resume()
+
+
+def test_a_checkpoint_write_that_fails_is_reported_once_and_training_goes_on(tmp_path,
+                                                                             monkeypatch,
+                                                                             capsys):
+    """A full disk (an injected ENOSPC in the write's fsync) and a folder replaced by a file
+    (a real error, also for root): reported once with the path, no temporary file left, the
+    last good checkpoint kept; the next checkpoint that can be written is."""
+    import errno
+    import os
+
+    from kungfu.elastic import _checkpoint
+
+    path, writer = _written(tmp_path)  # step 2
+    m = writer.membership
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_checkpoint.os, "fsync", full)
+    for _ in range(2):  # steps 3 and 4: no exception, training goes on
+        writer.train(1)
+        m.commit("step")
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert err.count(f"kungfu: cannot write the checkpoint {path} at step 3 ([Errno 28] No "
+                     "space left on device); training goes on") == 1, err
+    assert "step 4" not in err and os.listdir(tmp_path) == ["job.ckpt"]
+    reader = _reader(path)
+    assert reader.resume() and reader.trainer.state.step == 2  # the last good one
+
+    writer.train(1)
+    m.commit("step")
+    assert "job.ckpt is written again at step 5 (the writes failed since step 3)" in \
+        capsys.readouterr().err
+    reader = _reader(path)
+    assert reader.resume() and reader.trainer.state.step == 5
+
+    (tmp_path / "sub").write_text("")  # a folder that is a file
+    m.checkpoint = str(tmp_path / "sub" / "job.ckpt")
+    writer.train(1)
+    m.commit("step")
+    err = capsys.readouterr().err
+    assert f"cannot write the checkpoint {m.checkpoint} at step 6 ([Errno 20] Not a " \
+           "directory" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["job.ckpt", "sub"]
+
+
+def test_a_checkpoint_path_that_cannot_be_written_is_refused_at_once(tmp_path):
+    from kungfu.elastic import CheckpointError, check_writable
+
+    with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path}/no/x.ckpt: its folder "
+                                              f"{tmp_path}/no does not exist"):
+        check_writable(str(tmp_path / "no" / "x.ckpt"))
+    (tmp_path / "f").write_text("")
+    with pytest.raises(CheckpointError, match="its folder .*/f is not a folder"):
+        check_writable(str(tmp_path / "f" / "x.ckpt"))
+    with pytest.raises(CheckpointError, match="is a folder"):
+        check_writable(str(tmp_path))
+    check_writable(str(tmp_path / "x.ckpt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # the probe file is gone
