@@ -313,6 +313,16 @@ inline int ConnectUnix(const kungfu::PeerID& to) {
   return fd;
 }
 
+// The options of an operation named `name` (strategy -1: the peer's default; timeout_ms < 0:
+// its op timeout).
+inline kungfu::OpOptions Named(const std::string& name, int strategy = -1, int64_t timeout_ms = -1) {
+  kungfu::OpOptions o;
+  o.name = name;
+  o.strategy = strategy;
+  o.timeout_ms = timeout_ms;
+  return o;
+}
+
 // Runs fn(rank) for every rank on its own thread and joins them.
 inline void OnEveryRank(int n, const std::function<void(int)>& fn) {
   std::vector<std::thread> threads;
@@ -331,6 +341,7 @@ struct ClusterOptions {
   bool timeline = false;
   size_t timeline_cap = 1000000;
   size_t fusion_bytes = kungfu::PeerConfig().fusion_bytes;
+  int64_t mismatch_grace_ms = kungfu::PeerConfig().mismatch_grace_ms;
 };
 
 // `hosts[r]` is the loopback address of rank r (127.0.0.x: every x counts as another host, so
@@ -366,6 +377,7 @@ class LocalCluster {
     c.timeline = options_.timeline;
     c.timeline_cap = options_.timeline_cap;
     c.fusion_bytes = options_.fusion_bytes;
+    c.mismatch_grace_ms = options_.mismatch_grace_ms;
     return c;
   }
 

@@ -95,6 +95,7 @@ struct Fusion::Op {
   TimePoint called, deadline;
   Handle handle;
   std::vector<int8_t> seen;  // per rank: 1 listed it in the last cycle, 0 did not, -1 unknown
+  TimePoint next_query{};    // names that differ: when Watch may ask its peers again
   bool done = false;         // completed: its buffers are the caller's again (guarded by mu_)
   size_t bytes() const { return count * DTypeSize(dtype); }
   Record ToRecord() const {
@@ -349,9 +350,25 @@ void Fusion::Watch() {
     cv_.wait_until(lk, until, [&] { return stopping_; });
     if (stopping_) break;
     std::vector<std::pair<std::shared_ptr<Op>, Status>> done;
-    ExpireLocked(Clock::now(), &done);
+    const TimePoint now = Clock::now();
+    ExpireLocked(now, &done);
+    // Names that differ (transport.h, step 1): the oldest queued op, once queued the grace
+    // period, asks the peers not known to have listed it what they wait on; an answer that
+    // shows a mismatch fails it through CheckTransportErrors.
+    std::shared_ptr<Op> ask;
+    std::vector<int> whom;
+    const auto grace = std::chrono::milliseconds(session_->transport().mismatch_grace_ms());
+    if (grace.count() > 0 && !queue_.empty() && queue_.front()->called + grace <= now &&
+        queue_.front()->next_query <= now) {
+      ask = queue_.front();
+      ask->next_query = now + grace;
+      for (int r = 0; r < session_->size(); ++r) {
+        if (r != session_->rank() && ask->seen[r] != 1) whom.push_back(r);
+      }
+    }
     lk.unlock();
     for (auto& [op, st] : done) Finish(op, st, nullptr);
+    for (int r : whom) session_->transport().Query(r, ask->name, ask->seq);
     CheckTransportErrors();
     lk.lock();
   }
@@ -634,14 +651,18 @@ void Fusion::RunBuckets() {
                                  std::chrono::system_clock::now().time_since_epoch()).count();
     t.BeginOp(kBase, b.seq, kSig);
     Status s;
-    TimePoint deadline = TimePoint::max();
+    // The agreement was the commit (one outcome per operation, peer.h C2): every peer agreed
+    // on this bucket from the same records, so its ops' own deadlines no longer end it (one peer
+    // could time out while another completes from data already sent); only a peer failure, an
+    // abort or the op timeout from now, the bound on every wait, do.
+    TimePoint deadline = started + std::chrono::milliseconds(op_timeout_ms_);
     for (size_t i = 0; i < b.ops.size(); ++i) {
       if (!b.live[i]) {
         s = DeadlineExceeded(OpWhat(b.ops[i]->name) +
                              " passed its deadline on peer " + t.Describe(t.rank()) +
                              " while its peers agreed to fuse it");
       }
-      deadline = std::min(deadline, b.ops[i]->deadline);
+      deadline = std::max(deadline, b.ops[i]->deadline);
     }
     const OpContext ctx{kOpName, b.seq, deadline};
     const size_t es = DTypeSize(b.dtype);

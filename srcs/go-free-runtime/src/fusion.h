@@ -32,7 +32,9 @@
 //     each as one multi-buffer allreduce (Session::AllReduceV) with the session's default
 //     strategy: the bucket's ops of at most fusion_bytes packed into one buffer (copied in and
 //     out), the larger ones on their own buffers (copying them would cost more than it saves).
-//     It completes each op's handle; meanwhile the loop goes on to the next cycle.
+//     It completes each op's handle; meanwhile the loop goes on to the next cycle. Agreement is
+//     the commit of one outcome per operation (peer.h, C2): a bucket's waits end at a peer
+//     failure, an abort, or op_timeout_ms after it starts, never at its ops' own deadlines.
 //  5. An op that expired (or failed: CheckTransportErrors) on this peer after it was sent in
 //     step 1 but got agreed anyway (a peer issued it just in time) cannot take part: this peer
 //     aborts its bucket, so the bucket's ops (all of that dtype, op and strategy agreed in the

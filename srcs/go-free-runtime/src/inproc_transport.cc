@@ -107,6 +107,16 @@ bool InProcTransport::Announce(int dst, const MsgKey& key, const OpSig& sig) {
   return true;
 }
 
+void InProcTransport::SendQuery(int dst, const MsgKey& key) {
+  std::shared_lock<std::shared_mutex> lk(net_->mu);
+  Status why;
+  InProcTransport* to = Reach(dst, &why);
+  if (to == nullptr) return;
+  uint64_t state = 0;
+  const std::string report = to->ReportFor(key, &state);  // dst's mu_, then ours: never both
+  OnReport(dst, key, state, report);
+}
+
 bool InProcTransport::CanReadPeerMemory(int src) const {
   std::shared_lock<std::shared_mutex> lk(net_->mu);
   Status why;

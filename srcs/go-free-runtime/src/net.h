@@ -32,8 +32,9 @@ static_assert(sizeof(Frame) == 72, "frame header must be packed");
 
 constexpr uint32_t kMagic = 0x3155464b;  // "KFU1"
 // 2: signatures in frames, token-proving handshake; 3: its transcript covers the protocol and
-// length-prefixes the name, and the dialer may refuse at step 3.
-constexpr uint16_t kProto = 3;
+// length-prefixes the name, and the dialer may refuse at step 3; 4: queries and reports of what a
+// waiting peer waits on (names that differ, transport.h).
+constexpr uint16_t kProto = 4;
 constexpr uint32_t kMaxNameLen = 4096;
 constexpr uint64_t kMaxPayload = uint64_t(1) << 40;
 
@@ -48,6 +49,8 @@ enum FrameType : uint8_t {
   kMissing = 8,
   kAuth = 10,  // the dialer's proof of the job token, or its refusal (handshake step 3)
   kSig = 9,  // no payload: the sender's signature of op (name, seq), from a peer waiting on us
+  kQuery = 11,   // no payload: a peer waiting on us for op (name, seq) asks what we wait on
+  kReport = 12,  // the answer to kQuery (same key): tag = our state of the op, payload = our waits
 };
 
 // Status codes for I/O. kEof is returned by ReadFull only when the stream ended before any byte.

@@ -30,6 +30,7 @@ Status ValidateConfig(const PeerConfig& c) {
   if (c.op_timeout_ms <= 0 || c.peer_timeout_ms <= 0 || c.connect_timeout_ms <= 0) {
     return InvalidArgument("timeouts must be positive");
   }
+  if (c.mismatch_grace_ms < 0) return InvalidArgument("the mismatch grace period must be >= 0");
   return Status::OK();
 }
 }  // namespace
@@ -88,6 +89,7 @@ Peer::Peer(const PeerConfig& config)
   t.job_token = config_.job_token;
   t.progress_ms = config_.progress_ms;
   t.progress = config_.progress;
+  t.mismatch_grace_ms = config_.mismatch_grace_ms;
   t.heartbeat_ms = std::max<int64_t>(10, std::min<int64_t>(1000, config_.peer_timeout_ms / 4));
   auto stream = std::make_unique<StreamTransport>(config_.version, config_.peers, rank_, t);
   stream_ = stream.get();
@@ -542,6 +544,11 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
   }
   int64_t timeout = options.timeout_ms < 0 ? config_.op_timeout_ms : options.timeout_ms;
   ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout);
+  // C1-C3 (peer.h): every collective says it has begun; one with a per-call deadline waits
+  // for every peer's begin until that deadline, and then no longer ends at it.
+  const bool begin = collective && size() > 1;
+  const bool commit = begin && options.timeout_ms >= 0;
+  const auto bound = std::chrono::milliseconds(config_.op_timeout_ms);
   std::shared_ptr<Session> session = session_;
   const std::string what = std::string(kind) + " '" + ctx.name + "'";
   const TimePoint called = Clock::now();
@@ -552,7 +559,18 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
     t.BeginOp(ctx.name, ctx.seq, sig);
     Status s;
     try {
-      s = stopping_ ? Cancelled("peer stopped") : body(*session, ctx);
+      if (stopping_) {
+        s = Cancelled("peer stopped");
+      } else if (begin) {
+        s = session->Commit(ctx, commit);
+        if (s.ok()) {
+          OpContext committed = ctx;
+          if (commit) committed.deadline = std::max(ctx.deadline, Clock::now() + bound);
+          s = body(*session, committed);
+        }
+      } else {
+        s = body(*session, ctx);
+      }
     } catch (const std::bad_alloc&) {
       s = ResourceExhausted("out of memory");
     } catch (const std::exception& e) {
@@ -699,6 +717,7 @@ Handle Peer::Fail(const char* kind, const OpOptions& options, const Status& reas
   }
   OpOptions o = options;
   if (o.name.empty() && k == OpKind::kBarrier) o.name = "kungfu::barrier";
+  o.timeout_ms = -1;  // it fails at once, with the reason: no rendezvous (C1) to bound
   return Run(Sig(k, o), o, 0, [reason](Session&, const OpContext&) { return reason; });
 }
 

@@ -21,6 +21,7 @@ enum Phase : uint64_t {
   kVerdictPhase = 6,
   kLocalReducePhase = 7,  // HIERARCHICAL: to a segment's owner on this host
   kLocalGatherPhase = 8,  // HIERARCHICAL: from a segment's owner on this host
+  kCommitPhase = 9,       // Session::Commit
 };
 uint64_t Tag(Phase phase, uint64_t part, uint64_t step, uint64_t chunk) {
   return phase << 60 | (part & 0xfff) << 48 | (step & 0xffff) << 32 | (chunk & 0xffffffff);
@@ -679,6 +680,22 @@ Status Session::BroadcastTree(const OpContext& ctx, const Part& p, const Tree& t
       KF_RETURN_IF_ERROR(transport_.Send(child, {ctx.name, ctx.seq, Tag(kBcastPhase, 0, 0, c)},
                                          p.Expect(e - b), p.Recv(b)));
     }
+  }
+  return Status::OK();
+}
+
+// All to all: one message hop, and every peer learns of every other's begin at once.
+Status Session::Commit(const OpContext& ctx, bool wait) {
+  const MsgExpect none{DType::kUInt8, 0, 0};
+  const MsgKey key{ctx.name, ctx.seq, Tag(kCommitPhase, 0, 0, 0)};
+  for (int i = 1; i < size(); ++i) {
+    KF_RETURN_IF_ERROR(transport_.Send((rank_ + i) % size(), key, none, nullptr));
+  }
+  if (!wait) return Status::OK();
+  Buffer ignored;
+  for (int i = 1; i < size(); ++i) {
+    KF_RETURN_IF_ERROR(transport_.Recv((rank_ + size() - i) % size(), key, none, ctx.deadline,
+                                       &ignored));
   }
   return Status::OK();
 }

@@ -220,6 +220,10 @@ bool StreamTransport::Announce(int dst, const MsgKey& key, const OpSig& sig) {
   return sent.ok() || sent.message().find("busy") == std::string::npos;
 }
 
+void StreamTransport::SendQuery(int dst, const MsgKey& key) {
+  SendFrame(dst, net::kQuery, key, MsgExpect{}, nullptr, 0, /*wait_for_stream=*/false);
+}
+
 void StreamTransport::ReaderLoop(int src, int fd) {
   ReadFrames(src, fd);
   // The peer left, died or stopped answering; whichever, it reads nothing more from us. A send
@@ -271,18 +275,22 @@ void StreamTransport::ReadFrames(int src, int fd) {
       OnBye(src);
       return;
     }
+    // A payload of at most `max` bytes into *out; false (the transport failed) if it is longer
+    // or the stream breaks.
+    auto read_payload = [&](uint64_t max, const char* what, std::string* out) {
+      if (f.payload_len > max) {
+        Fail(Unavailable(who + " sent " + what + " of " + std::to_string(f.payload_len) +
+                         " bytes (at most " + std::to_string(max) + ")"));
+        return false;
+      }
+      out->assign(f.payload_len, '\0');
+      Status r = net::ReadFull(fd, out->data(), out->size());
+      if (!r.ok()) Fail(Unavailable(who + ": " + r.message()));
+      return r.ok();
+    };
     if (f.type == net::kAbort) {
-      if (f.payload_len > kMaxAbortMessage) {
-        Fail(Unavailable(who + " sent an abort message of " + std::to_string(f.payload_len) +
-                         " bytes (at most " + std::to_string(kMaxAbortMessage) + ")"));
-        return;
-      }
-      std::string msg(f.payload_len, '\0');
-      s = net::ReadFull(fd, msg.data(), msg.size());
-      if (!s.ok()) {
-        Fail(Unavailable(who + ": " + s.message()));
-        return;
-      }
+      std::string msg;
+      if (!read_payload(kMaxAbortMessage, "an abort message", &msg)) return;
       size_t colon = msg.find(':');
       int code = colon == std::string::npos ? 0 : std::atoi(msg.substr(0, colon).c_str());
       Code c = (code >= 1 && code <= 7) ? static_cast<Code>(code) : Code::kInternal;
@@ -290,17 +298,8 @@ void StreamTransport::ReadFrames(int src, int fd) {
       continue;
     }
     if (f.type == net::kRequest) {
-      if (f.payload_len > net::kMaxNameLen) {
-        Fail(Unavailable(who + " sent a request for a blob name of " +
-                         std::to_string(f.payload_len) + " bytes"));
-        return;
-      }
-      std::string blob(f.payload_len, '\0');
-      s = net::ReadFull(fd, blob.data(), blob.size());
-      if (!s.ok()) {
-        Fail(Unavailable(who + ": " + s.message()));
-        return;
-      }
+      std::string blob;
+      if (!read_payload(net::kMaxNameLen, "a request for a blob name", &blob)) return;
       Blob b = LookupBlob(blob);
       // Best effort: if the requester is gone, its own transport reports that.
       if (b) {
@@ -320,6 +319,27 @@ void StreamTransport::ReadFrames(int src, int fd) {
         return;
       }
       OnSig(src, key, OpSig::FromWire(f.sig, f.digest));
+      continue;
+    }
+    if (f.type == net::kQuery) {  // names that differ, step 2: answered at once
+      if (f.payload_len != 0) {
+        Fail(Unavailable(who + " sent a malformed frame"));
+        return;
+      }
+      uint64_t state = 0;
+      const std::string report = ReportFor(key, &state);
+      MsgKey reply = key;
+      reply.tag = state;
+      // Without waiting for the stream: a reader must not block on a send (a busy way drops
+      // the answer; the peer asks again a grace period later).
+      SendFrame(src, net::kReport, reply, MsgExpect{}, report.data(), report.size(),
+                /*wait_for_stream=*/false);
+      continue;
+    }
+    if (f.type == net::kReport) {
+      std::string report;
+      if (!read_payload(kMaxReportBytes, "a report", &report)) return;
+      OnReport(src, key, f.tag, report);
       continue;
     }
     if (f.type != net::kData) {

@@ -1,6 +1,7 @@
 #include "kungfu/transport.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -153,6 +154,14 @@ std::string BaseName(const std::string& name) {
 // How long a wait goes before it tells the peer what it waits for (Announce). Long enough to
 // cost nothing while peers agree (their data arrives first), short against any op deadline.
 constexpr auto kAnnounceAfter = std::chrono::milliseconds(200);
+// Operations that wait on every peer calling them too (names that differ, transport.h): not a
+// blob request (one-sided) nor the runtime's internal ones.
+bool IsCollective(OpKind k) { return k >= OpKind::kAllReduce && k <= OpKind::kSetStrategy; }
+std::string Seconds(int64_t ms) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f s", static_cast<double>(ms) / 1000.0);
+  return buf;
+}
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -188,6 +197,9 @@ struct RendezvousTransport::OpRecord {
   TimePoint first_arrival{};  // the first data or signature frame of the op from any peer
   bool arrived = false;
   std::vector<std::string> slots;  // ids of the op's posted receives and filed messages
+  // A name mismatch (step 3 of names that differ): the other peer's operations, aborted with
+  // this one.
+  std::vector<OpKey> linked;
 };
 
 struct RendezvousTransport::PostedRecv : Transport::Posted {
@@ -446,6 +458,10 @@ Status RendezvousTransport::WaitState(std::unique_lock<std::mutex>& lk, Slot* sl
   const OpKey op{BaseName(key.name), key.seq};
   const TimePoint announce_at = Clock::now() + kAnnounceAfter;
   bool announced = false;
+  // Names that differ, step 1: a query once this wait has lasted the grace period, and again
+  // every grace period.
+  const auto grace = std::chrono::milliseconds(options_.mismatch_grace_ms);
+  TimePoint query_at = grace.count() > 0 ? Clock::now() + grace : TimePoint::max();
   while (true) {
     Status op_error = OpErrorLocked(op);
     Status stop = op_error;
@@ -482,7 +498,17 @@ Status RendezvousTransport::WaitState(std::unique_lock<std::mutex>& lk, Slot* sl
       }
       announced = true;
     }
-    slot->cv.wait_until(lk, std::min({deadline, announced ? deadline : announce_at,
+    if (Clock::now() >= query_at) {
+      query_at = Clock::now() + grace;
+      auto it = ops_.find(op);
+      if (it != ops_.end() && it->second.begun && IsCollective(it->second.sig.kind)) {
+        lk.unlock();
+        SendQuery(src, MsgKey{op.first, op.second, 0});
+        lk.lock();
+        continue;
+      }
+    }
+    slot->cv.wait_until(lk, std::min({deadline, announced ? deadline : announce_at, query_at,
                                       Clock::now() + std::chrono::milliseconds(500)}));
   }
 }
@@ -568,12 +594,18 @@ Status RendezvousTransport::SendRequest(int dst, const MsgKey& key, const std::s
 
 void RendezvousTransport::AbortOp(const std::string& full_name, uint64_t seq, const Status& reason) {
   const std::string name = BaseName(full_name);
+  std::vector<OpKey> linked;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (aborted_.count({name, seq}) || IsFinished({name, seq})) return;  // don't echo it back
     aborted_[{name, seq}] = reason;
+    auto r = ops_.find({name, seq});
+    if (r != ops_.end()) linked = std::move(r->second.linked);
     WakeAllLocked();
   }
+  // A name mismatch takes the other peer's operations with it (they have no record of their
+  // own here, so nothing links further).
+  for (const OpKey& other : linked) AbortOp(other.first, other.second, reason);
   MsgKey key{name, seq, 0};
   std::string why = "on peer " + Describe(rank_) + ": " + reason.message();
   if (why.size() > kMaxAbortMessage / 2) why.resize(kMaxAbortMessage / 2);
@@ -688,6 +720,98 @@ void RendezvousTransport::OnMissing(int src, const MsgKey& key) {
     it->second->error = NotFound("peer " + Describe(src) + " has no blob for '" + key.name + "'");
     it->second->cv.notify_all();
   }
+}
+
+void RendezvousTransport::Query(int dst, const std::string& name, uint64_t seq) {
+  if (dst < 0 || dst >= size() || dst == rank_ || options_.mismatch_grace_ms <= 0) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!failure_.ok() || closed_ || peer_left_[dst]) return;
+  }
+  SendQuery(dst, MsgKey{BaseName(name), seq, 0});
+}
+
+// Names that differ, step 2. The payload: per pending operation, oldest first, four words
+// (seq, milliseconds pending, signature word, name length) and the name.
+std::string RendezvousTransport::ReportFor(const MsgKey& key, uint64_t* state) const {
+  const OpKey op{BaseName(key.name), key.seq};
+  const TimePoint now = Clock::now();
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = ops_.find(op);
+  *state = (it != ops_.end() && it->second.begun) ? 1 : IsFinished(op) ? 2 : 0;
+  std::vector<std::pair<TimePoint, const std::pair<const OpKey, OpRecord>*>> pending;
+  for (const auto& kv : ops_) {
+    if (kv.second.begun && IsCollective(kv.second.sig.kind)) {
+      pending.emplace_back(kv.second.begun_at, &kv);
+    }
+  }
+  std::sort(pending.begin(), pending.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  if (pending.size() > kMaxReportedOps) pending.resize(kMaxReportedOps);
+  std::string out;
+  for (const auto& [begun_at, kv] : pending) {
+    const std::string& name = kv->first.first;
+    const uint64_t words[4] = {
+        kv->first.second,
+        static_cast<uint64_t>(
+            std::chrono::duration_cast<std::chrono::milliseconds>(now - begun_at).count()),
+        kv->second.sig.Word(), name.size()};
+    out.append(reinterpret_cast<const char*>(words), sizeof(words));
+    out += name;
+  }
+  return out;
+}
+
+// Names that differ, step 3.
+void RendezvousTransport::OnReport(int src, const MsgKey& key, uint64_t state,
+                                   const std::string& payload) {
+  struct Waits {
+    OpKey op;
+    int64_t ms;
+    OpSig sig;
+  };
+  std::vector<Waits> theirs;
+  for (size_t at = 0; at < payload.size() && theirs.size() < kMaxReportedOps;) {
+    uint64_t w[4];
+    if (payload.size() - at < sizeof(w)) return;  // malformed: no verdict
+    std::memcpy(w, payload.data() + at, sizeof(w));
+    at += sizeof(w);
+    if (w[3] > payload.size() - at || w[1] > (uint64_t(1) << 62)) return;
+    theirs.push_back({{payload.substr(at, w[3]), w[0]}, static_cast<int64_t>(w[1]),
+                      OpSig::FromWire(w[2], 0)});
+    at += w[3];
+  }
+  const OpKey op{BaseName(key.name), key.seq};
+  const int64_t grace = options_.mismatch_grace_ms;
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = ops_.find(op);
+  if (grace <= 0 || state != 0 || theirs.empty() || it == ops_.end() || !it->second.begun ||
+      !it->second.error.ok() || aborted_.count(op) || IsFinished(op)) {
+    return;
+  }
+  OpRecord& rec = it->second;
+  const int64_t mine_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - rec.begun_at).count();
+  int64_t oldest = 0;
+  for (const Waits& w : theirs) {
+    auto here = ops_.find(w.op);
+    if ((here != ops_.end() && here->second.begun) || IsFinished(w.op)) return;
+    oldest = std::max(oldest, w.ms);
+  }
+  if (mine_ms < grace || oldest < grace) return;
+  std::string names;
+  for (const Waits& w : theirs) {
+    names += (names.empty() ? "" : ", ") + std::string(OpKindName(w.sig.kind)) + " '" +
+             w.op.first + "' #" + std::to_string(w.op.second);
+    rec.linked.push_back(w.op);
+  }
+  rec.error = InvalidArgument(
+      "peers called operations under different names: this peer " + Describe(rank_) +
+      " has waited " + Seconds(mine_ms) + " in " + OpKindName(rec.sig.kind) + " '" + op.first +
+      "' #" + std::to_string(op.second) + ", which peer " + Describe(src) +
+      " has not called; that peer has waited " + Seconds(oldest) + " in " + names +
+      ", which this peer has not called");
+  WakeAllLocked();
 }
 
 void RendezvousTransport::OnBye(int src) {

@@ -44,6 +44,7 @@ class InProcTransport : public RendezvousTransport {
   Status SendBlobRequest(int dst, const MsgKey& key, const std::string& blob) override;
   void SendAbort(int dst, const MsgKey& key, const Status& reason) override;
   bool Announce(int dst, const MsgKey& key, const OpSig& sig) override;
+  void SendQuery(int dst, const MsgKey& key) override;  // answered at once, as dst's reader would
 
  private:
   friend std::vector<std::unique_ptr<InProcTransport>> ConnectInProc(uint64_t, PeerList,

@@ -11,7 +11,32 @@
 //     may issue operations in any order: messages are matched by (source, name, seq, tag).
 //  3. On failure other than a dead or departed peer, the op is aborted on every peer with the
 //     same message, so one peer's bad input never leaves the others waiting.
-//  4. The handle completes with the status; nothing ever waits past the op deadline.
+//  4. The handle completes with the status; nothing ever waits past the op deadline (or, once
+//     committed, the bound below).
+//
+// One outcome per operation: an operation succeeds on every peer or fails on every peer (unless
+// a peer dies or leaves mid-way). A deadline decided on each peer alone cannot give that (a peer
+// may complete from data already sent while another times out), so a deadline bounds only the
+// rendezvous, the phase before any peer sends data of the operation:
+//  C1. Every collective operation first sends every peer an empty "begun" message; one with a
+//      per-call timeout (OpOptions::timeout_ms >= 0) then waits for every peer's until its
+//      deadline (Session::Commit). (Sending it always lets a peer with a per-call timeout commit
+//      when the others have none.)
+//  C2. A peer that has heard every peer begin has committed: from then on its waits end only at
+//      a peer failure (peer_timeout_ms), an abort, or op_timeout_ms after the commit (a bound on
+//      every wait), never at the per-call deadline.
+//  C3. A peer whose deadline passes before it committed fails, and aborts the op on every peer
+//      (step 3).
+// Why it holds: every collective needs data from every peer (an allreduce or allgather reduces
+// or gathers every peer's part; rooted operations end with a verdict that every peer
+// acknowledges), and a peer sends data only after it committed. So a peer succeeds only if every
+// peer committed, and a committed peer fails only through a peer failure, its bound, or an abort,
+// which comes from a peer that did not commit (none, if one succeeded) or one that failed.
+// Fused allreduces: the negotiation's agreement is the commit (fusion.h, steps 3-4). Operations
+// without a per-call timeout do not wait in C1 (no extra round trip on the common path, only
+// n - 1 empty sends): their deadline is op_timeout_ms (300 s by default), and outcomes can
+// differ only if it passes on one peer while the last message of the operation is on its way to
+// it, i.e. for a peer that came op_timeout_ms late.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -62,6 +87,9 @@ struct PeerConfig {
   // 0: off (each op on its own pool thread). 256 KiB: measured with benchmarks/allreduce.py --model resnet50 against
   // 64 KiB to 4 MiB (docs/runtime.md, Tensor fusion).
   size_t fusion_bytes = size_t(256) << 10;
+  // Names that differ (transport.h): two peers each stuck this long in operations the other has
+  // not called fail them as a mismatch, naming both; 0: only the deadline ends them.
+  int64_t mismatch_grace_ms = 2000;
 };
 
 // One operation as the timeline records it (PeerConfig::timeline). Times are in microseconds;

@@ -71,6 +71,9 @@ class Session {
   Status Gather(const OpContext& ctx, const void* send, size_t count, DType dtype, int root,
                 GatherResult* out);
   Status Consensus(const OpContext& ctx, const void* data, size_t bytes, bool* agreed);
+  // C1 of one outcome per operation (peer.h): an empty message to every peer, then (`wait`)
+  // every peer's, until ctx.deadline. OK with `wait`: this peer has committed.
+  Status Commit(const OpContext& ctx, bool wait);
 
   // Whether peers of one host may read each other's memory: `allowed` and every peer could read
   // every other peer of its host through the transport (CanReadPeerMemory, ReadPeerMemory); all

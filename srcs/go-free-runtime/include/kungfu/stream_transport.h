@@ -53,6 +53,7 @@ class StreamTransport : public RendezvousTransport {
   Status SendBlobRequest(int dst, const MsgKey& key, const std::string& blob) override;
   void SendAbort(int dst, const MsgKey& key, const Status& reason) override;
   bool Announce(int dst, const MsgKey& key, const OpSig& sig) override;
+  void SendQuery(int dst, const MsgKey& key) override;
   void WakeLocked() override;
 
  private:

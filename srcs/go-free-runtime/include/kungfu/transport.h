@@ -38,6 +38,30 @@
 // Sub-operations of one operation (consensus's two allreduces) use SubOpName(name, part): they
 // share its sequence number, signature and lifetime.
 //
+// Names that differ: peers that called operations under different names send each other nothing
+// a signature could be checked against, and issuing operations in different orders is legal, so
+// "the peer waits on another name" proves nothing by itself. A mismatch is declared when both
+// sides have been stuck on each other for TransportOptions::mismatch_grace_ms (0: never):
+//  1. A wait of collective operation A on peer Q that has lasted the grace period sends Q a query
+//     naming A (Query), and again every grace period while it lasts. (Fused allreduces wait in
+//     their negotiation instead; Fusion asks for its oldest queued op the same way.)
+//  2. Q's reader answers at once, without waiting for any operation: whether Q has begun or
+//     finished A, and Q's pending collective operations (begun, not ended; at most
+//     kMaxReportedOps, oldest first) with how long each has been pending.
+//  3. On the answer, A is a mismatch iff A is still pending here and began at least the grace
+//     period ago; Q has neither begun nor finished A; and Q has pending operations, the oldest
+//     pending at least the grace period, none of which this peer has begun or finished. Then
+//     every operation each peer can make progress on needs the other to call something it has
+//     not called for the grace period: A fails here with InvalidArgument naming A and Q's
+//     operations, and when A is aborted (as every failed operation is), Q's operations named in
+//     the report are aborted with the same message on every peer (so Q fails at once even if
+//     this peer has moved on).
+// Reordering that still works: any operations issued in different orders by peers that issue
+// each one within the grace period of the others (their pending sets overlap, or one side has
+// not waited the grace period yet), async operations of any number, and a peer that is slow
+// outside any operation (it has nothing pending). What is declared a mismatch: two peers each
+// blocked for the grace period in operations the other has not called.
+//
 // Capabilities: reading a peer's memory (DIRECT allreduce) is the transport's to offer, for the
 // peers it can vouch for: StreamTransport reads the process bound to a peer's Unix-socket
 // credentials (process_vm_readv), InProcTransport the peer's memory in this process.
@@ -143,6 +167,9 @@ struct TransportOptions {
   // `progress` saying who is missing, how long it has been and when the wait gives up.
   int64_t progress_ms = 0;
   std::function<void(const std::string&)> progress;
+  // Names that differ (above): how long two peers must each have been stuck in operations the
+  // other has not called before it is declared a mismatch; 0: never (the deadline decides).
+  int64_t mismatch_grace_ms = 2000;
 };
 
 class Transport {
@@ -192,8 +219,15 @@ class Transport {
   // for before calling this.
   virtual Status SendRequest(int dst, const MsgKey& key, const std::string& blob) = 0;
 
-  // Fails this operation (name, seq) on every peer with `reason`, this one included.
+  // Fails this operation (name, seq) on every peer with `reason`, this one included (and the
+  // operations of another peer that a name mismatch of it named; see above).
   virtual void AbortOp(const std::string& name, uint64_t seq, const Status& reason) = 0;
+  // Step 1 of names that differ: asks peer dst what it waits on, for this peer's pending
+  // operation (name, seq), which waits on dst. Best effort and without blocking; the answer may
+  // fail the operation (OpError) as a mismatch.
+  virtual void Query(int dst, const std::string& name, uint64_t seq) = 0;
+  // The grace period of names that differ (TransportOptions::mismatch_grace_ms; 0: off).
+  virtual int64_t mismatch_grace_ms() const = 0;
   // The first fatal error, or OK.
   virtual Status failure() const = 0;
   // What the transport holds for operations: all zero between operations, whatever failed.
@@ -247,6 +281,8 @@ class RendezvousTransport : public Transport {
   void SetBlobLookup(BlobLookup lookup) override { lookup_ = std::move(lookup); }
   Status SendRequest(int dst, const MsgKey& key, const std::string& blob) override;
   void AbortOp(const std::string& name, uint64_t seq, const Status& reason) override;
+  void Query(int dst, const std::string& name, uint64_t seq) override;
+  int64_t mismatch_grace_ms() const override { return options_.mismatch_grace_ms; }
   Status failure() const override;
   Stats stats() const override;
 
@@ -260,6 +296,9 @@ class RendezvousTransport : public Transport {
   struct Slot;
   using OpKey = std::pair<std::string, uint64_t>;  // base name, seq
   static constexpr uint64_t kMaxAbortMessage = 64 << 10;  // bytes of an abort's reason, at most
+  // Names that differ: operations in one report, and a report's bytes, at most.
+  static constexpr size_t kMaxReportedOps = 8;
+  static constexpr uint64_t kMaxReportBytes = kMaxReportedOps * (32 + 4096);
 
   // What an implementation provides: one message to peer dst. sig: the op's signature, or none.
   virtual Status SendData(int dst, const MsgKey& key, const MsgExpect& meta, const void* data,
@@ -271,6 +310,10 @@ class RendezvousTransport : public Transport {
   // Tells peer dst what this peer called for the op of `key` (a wait that went long). Without
   // blocking: false if the way is busy now and it should be tried again.
   virtual bool Announce(int dst, const MsgKey& key, const OpSig& sig) = 0;
+  // Step 1 of names that differ: sends peer dst a query for this peer's op of `key`, without
+  // blocking (a busy way drops it: the next query comes a grace period later). The answer comes
+  // back through OnReport.
+  virtual void SendQuery(int dst, const MsgKey& key) = 0;
   // Under mu_, as the transport fails or closes: wake the implementation's own waits.
   virtual void WakeLocked() {}
 
@@ -295,6 +338,10 @@ class RendezvousTransport : public Transport {
   void OnSig(int src, const MsgKey& key, const OpSig& sig);
   void OnMissing(int src, const MsgKey& key);
   void OnBye(int src);
+  // Step 2: the answer to a query from a peer for op `key` (the report's state, in *state, and
+  // its payload); step 3: a report arrived from src.
+  std::string ReportFor(const MsgKey& key, uint64_t* state) const;
+  void OnReport(int src, const MsgKey& key, uint64_t state, const std::string& payload);
   Blob LookupBlob(const std::string& name) const { return lookup_ ? lookup_(name) : nullptr; }
   // Fails the transport with s (the first failure stays); returns the failure.
   Status Fail(const Status& s);
