@@ -7,7 +7,8 @@ version (kungfu/_elastic.py has the workers' side of a resize):
    launcher that finds one stored already uses it;
 2. on every new version, the workers of this host that it lists and that are not running are
    started, with that version's peers, KUNGFU_CONFIG_SERVER and, for versions after 0,
-   KUNGFU_ELASTIC_JOINING=1;
+   KUNGFU_ELASTIC_JOINING=1; but never in the place of a worker that died while a version
+   still lists it as a member (only after the survivors recovered without it: _may_start);
 3. running workers that a new version leaves out detach themselves and exit 0; one still running
    LEAVE_GRACE seconds later (a joiner of an abandoned resize, stuck connecting) is stopped.
 
@@ -23,6 +24,7 @@ failure's.
 from __future__ import annotations
 
 import itertools
+import json
 import signal
 import time
 from typing import Dict, List, Optional, Sequence, Set
@@ -93,6 +95,10 @@ class ElasticLauncher(Launcher):
         # (peer, version) of dead workers the store lacks; version -1: a new worker replaced it
         self.unreported: List[tuple] = []
         self.completed: Set[str] = set()  # local peers whose worker exited 0 (not left out)
+        # local peer -> the version its worker that died was started for, until the survivors
+        # recovered without it (see _may_start)
+        self.died: Dict[str, int] = {}
+        self.held: Set[tuple] = set()  # (peer, version) not restarted, said once (_may_start)
         self.host_failures: Dict[str, List[float]] = {}  # host -> when its workers failed
         self.store = None  # the config store's client, once open
         self.seen = -1  # the latest cluster version seen
@@ -159,6 +165,8 @@ class ElasticLauncher(Launcher):
         for w in self._local(cfg):
             if w.spec in self.by_spec or self.finished.get(w.spec, -1) >= cfg.version:
                 continue  # running, or finished in this version (a later one may want it again)
+            if not self._may_start(store, w, cfg):
+                continue
             extra = {_env.CONFIG_SERVER.name: self.url,
                      _env.ELASTIC_HOSTS.name: self._hosts_text(),
                      _env.PORT_RANGE.name: "{}-{}".format(*self.opts.port_range)}
@@ -193,17 +201,51 @@ class ElasticLauncher(Launcher):
                 self.leaving[key] = now + LEAVE_GRACE
         return None
 
+    def _may_start(self, store, w: Worker, cfg: ClusterConfig) -> bool:
+        """Whether a new worker may be started for this host's peer in `cfg`. Any new worker
+        after version 0 is a joiner, which only a resize that adds the peer expects. A peer
+        whose worker died is a member of every version until the survivors recover without
+        it (a recovery never adds a peer; a worker that dies after it checked in may even be
+        in the recovered version): a worker started there would wait for rank 0's state while
+        the members wait for it in a collective. So it is started again only in a version
+        after a stored recovery decision, made since the dead worker was started, that left
+        it out: a replacement (or a later resize) asked for by the workers."""
+        since = self.died.get(w.spec)
+        if since is None:
+            return True
+        try:
+            decisions = store.list(RECOVERED_PREFIX)
+        except StoreError as e:
+            self._store_trouble(e)
+            return False
+        for key, value in decisions.items():
+            failed = key[len(RECOVERED_PREFIX):]
+            try:
+                got = json.loads(value)
+                left_out = w.spec not in got["peers"] and int(got["version"]) < cfg.version
+            except (ValueError, KeyError, TypeError):
+                continue
+            if failed.isdigit() and int(failed) >= since and left_out:
+                del self.died[w.spec]
+                return True
+        if (w.spec, cfg.version) not in self.held:
+            self.held.add((w.spec, cfg.version))
+            self.info(f"version {cfg.version} lists worker {w.rank} ({w.spec}), which died: "
+                      "no new worker is started there until the others recover without it")
+        return False
+
     def _job_over(self, store) -> bool:
         """With none of this host's workers running: whether to exit. Not while the latest
-        version lists a worker of this host that has not finished; then yes if training has
-        ended (rank 0 wrote DONE_KEY), if every worker of the job is on this host, or if the
-        store is gone (the launcher that hosted it has exited). Otherwise keep watching: the
-        job may grow onto this host later."""
+        version lists a worker of this host that has not finished (or died); then yes if
+        training has ended (rank 0 wrote DONE_KEY), if every worker of the job is on this host,
+        or if the store is gone (the launcher that hosted it has exited). Otherwise keep
+        watching: the job may grow onto this host later."""
         latest = self.latest
         if latest is None:
             return False
-        if any(self.finished.get(w.spec, -1) < latest.version for w in self._local(latest)):
-            return False
+        if any(self.finished.get(w.spec, -1) < latest.version and w.spec not in self.died
+               for w in self._local(latest)):
+            return False  # (a dead worker that a version still lists is not waited for)
         if all(p.rpartition(":")[0] in self.here for p in latest.peers):
             return True
         try:
@@ -239,6 +281,7 @@ class ElasticLauncher(Launcher):
         self.error(f"worker {run.worker.rank} ({spec}) {how}; " + (
             "the others go on without it" if left else "no other worker of the job is left"))
         self.unreported.append((spec, self.version_of[key]))
+        self.died[spec] = self.version_of[key]
         self._flush_dead(store)
         self._failed(run, how, rc)
 

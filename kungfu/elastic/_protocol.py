@@ -29,8 +29,9 @@ Recovery (a peer of version v died or hangs; Elastic.recover, driven by Membersh
    writes alive/<v>/<itself> = its last commit; a launcher that sees its worker exit non-zero
    writes dead/<peer>.
 3. Once every peer of v is alive or dead (at once for a killed worker), or KUNGFU_RECOVERY_WINDOW
-   after the survivor checked in (a hung peer), the survivor proposes: the peers alive, in their
-   old order, and the lowest commit among them. The first proposal stored under recovered/<v>
+   after the survivor checked in (a hung peer), the survivor proposes: the peers alive and not
+   dead (one that checked in and then died is dead), in their old order, and the lowest commit
+   among them. The first proposal stored under recovered/<v>
    wins (compare-and-swap; no leader is needed, so losing rank 0 is like losing any other), and
    is written as the next cluster version.
 4. A worker the decision leaves out (it checked in too late, or wakes up from a hang) exits with
@@ -53,7 +54,7 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
-from kungfu import _env, _peer
+from kungfu import _env, _peer, errors
 from kungfu._hosts import parse_hosts, parse_port_range, plan_workers
 from kungfu.store import DONE_KEY, ClusterConfig, Store, StoreError, connect
 
@@ -239,7 +240,27 @@ class Elastic:
     def recover(self, commit: int, cause: str) -> Recovery:
         """After a collective of the current version failed: agrees with the other survivors
         on who is left and on the commit to roll back to (steps 2-4 in the module's doc), and
-        swaps in the native peer of that cluster. `commit`: this worker's last commit."""
+        swaps in the native peer of that cluster. `commit`: this worker's last commit.
+
+        A member of the agreed cluster may have died after the decision was stored (its
+        launcher's word came too late for it): then no survivor can connect to it (within
+        KUNGFU_CONNECT_TIMEOUT), and they recover from that version in the same way, without
+        it (now reported dead), rolling back to the same commit."""
+        first = self.current
+        while True:
+            got, new, agreed_at = self._recover_once(commit, cause, first)
+            try:
+                _peer.replace(self.self_spec, list(new.peers), new.version)
+            except (errors.PeerFailedError, errors.OpTimeoutError) as e:
+                self.current = new
+                commit, cause = int(got["commit"]), str(e).splitlines()[0]
+                continue
+            self.current = new
+            lost = [p for p in first.peers if p not in new.peers]
+            return Recovery(first.version, new, int(got["commit"]), lost, agreed_at, time.time())
+
+    def _recover_once(self, commit: int, cause: str, first: ClusterConfig):
+        """One round of recover for the current version: (the decision, its cluster, when)."""
         v = self.current.version
         window = _env.RECOVERY_WINDOW.get()
         deadline = time.monotonic() + max(window, self.timeout)  # the store may be down a while
@@ -255,7 +276,7 @@ class Elastic:
         agreed_at = time.time()
         got = json.loads(decision)
         new = ClusterConfig(got["version"], got["peers"])
-        lost = [p for p in self.current.peers if p not in new.peers]
+        lost = [p for p in first.peers if p not in new.peers]
         if self.self_spec not in new.peers:
             raise ExpelledError(
                 f"kungfu: the other workers recovered from a failure in cluster version {v} "
@@ -264,7 +285,7 @@ class Elastic:
         minimum = _env.MIN_SIZE.get()
         if len(new.peers) < minimum:
             raise RuntimeError(
-                f"kungfu: {len(new.peers)} of {len(self.current.peers)} workers are left after "
+                f"kungfu: {len(new.peers)} of {len(first.peers)} workers are left after "
                 f"{', '.join(lost)} failed ({cause}); the job needs at least {minimum} "
                 "(kungfu-run -min-np)")
         budget = _env.MAX_RESTARTS.get()
@@ -275,9 +296,7 @@ class Elastic:
                 f"job, and it survives at most {budget} (kungfu-run -max-restarts)")
         self._retry(lambda: self._store_config(new), deadline, "store the new configuration")
         self.pending = None  # a resize in progress is given up: its joiners are not in `new`
-        _peer.replace(self.self_spec, list(new.peers), new.version)
-        self.current = new
-        return Recovery(v, new, int(got["commit"]), lost, agreed_at, time.time())
+        return got, new, agreed_at
 
     def _decision(self, v: int, decide_at: float) -> Optional[str]:
         """The stored decision for version v, or this worker's proposal once it can make one;
@@ -290,7 +309,11 @@ class Elastic:
         waiting = [p for p in self.current.peers if p not in alive and p not in dead]
         if waiting and time.monotonic() < decide_at:
             return None
-        members = [p for p in self.current.peers if p in alive]
+        # A peer its launcher saw die is no member, even if it checked in alive before it died
+        # (a worker killed inside the window of a hung one): the others would wait for it.
+        # This worker is alive whatever the store says (a mark about an earlier process here).
+        members = [p for p in self.current.peers
+                   if p in alive and (p not in dead or p == self.self_spec)]
         stored, _ = self.store.config()
         proposal = json.dumps({"version": stored.version + 1, "peers": members,
                                "commit": min(alive[p] for p in members)})

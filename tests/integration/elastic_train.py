@@ -146,6 +146,14 @@ def main():
     p.add_argument("--kill-while-lending", type=int, default=-1, metavar="RANK",
                    help="the worker of this rank (in the first cluster) kills itself just after "
                         "it lent its variables to the joiners of the first resize")
+    p.add_argument("--kill-after-check-in", type=int, default=-1, metavar="RANK",
+                   help="the worker of this rank (in the first cluster) kills itself (SIGKILL) "
+                        "as soon as it has checked in alive in a recovery (inside the recovery "
+                        "window when another worker hangs)")
+    p.add_argument("--kill-after-decision", type=int, default=-1, metavar="RANK",
+                   help="the worker of this rank (in the first cluster) kills itself (SIGKILL) "
+                        "once it holds the survivors' decision of a recovery that keeps it, "
+                        "before it connects to that cluster")
     p.add_argument("--tfrecord", metavar="DIR",
                    help="read the samples from the TFRecord files in DIR (kf.RecordFiles), "
                         "checking each batch against the arrays")
@@ -295,6 +303,22 @@ def main():
             fault(signal.SIGKILL)  # lent: the joiners are about to request them
 
         binding.lend = lend_and_die
+    if args.kill_after_check_in == kf.rank() and os.environ.get("KUNGFU_ELASTIC_JOINING") != "1":
+        store = kf.elastic.context().store
+        mark_alive = store.mark_alive
+
+        def check_in_and_die(*a, **kw):
+            mark_alive(*a, **kw)
+            fault(signal.SIGKILL)  # the others saw it alive: its launcher now says it died
+
+        store.mark_alive = check_in_and_die
+    if args.kill_after_decision == kf.rank() and os.environ.get("KUNGFU_ELASTIC_JOINING") != "1":
+        from kungfu import _peer
+
+        def die_instead(*a, **kw):  # Elastic.recover swaps in the agreed cluster's peer here
+            fault(signal.SIGKILL)
+
+        _peer.replace = die_instead
     if args.custom_loop:
         custom_loop(model, opt, data, hook, Record(), my_faults, fault)
     else:

@@ -455,3 +455,91 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
     assert resumed._resume() and resumed.state.step == 1
     with pytest.raises(ValueError, match="checkpoint_every"):
         kf.Hook(checkpoint="x", checkpoint_every=0)
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_killed_while_the_others_wait_out_a_hung_one(tmp_path):
+    # 4 workers; rank 1 stops (SIGSTOP) in step 5. The others fail after the peer timeout and
+    # check in alive; rank 2 then dies (SIGKILL) inside the recovery window that waits for rank
+    # 1. Its launcher says it died: the survivors leave both out and no worker is started in
+    # rank 2's slot (-replace=false; and a dead member's slot never gets a joiner). Before,
+    # rank 2 was kept as a member and its slot restarted as a joiner: a hang until -timeout.
+    r, records, finals = _recovered(
+        tmp_path, 4, "--hang", "1@5", "--kill-after-check-in", "2", expect_lost=2,
+        env={"KUNGFU_PEER_TIMEOUT": "2s", "KUNGFU_RECOVERY_WINDOW": "2s"})
+    assert "in place of the lost one" not in r.stderr, r.stderr[-4000:]
+    assert "worker 2 (" in r.stderr and "was killed by SIGKILL" in r.stderr, r.stderr[-4000:]
+    lost = sorted(finals[0]["recoveries"][0]["lost"])
+    assert [records[p.replace(":", "_")][0]["rank"] for p in lost] == [1, 2], lost
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_written_at_an_epochs_end_resumes_in_the_next_epoch(tmp_path):
+    """2 workers, 15 steps per epoch, a checkpoint every 100 steps (kf.Hook's default): the
+    file holds the end of epoch 0 only (step 16 cuts epoch 1 short, which is not written). The
+    second job resumes there, "0 samples into" epoch 1, and trains it (before, its first batch
+    waited for a release that never came: no step)."""
+    ckpt = tmp_path / "train.ckpt"
+    common = ["--schedule", "2", "--tail", "100000", "--checkpoint", str(ckpt),
+              "--checkpoint-every", "100"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    r1, first = run_elastic(tmp_path / "a", 2, 2, "--max-steps", "16", *common)
+    assert r1.returncode == 0, r1.stderr[-4000:]
+    r2, second = run_elastic(tmp_path / "b", 2, 2, "--max-steps", "35", *common, timeout=150)
+    assert r2.returncode == 0, r2.stderr[-4000:]
+    assert r2.stderr.count("at step 15 (epoch 1, 0 samples into it)") == 2, r2.stderr[-4000:]
+    s1, s2 = steps_of(first), steps_of(second)
+    assert sorted(s2) == list(range(16, 36)), sorted(s2)
+    begins = {row["begin"] for rows in second.values() for row in rows if "begin" in row}
+    assert begins == {s1[15][0]["digest"]}, (begins, s1[15][0]["digest"])
+    assert {row["epoch"] for row in s2[16]} == {1} and {row["epoch"] for row in s2[31]} == {2}
+    _check_epochs(s2)  # epoch 1 whole, from its first sample
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_folder_that_does_not_exist_stops_every_worker_at_once(tmp_path):
+    ckpt = tmp_path / "nodir" / "x.ckpt"
+    r, records = run_elastic(tmp_path, 3, 3, "--schedule", "3", "--max-steps", "30",
+                             "--checkpoint", str(ckpt), timeout=100)
+    assert r.returncode == 1, r.stderr[-4000:]
+    for rank in range(3):  # every worker, before training: no step, no recovery
+        assert f"[{rank}] kungfu.elastic._checkpoint.CheckpointError: kungfu: cannot write the " \
+               f"checkpoint {ckpt}: its folder {ckpt.parent} does not exist" in r.stderr, \
+            r.stderr[-4000:]
+    assert not steps_of(records) and "lost" not in r.stderr, r.stderr[-4000:]
+    assert not (tmp_path / "nodir").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_corrupted_checkpoint_stops_every_worker_naming_it(tmp_path):
+    from kungfu.elastic import _checkpoint
+
+    ckpt = tmp_path / "x.ckpt"
+    _checkpoint.write(str(ckpt), b"training state" * 100)
+    blob = bytearray(ckpt.read_bytes())
+    blob[-700] ^= 0x40  # one bit of the content
+    ckpt.write_bytes(bytes(blob))
+    r, records = run_elastic(tmp_path, 2, 2, "--schedule", "2", "--max-steps", "10",
+                             "--checkpoint", str(ckpt), timeout=100)
+    assert r.returncode == 1, r.stderr[-4000:]
+    for rank in range(2):
+        assert f"[{rank}] kungfu.elastic._checkpoint.CheckpointError: kungfu: the checkpoint " \
+               f"{ckpt} is corrupted: the SHA-256 of its content does not match its header" \
+               in r.stderr, r.stderr[-4000:]
+    assert not steps_of(records)
+    assert ckpt.read_bytes() == bytes(blob)  # left as it was, for the user to look at
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_that_dies_just_after_the_survivors_agreed_to_keep_it(tmp_path):
+    # 4 workers; rank 1 dies after step 5. Rank 2 dies once the decision that keeps it is
+    # stored (before its launcher's word reached the store): the others cannot connect to it
+    # (KUNGFU_CONNECT_TIMEOUT), recover again without it, and no worker is started in its
+    # slot as a member of the version that lists it. One recovery, two lost, on each finisher.
+    r, records, finals = _recovered(
+        tmp_path, 4, "--kill", "1@5+", "--kill-after-decision", "2", expect_lost=2,
+        env={"KUNGFU_CONNECT_TIMEOUT": "3s"})
+    assert "in place of the lost one" not in r.stderr, r.stderr[-4000:]
+    lost = sorted(finals[0]["recoveries"][0]["lost"])
+    assert [records[p.replace(":", "_")][0]["rank"] for p in lost] == [1, 2], lost
