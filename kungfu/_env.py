@@ -170,6 +170,10 @@ GPU_COUNT = Var("KUNGFU_GPU_COUNT", _count, None,
 OP_TIMEOUT = Var("KUNGFU_OP_TIMEOUT", _positive_duration, 300.0, "deadline of one collective")
 PEER_TIMEOUT = Var("KUNGFU_PEER_TIMEOUT", _positive_duration, 10.0,
                    "silence after which a peer is declared dead")
+MISMATCH_GRACE = Var("KUNGFU_MISMATCH_GRACE", parse_duration, 2.0,
+                     "two workers each stuck this long in collectives the other has not called "
+                     "(different names) fail them at once, naming both (docs/runtime.md, Names "
+                     "that differ); 0: only the op deadline ends them")
 CONNECT_TIMEOUT = Var("KUNGFU_CONNECT_TIMEOUT", _positive_duration, 120.0,
                       "how long a worker waits for all peers to come up")
 PROGRESS_INTERVAL = Var("KUNGFU_PROGRESS_INTERVAL", parse_duration, 10.0,
@@ -230,7 +234,7 @@ ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKE
        ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, ETCD_CACERT, ETCD_CERT, ETCD_KEY,
        ETCD_CREDENTIALS, WATCHDOG_FD,
        EXIT_NOTE_FD, RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT,
-       PEER_TIMEOUT, CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, FUSION_BYTES,
+       PEER_TIMEOUT, MISMATCH_GRACE, CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, FUSION_BYTES,
        TIMELINE, GPU_COUNT, SAMPLE_TIME, SAMPLE_JITTER, SLOWDOWN]
 
 

@@ -81,6 +81,7 @@ def _create(self_spec: Optional[str], peers: List[str], version: int):
         strategy=_kungfu.parse_strategy(_env.ALLREDUCE_STRATEGY.get()),
         op_timeout_ms=int(_env.OP_TIMEOUT.get() * 1000),
         peer_timeout_ms=int(_env.PEER_TIMEOUT.get() * 1000),
+        mismatch_grace_ms=int(_env.MISMATCH_GRACE.get() * 1000),
         connect_timeout_ms=int(_env.CONNECT_TIMEOUT.get() * 1000),
         chunk_bytes=_env.CHUNK_BYTES.get(),
         parallelism=_env.PARALLELISM.get(),

@@ -145,6 +145,31 @@ TEST(APerCallTimeoutOnOnePeerOnly) {
   }
 }
 
+// Input one peer rejected (Peer::Fail: an op that only fails) takes no part in the rendezvous:
+// the others fail with its reason, whether or not they wait for begun messages, not with a
+// disagreement over a signature that the failing peer could not know (a root, a shape).
+TEST(RejectedInputFailsTheOthersWithItsReason) {
+  LocalCluster c(2);
+  REQUIRE(c.Start());
+  for (int64_t timeout : {int64_t(-1), int64_t(5000)}) {
+    std::vector<Status> st(2);
+    OnEveryRank(2, [&](int r) {
+      std::vector<float> in(4, 1.f);
+      const kungfu::OpOptions o = Named("x", -1, timeout);
+      if (r == 1) {
+        st[r] = WAIT(c[r].Fail("gather", o, kungfu::InvalidArgument("root must be an int")));
+      } else {
+        st[r] = WAIT(c[r].Gather(in.data(), 4, DType::kFloat32, 0,
+                                 std::make_shared<kungfu::GatherResult>(), o));
+      }
+    });
+    for (int r = 0; r < 2; ++r) {
+      CHECK_CODE(st[r], Code::kInvalidArgument);
+      CHECK_CONTAINS(st[r].message(), "root must be an int");
+    }
+  }
+}
+
 // ---- Names that differ -----------------------------------------------------------------------
 
 namespace {

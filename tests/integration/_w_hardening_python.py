@@ -200,3 +200,38 @@ INTEGER_MEANS = {
     "uint64": ("uint64", lambda r: [int(_U64.max), int(_U64.max) - r, 2**63 + r]),
     "int32-2d": ("int32", lambda r: [[2**30 * (1 + r % 2) - 1, -7], [r, 2**31 - 1]]),
 }
+
+
+def names_that_differ(strategy) -> dict:
+    """Rank 0 calls allreduce 'a', the others 'b' (fused when strategy is None): how each ends,
+    how long it took, and whether the next allreduce pairs."""
+    start = time.time()
+    try:
+        kf.allreduce(np.ones(4, np.float32), name="a" if kf.rank() == 0 else "b", strategy=strategy)
+        err = None
+    except errors.InvalidArgumentError as e:
+        err = str(e)
+    took = time.time() - start
+    return {"error": err, "seconds": took,
+            "after": kf.allreduce(np.full(2, 10.0, np.float32), name="x", strategy=strategy).tolist()}
+
+
+def equal_timeouts(iters: int, strategy) -> list:
+    """The probe's loop (2m'): ranks enter a few ms apart, one allreduce with the same 10 ms
+    timeout on every rank, then an allgather of the outcomes. The late rank (each in turn) comes
+    7-13 ms after the others, around their deadline, where outcomes split most often (the
+    probe's uniform 0-20 ms split 1 op in 200). Returns, per op, every rank's outcome (1: the
+    right sum, 2: a wrong one, 0: OpTimeoutError)."""
+    r, n = kf.rank(), kf.size()
+    rows = []
+    for i in range(iters):
+        if r == i % n:
+            time.sleep(np.random.default_rng(i).uniform(0.007, 0.013))
+        try:
+            v = kf.allreduce(np.full(20000, float(i + r), np.float32), timeout=0.01, name="eq",
+                             strategy=strategy)
+            mine = 1 if np.all(v == n * i + n * (n - 1) / 2) else 2
+        except errors.OpTimeoutError:
+            mine = 0
+        rows.append(kf.allgather(np.array([mine], np.int32), name="eqflag").tolist())
+    return rows

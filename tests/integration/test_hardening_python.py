@@ -112,3 +112,25 @@ def test_avg_is_made_once_and_exact_for_integers(spawn, n):
                 _floor_mean(rows), (r, key, got)
         assert res["out"] == {"values": [100, -100], "is_out": True}, (r, res["out"])
         assert res["scalar"] == _floor_mean([[30000 - k] for k in range(n)])[0], (r, res)
+
+
+@pytest.mark.parametrize("strategy", [None, "STAR"], ids=["fused", "STAR"])
+def test_names_that_differ_fail_every_rank_fast(spawn, strategy):
+    # Before: both waited for the op deadline (30 s here) and raised OpTimeoutError.
+    results = spawn(2, W.names_that_differ, strategy,
+                    env={"KUNGFU_OP_TIMEOUT": "30s", "KUNGFU_MISMATCH_GRACE": "1s"})
+    for rank, r in enumerate(results):
+        assert r["error"] is not None, (rank, r)
+        assert "different names" in r["error"] and "'a'" in r["error"] and "'b'" in r["error"], r
+        assert 0.9 <= r["seconds"] < 10, (rank, r)  # after the grace period, long before 30 s
+        assert r["after"] == [20.0, 20.0], (rank, r)
+
+
+@pytest.mark.parametrize("strategy", [None, "STAR", "RING", "BINARY_TREE_STAR"],
+                         ids=["fused", "STAR", "RING", "BINARY_TREE_STAR"])
+def test_equal_timeouts_give_one_outcome_on_every_rank(spawn, strategy):
+    # The probe (2m'): 1 op in 200 succeeded on one rank and timed out on the other.
+    rows = spawn(2, W.equal_timeouts, 100, strategy, timeout=90)[0]
+    split = [(i, row) for i, row in enumerate(rows) if len(set(row)) > 1]
+    assert not split, f"ops whose outcome differs between ranks (1 ok, 0 timeout): {split}"
+    assert all(set(row) <= {0, 1} for row in rows), rows  # 2: a wrong sum

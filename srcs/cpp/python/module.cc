@@ -109,7 +109,8 @@ std::unique_ptr<Peer> CreatePeer(const std::string& self, const std::vector<std:
                                  uint64_t version, int strategy, int64_t op_timeout_ms,
                                  int64_t peer_timeout_ms, int64_t connect_timeout_ms,
                                  size_t chunk_bytes, int parallelism, const std::string& job_token,
-                                 int64_t progress_ms, bool timeline, size_t fusion_bytes) {
+                                 int64_t progress_ms, bool timeline, size_t fusion_bytes,
+                                 int64_t mismatch_grace_ms) {
   PeerConfig c;
   Status s = PeerID::Parse(self, &c.self);
   for (const auto& p : peers) {
@@ -132,6 +133,7 @@ std::unique_ptr<Peer> CreatePeer(const std::string& self, const std::vector<std:
   c.progress_ms = progress_ms;
   c.timeline = timeline;
   c.fusion_bytes = fusion_bytes;
+  c.mismatch_grace_ms = mismatch_grace_ms;
   std::unique_ptr<Peer> peer;
   if (s.ok()) s = Peer::Create(c, &peer);
   if (!s.ok()) throw std::invalid_argument(s.message());
@@ -208,7 +210,8 @@ PYBIND11_MODULE(_kungfu, m) {
            py::arg("strategy"), py::arg("op_timeout_ms"), py::arg("peer_timeout_ms"),
            py::arg("connect_timeout_ms"), py::arg("chunk_bytes"), py::arg("parallelism"),
            py::arg("job_token") = "", py::arg("progress_ms") = 10000,
-           py::arg("timeline") = false, py::arg("fusion_bytes") = PeerConfig().fusion_bytes)
+           py::arg("timeline") = false, py::arg("fusion_bytes") = PeerConfig().fusion_bytes,
+           py::arg("mismatch_grace_ms") = PeerConfig().mismatch_grace_ms)
       .def("start",
            [](Peer& p) {
              Status s;

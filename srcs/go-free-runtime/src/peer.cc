@@ -529,7 +529,7 @@ int64_t Micros(Clock::duration d) {
 }  // namespace
 
 Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
-                 bool collective) {
+                 bool collective, bool rendezvous) {
   Handle h;
   const char* kind = OpKindName(sig.kind);
   OpContext ctx;
@@ -546,7 +546,7 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
   ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout);
   // C1-C3 (peer.h): every collective says it has begun; one with a per-call deadline waits
   // for every peer's begin until that deadline, and then no longer ends at it.
-  const bool begin = collective && size() > 1;
+  const bool begin = collective && rendezvous && size() > 1;
   const bool commit = begin && options.timeout_ms >= 0;
   const auto bound = std::chrono::milliseconds(config_.op_timeout_ms);
   std::shared_ptr<Session> session = session_;
@@ -717,8 +717,10 @@ Handle Peer::Fail(const char* kind, const OpOptions& options, const Status& reas
   }
   OpOptions o = options;
   if (o.name.empty() && k == OpKind::kBarrier) o.name = "kungfu::barrier";
-  o.timeout_ms = -1;  // it fails at once, with the reason: no rendezvous (C1) to bound
-  return Run(Sig(k, o), o, 0, [reason](Session&, const OpContext&) { return reason; });
+  // No rendezvous: its begun message would carry a signature that differs from the real op's
+  // on the other peers (they would fail on that instead of on the reason).
+  return Run(Sig(k, o), o, 0, [reason](Session&, const OpContext&) { return reason; },
+             /*collective=*/true, /*rendezvous=*/false);
 }
 
 Handle Peer::Consensus(const void* data, size_t bytes, bool* agreed, const OpOptions& options) {

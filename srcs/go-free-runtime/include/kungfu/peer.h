@@ -224,8 +224,10 @@ class Peer {
   // collective: failures other than a dead peer abort the op on every peer.
   // sig: what every peer must have called (see Transport::BeginOp); its kind names the op.
   // bytes: what the op moves (count x dtype size), for the timeline.
+  // rendezvous: the op takes part in C1 (one outcome per operation, above); false for an op that
+  // only fails (Fail), which sends nothing but its abort.
   Handle Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
-             bool collective = true);
+             bool collective = true, bool rendezvous = true);
   OpSig Sig(OpKind kind, const OpOptions& options, int op = 0, int root = -1) const;
   void AcceptLoop();
   int Admit(const std::string& src, const std::string& dst, uint64_t version, int* claimed,
