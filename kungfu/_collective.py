@@ -205,19 +205,23 @@ class _IntegerMean:
     within n of the 64-bit limits, and then wraps back once sum(r) // n is added (sums wrap, as
     numpy's), so the result is exact for every integer dtype."""
 
-    def __init__(self, x: np.ndarray, n: int):
+    def __init__(self, x: np.ndarray, n: int, axis: int = 0):
+        """The pairs of x stacked along `axis` (0: all q, then all r)."""
         wide = np.int64 if np.issubdtype(x.dtype, np.signedinteger) else np.uint64
-        x = x.reshape(-1).astype(wide)
-        q = x // wide(n)
-        self.n = n
-        self.dtype = np.dtype(wide)
-        self.send = np.concatenate([q, x - q * wide(n)])
-        self.recv = np.empty_like(self.send)
-
-    def into(self, out: np.ndarray) -> None:
-        half = self.recv.size // 2
+        w = x.astype(wide)
         with np.errstate(over="ignore"):
-            mean = self.recv[:half] + self.recv[half:] // self.dtype.type(self.n)
+            q = w // wide(n)
+            r = w - q * wide(n)
+        self.n = n
+        self.axis = axis
+        self.dtype = np.dtype(wide)
+        self.send = np.stack([q, r], axis=axis)
+
+    def into(self, sums: np.ndarray, out: np.ndarray) -> None:
+        """out = the mean, from the sums of the pairs (stacked as send was)."""
+        q, r = np.moveaxis(sums, self.axis, 0)
+        with np.errstate(over="ignore"):
+            mean = q + r // self.dtype.type(self.n)
         out[...] = mean.reshape(out.shape).astype(out.dtype)
 
 
@@ -238,7 +242,8 @@ def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Op
         exact = None
         if average and np.issubdtype(inp.array.dtype, np.integer):
             exact = _IntegerMean(inp.array, n)
-            send, into, code = exact.send, exact.recv, _dtype_code(exact.dtype)
+            send, code = exact.send, _dtype_code(exact.dtype)
+            into = np.empty_like(send)
         # avg is a sum on the wire; the signature says avg, so sum here and avg there fail.
         native = peer.allreduce(send.reshape(-1).view(np.uint8), into.reshape(-1).view(np.uint8),
                                 send.size, code, ops["sum" if average else op], name or "",
@@ -247,7 +252,7 @@ def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Op
 
     def result():
         if exact is not None:
-            exact.into(recv)
+            exact.into(into, recv)
         elif average:
             recv[...] = recv.astype(np.float64) / n
         return inp.back(recv)
@@ -360,6 +365,124 @@ def gather_async(x, root: int = 0, name: Optional[str] = None,
 def gather(x, root: int = 0, name: Optional[str] = None, timeout: Optional[float] = None):
     """Like allgather, but only `root` gets the concatenation; the others get None."""
     return gather_async(x, root, name, timeout).wait()
+
+
+def _rows(inp: "_Input", what: str) -> int:
+    if inp.array.ndim == 0:
+        raise InvalidArgumentError(f"{what} needs an array of rank >= 1 (its rows are split), "
+                                   "got a scalar")
+    return inp.array.shape[0]
+
+
+def _even_parts(rows: int, n: int) -> list:
+    """rows split among n workers, the first rows % n taking one row more."""
+    return [rows // n + (1 if j < rows % n else 0) for j in range(n)]
+
+
+def alltoall_async(x, splits=None, name: Optional[str] = None,
+                   timeout: Optional[float] = None) -> Handle:
+    with _takes_part("alltoall", name, timeout):
+        inp = _Input(x)
+        rows = _rows(inp, "alltoall")
+        peer = _peer.get()
+        n = peer.size
+        if splits is None:
+            if rows % n:
+                raise InvalidArgumentError(
+                    f"alltoall: {rows} rows do not split evenly among {n} workers; pass splits=")
+            splits = [rows // n] * n
+        splits = splits.tolist() if isinstance(splits, np.ndarray) else list(splits)
+        if (len(splits) != n or any(isinstance(c, bool) or not isinstance(c, numbers.Integral)
+                                    or c < 0 for c in splits) or sum(splits) != rows):
+            raise InvalidArgumentError(
+                f"alltoall: splits must be {n} non-negative ints that add up to the {rows} rows "
+                f"of x, got {splits!r}")
+        row = int(np.prod(inp.array.shape[1:], dtype=np.int64))
+        send = inp.array
+        native = peer.alltoall(send.reshape(-1).view(np.uint8), [int(c) * row for c in splits],
+                               inp.code, name or "", _timeout_ms(timeout),
+                               _shape_digest(send.shape[1:]))
+    return Handle(native, _gathered(native, inp, None))
+
+
+def alltoall(x, splits=None, name: Optional[str] = None, timeout: Optional[float] = None):
+    """Worker r sends rows of x to every worker: splits[j] rows (in order) to worker j, equal
+    parts when splits is None. Returns the rows every worker sent this one, in rank order.
+    Dimensions after the first must agree everywhere; splits may differ per worker."""
+    return alltoall_async(x, splits, name, timeout).wait()
+
+
+def reducescatter_async(x, op: str = "sum", name: Optional[str] = None,
+                        timeout: Optional[float] = None) -> Handle:
+    with _takes_part("reducescatter", name, timeout):
+        ops = _table("reduce_ops")
+        if op not in ops and op != "avg":
+            raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, avg, min, max, prod)")
+        inp = _Input(x)
+        rows = _rows(inp, "reducescatter")
+        average = op == "avg"
+        if average and inp.array.dtype == np.bool_:
+            raise InvalidArgumentError("op 'avg' is not defined for bool")
+        peer = _peer.get()
+        n, me = peer.size, peer.rank
+        parts = _even_parts(rows, n)
+        shape = (parts[me],) + inp.array.shape[1:]
+        recv = np.empty(shape, inp.array.dtype)
+        send, into, code, exact = inp.array, recv, inp.code, None
+        if average and np.issubdtype(inp.array.dtype, np.integer):
+            # The exact mean's (q, r) pairs, kept row by row so that rows split as x's do.
+            exact = _IntegerMean(inp.array, n, axis=1)
+            send, code = exact.send, _dtype_code(exact.dtype)
+            into = np.empty((parts[me],) + send.shape[1:], exact.dtype)
+        row = int(np.prod(send.shape[1:], dtype=np.int64))
+        native = peer.reducescatter(send.reshape(-1).view(np.uint8), into.reshape(-1).view(np.uint8),
+                                    [c * row for c in parts], code,
+                                    ops["sum" if average else op], name or "",
+                                    _timeout_ms(timeout), _shape_digest(inp.array.shape), average)
+
+    def result():
+        if exact is not None:
+            exact.into(into, recv)
+        elif average:
+            recv[...] = recv.astype(np.float64) / n
+        return recv
+
+    return Handle(native, result)
+
+
+def reducescatter(x, op: str = "sum", name: Optional[str] = None,
+                  timeout: Optional[float] = None) -> np.ndarray:
+    """x reduced over all workers with op (sum, avg, min, max, prod) and split along axis 0:
+    worker r gets part r, the first rows % size workers one row more. x must have the same
+    shape and dtype everywhere. avg as in allreduce (exact for integers)."""
+    return reducescatter_async(x, op, name, timeout).wait()
+
+
+def broadcast_object(obj: Any = None, root: int = 0, name: Optional[str] = None,
+                     timeout: Optional[float] = None) -> Any:
+    """root's obj on every worker (pickled; any size). The others' obj is ignored. Unpickling
+    runs code chosen by root, as with any pickle: use it within one job."""
+    import pickle
+
+    base = name or "kungfu::broadcast_object"
+    data = pickle.dumps(obj) if _peer.get().rank == root else b""
+    # The length first, so every worker can allocate what the broadcast writes.
+    size = broadcast(np.array([len(data)], np.int64), root, f"{base}/size", timeout=timeout)
+    buf = np.frombuffer(data, np.uint8) if data else np.zeros(int(size[0]), np.uint8)
+    return pickle.loads(broadcast(buf, root, f"{base}/bytes", timeout=timeout).tobytes())
+
+
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     timeout: Optional[float] = None) -> list:
+    """Every worker's obj, in rank order (pickled; any size)."""
+    import pickle
+
+    base = name or "kungfu::allgather_object"
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = allgather(np.array([data.size], np.int64), f"{base}/size", timeout=timeout)
+    everything = allgather(data, f"{base}/bytes", timeout=timeout).tobytes()
+    ends = np.cumsum(sizes)
+    return [pickle.loads(everything[e - s:e]) for s, e in zip(sizes.tolist(), ends.tolist())]
 
 
 def barrier(name: Optional[str] = None, timeout: Optional[float] = None) -> None:

@@ -56,7 +56,7 @@ def _load():
 # one's, so the k-th run of the name would pair different iterations on different workers (wrong
 # sums, seen in a tf.range loop). Ops of one name outside loops are ordered by ops._issue.
 UNORDERED_OPS = frozenset(("KungfuAllReduce", "KungfuGroupAllReduce", "KungfuBroadcast",
-                           "KungfuAllGather"))
+                           "KungfuAllGather", "KungfuAllToAll", "KungfuReduceScatter"))
 
 
 def _run_unordered():

@@ -16,6 +16,34 @@ from kungfu.tensorflow._oplib import lib as _lib
 from kungfu.tensorflow.ops import _fusion
 
 _OPS = ("sum", "min", "max", "prod")
+_REDUCE_OPS = _OPS + ("avg",)
+
+
+def _check_op(op: str) -> None:
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r} (choose {', '.join(_REDUCE_OPS)})")
+
+
+def _averaged(t, axis: int):
+    """(what to sum for avg of t, how to finish the sum): floats divide by the cluster size (read
+    when the op runs); integers sum a 64-bit (x // n, x % n) pair stacked along `axis` and take
+    sum(q) + sum(r) // n, the floor of the exact mean whatever the dtype (as kf.allreduce)."""
+    t = tf.convert_to_tensor(t)
+    if t.dtype == tf.bool:
+        raise ValueError("op 'avg' is not defined for bool")
+    if t.dtype.is_floating:
+        return t, lambda s: s / tf.cast(cluster_size(), s.dtype)
+    wide = tf.uint64 if t.dtype.is_unsigned else tf.int64
+    n = tf.cast(cluster_size(), wide)
+    w = tf.cast(t, wide)
+    q = tf.math.floordiv(w, n)
+    pairs = tf.stack([q, w - q * n], axis=axis)
+
+    def finish(s):
+        q_sum, r_sum = tf.unstack(s, num=2, axis=axis)
+        return tf.cast(q_sum + tf.math.floordiv(r_sum, n), t.dtype)
+
+    return pairs, finish
 
 
 def _strategy(strategy: Optional[str]) -> int:
@@ -73,11 +101,33 @@ def _issue(op_name: str, build: Callable[[str], Any]):
 
 def all_reduce(t, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
                timeout: Optional[float] = None):
-    """Reduces t over all workers with op (sum, min, max, prod); every worker gets the result."""
-    if op not in _OPS:
-        raise ValueError(f"unknown reduce op {op!r} (choose {', '.join(_OPS)})")
-    return _issue(_name(name, t, "all_reduce"), lambda n: _lib.kungfu_all_reduce(
-        t, op=op, op_name=n, strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout)))
+    """Reduces t over all workers with op (sum, avg, min, max, prod); every worker gets the
+    result. t must have the same shape and dtype everywhere. avg of integers is the floor of the
+    exact mean. tf.IndexedSlices (sparse gradients) are allgathered: sum or avg only."""
+    _check_op(op)
+    if isinstance(t, tf.IndexedSlices):
+        return _sparse_all_reduce(t, op, name, timeout)
+    name = _name(name, t, "all_reduce")
+    reduce = lambda x, average: _issue(name, lambda n: _lib.kungfu_all_reduce(  # noqa: E731
+        x, op="sum" if average else op, average=average, op_name=n,
+        strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout)))
+    if op != "avg":
+        return reduce(t, False)
+    summed, finish = _averaged(t, axis=0)
+    return finish(reduce(summed, True))
+
+
+def _sparse_all_reduce(t: tf.IndexedSlices, op: str, name, timeout):
+    """The sum (or avg) of IndexedSlices: every worker's indices and values, gathered (rows with
+    the same index add up when the slices are applied or made dense)."""
+    if op not in ("sum", "avg"):
+        raise ValueError(f"all_reduce of tf.IndexedSlices supports sum and avg, not {op!r}")
+    name = _name(name, t.values, "all_reduce")
+    values = all_gather(t.values, name=f"{name}/values", timeout=timeout)
+    if op == "avg":
+        values = values / tf.cast(cluster_size(), values.dtype)
+    indices = all_gather(t.indices, name=f"{name}/indices", timeout=timeout)
+    return tf.IndexedSlices(values, indices, dense_shape=t.dense_shape)
 
 
 def fuse(ts: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -103,17 +153,23 @@ def group_all_reduce(ts: Sequence[tf.Tensor], op: str = "sum", name: Optional[st
     Returns the reduced tensors in the order given. Every worker must pass the same tensors in
     the same order. bucket_bytes splits each dtype's tensors into ops of about that many bytes
     (default: one op per dtype, which needs no negotiation among the workers: the fastest). Ops
-    are named "<name>/<dtype>/<index of their first tensor>" (name defaults to "group").
+    are named "<name>/<dtype>/<index of their first tensor>" (name defaults to "group"). avg as
+    in all_reduce.
     """
-    if op not in _OPS:
-        raise ValueError(f"unknown reduce op {op!r} (choose {', '.join(_OPS)})")
+    _check_op(op)
     if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or bucket_bytes <= 0):
         raise ValueError(f"bucket_bytes must be a positive integer or None, got {bucket_bytes!r}")
     _peer.get()
-    return _fusion.grouped_apply(
+    average = op == "avg"
+    finishes = None
+    if average:
+        ts, finishes = zip(*(_averaged(t, axis=0) for t in ts))
+    out = _fusion.grouped_apply(
         ts, name or "group", bucket_bytes,
         lambda group, n: _issue(n, lambda n: _lib.kungfu_group_all_reduce(
-            group, op=op, op_name=n, strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout))))
+            group, op="sum" if average else op, average=average, op_name=n,
+            strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout))))
+    return [f(s) for f, s in zip(finishes, out)] if average else out
 
 
 def broadcast(t, root: int = 0, name: Optional[str] = None, strategy: Optional[str] = None,
@@ -127,6 +183,40 @@ def all_gather(t, name: Optional[str] = None, timeout: Optional[float] = None):
     """Every worker's t concatenated along axis 0, in rank order (axis-0 sizes may differ)."""
     return _issue(_name(name, t, "all_gather"), lambda n: _lib.kungfu_all_gather(
         t, op_name=n, timeout_ms=_timeout_ms(timeout)))
+
+
+def all_to_all(t, splits=None, name: Optional[str] = None, timeout: Optional[float] = None):
+    """Worker r sends splits[j] rows of t to worker j (equal parts when None; then the rows must
+    divide evenly) and gets the rows every worker sent it, in rank order. Dimensions after the
+    first must agree everywhere; splits may differ per worker."""
+    t = tf.convert_to_tensor(t)
+    if splits is None:
+        rows = tf.shape(t, out_type=tf.int64)[0]
+        n = tf.cast(cluster_size(), tf.int64)
+        check = tf.debugging.assert_equal(
+            rows % n, tf.constant(0, tf.int64),
+            message="all_to_all: the rows of t do not split evenly among the workers; pass splits=")
+        with tf.control_dependencies([check]):
+            splits = tf.fill(tf.reshape(n, [1]), rows // n)
+    splits = tf.cast(splits, tf.int64)
+    return _issue(_name(name, t, "all_to_all"), lambda n: _lib.kungfu_all_to_all(
+        t, splits, op_name=n, timeout_ms=_timeout_ms(timeout)))
+
+
+def reduce_scatter(t, op: str = "sum", name: Optional[str] = None,
+                   timeout: Optional[float] = None):
+    """t reduced over all workers with op (sum, avg, min, max, prod) and split along axis 0:
+    worker r gets part r, the first (rows % size) workers one row more. t must have the same
+    shape and dtype everywhere."""
+    _check_op(op)
+    name = _name(name, t, "reduce_scatter")
+    reduce = lambda x, average: _issue(name, lambda n: _lib.kungfu_reduce_scatter(  # noqa: E731
+        x, op="sum" if average else op, average=average, op_name=n,
+        timeout_ms=_timeout_ms(timeout)))
+    if op != "avg":
+        return reduce(t, False)
+    summed, finish = _averaged(t, axis=1)  # pairs row by row: rows split as t's do
+    return finish(reduce(summed, True))
 
 
 def barrier(name: str = "kungfu::tf-barrier", timeout: Optional[float] = None):
@@ -192,9 +282,91 @@ def global_noise_scale(batch_small, batch_big, tensor, avg_tensor, alpha: float 
     return _monitor.global_noise_scale(batch_small, batch_big, tensor, avg_tensor, alpha, name)
 
 
+# -- gradients ----------------------------------------------------------------------------
+# Gradients of the collectives, so that a model that calls one in its forward pass trains.
+#
+# Each gradient is itself a collective, named after the forward op ("<op_name>/grad"), so every
+# worker runs the same ones in the same order. What each is (Horovod's definitions):
+# - all_reduce (sum): the sum of the incoming gradients over the workers. avg divides after the
+#   sum, outside the op, so TensorFlow differentiates the division itself. min, max and prod have
+#   none (their gradient depends on every worker's input): an error says so.
+# - group_all_reduce: the same for each tensor.
+# - broadcast: the sum of the incoming gradients, on the root; zeros elsewhere (the others' inputs
+#   do not reach the output).
+# - all_gather: the sum of the incoming gradients, then this worker's rows of it.
+# - all_to_all: the incoming gradient's rows sent back to where they came from (an all_to_all with
+#   the splits this worker received).
+# - reduce_scatter (sum): every worker's part of the incoming gradient, gathered.
+
+
+def _attr(op, name: str):
+    value = op.get_attr(name)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _grad_name(op) -> str:
+    return _attr(op, "op_name") + "/grad"
+
+
+def _summable(op, what: str) -> None:
+    kind = _attr(op, "op")
+    if kind != "sum":
+        raise LookupError(f"{what}(op={kind!r}) has no gradient: only sum and avg do")
+
+
+@tf.RegisterGradient("KungfuAllReduce")
+def _all_reduce_grad(op, grad):
+    _summable(op, "all_reduce")
+    return all_reduce(grad, op="sum", name=_grad_name(op))
+
+
+@tf.RegisterGradient("KungfuGroupAllReduce")
+def _group_all_reduce_grad(op, *grads):
+    _summable(op, "group_all_reduce")
+    grads = [tf.zeros_like(x) if g is None else g for x, g in zip(op.inputs, grads)]
+    return group_all_reduce(grads, op="sum", name=_grad_name(op))
+
+
+@tf.RegisterGradient("KungfuBroadcast")
+def _broadcast_grad(op, grad):
+    summed = all_reduce(grad, op="sum", name=_grad_name(op))
+    return tf.where(tf.equal(rank(), op.get_attr("root")), summed, tf.zeros_like(summed))
+
+
+def _rows_before(rows, name: str):
+    """(this worker's first row, its row count) in a concatenation of every worker's rows."""
+    counts = all_gather(tf.reshape(tf.cast(rows, tf.int64), [1]), name=name)
+    me = rank()
+    return tf.reduce_sum(counts[:me]), counts[me]
+
+
+@tf.RegisterGradient("KungfuAllGather")
+def _all_gather_grad(op, grad):
+    name = _grad_name(op)
+    summed = all_reduce(grad, op="sum", name=name)
+    start, rows = _rows_before(tf.shape(op.inputs[0])[0], f"{name}/rows")
+    return summed[start:start + rows]
+
+
+@tf.RegisterGradient("KungfuAllToAll")
+def _all_to_all_grad(op, grad):
+    name = _grad_name(op)
+    # received[j]: the rows worker j sent this one = worker j's splits[me].
+    every = all_gather(tf.reshape(op.inputs[1], [1, -1]), name=f"{name}/splits")
+    received = every[:, rank()]
+    return all_to_all(grad, splits=received, name=name), None
+
+
+@tf.RegisterGradient("KungfuReduceScatter")
+def _reduce_scatter_grad(op, grad):
+    _summable(op, "reduce_scatter")
+    return all_gather(grad, name=_grad_name(op))
+
+
 __all__ = [
     "global_noise_scale",
-    "all_reduce", "group_all_reduce", "broadcast", "all_gather", "barrier", "consensus",
+    "all_reduce", "group_all_reduce", "broadcast", "all_gather", "all_to_all", "reduce_scatter",
+    "barrier", "consensus",
     "peer_info", "rank", "cluster_size", "counter", "fuse", "defuse", "save_variable",
     "request_variable",
 ]

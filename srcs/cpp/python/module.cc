@@ -13,6 +13,7 @@
 
 #include <memory>
 
+#include "kungfu/composite.h"
 #include "kungfu/peer.h"
 
 namespace py = pybind11;
@@ -313,7 +314,37 @@ PYBIND11_MODULE(_kungfu, m) {
               int64_t timeout_ms) {
              // Input this rank rejected: take the op's number and fail it on every rank.
              auto h = std::make_shared<PyHandle>();
-             h->handle = p.Fail(kind.c_str(), Options(name, -1, timeout_ms), InvalidArgument(message));
+             const OpOptions o = Options(name, -1, timeout_ms);
+             const Status why = InvalidArgument(message);
+             h->handle = kind == "alltoall" || kind == "reducescatter"
+                             ? FailParts(p, kind.c_str(), o, why)
+                             : p.Fail(kind.c_str(), o, why);
+             return h;
+           })
+      .def("alltoall",
+           [](Peer& p, py::buffer send, const std::vector<uint64_t>& counts, int dtype,
+              const std::string& name, int64_t timeout_ms, uint64_t digest) {
+             size_t n;
+             const void* s = ReadPtr(send, &n);
+             auto h = std::make_shared<PyHandle>();
+             h->gathered = std::make_shared<GatherResult>();
+             h->handle = AllToAll(p, s, counts, static_cast<DType>(dtype), h->gathered,
+                                  Options(name, -1, timeout_ms, digest));
+             PinUntilDone(h->handle, {send});
+             return h;
+           })
+      .def("reducescatter",
+           [](Peer& p, py::buffer send, py::buffer recv, const std::vector<uint64_t>& counts,
+              int dtype, int op, const std::string& name, int64_t timeout_ms, uint64_t digest,
+              bool average) {
+             size_t n;
+             const void* s = ReadPtr(send, &n);
+             auto h = std::make_shared<PyHandle>();
+             OpOptions o = Options(name, -1, timeout_ms, digest);
+             o.average = average;
+             h->handle = ReduceScatter(p, s, WritablePtr(recv), counts, static_cast<DType>(dtype),
+                                       static_cast<ReduceOp>(op), o);
+             PinUntilDone(h->handle, {send, recv});
              return h;
            })
       .def("drop", [](Peer& p, const std::string& name) { p.Drop(name); })

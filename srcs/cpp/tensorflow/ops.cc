@@ -14,6 +14,7 @@
 #include <string>
 
 #include "common.h"
+#include "kungfu/composite.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 
 namespace kungfu {
@@ -27,6 +28,7 @@ REGISTER_OP("KungfuAllReduce")
     .Output("output: T")
     .Attr("T: " KF_TF_TYPES)
     .Attr("op: {'sum', 'min', 'max', 'prod'} = 'sum'")
+    .Attr("average: bool = false")
     .Attr("op_name: string")
     .Attr("strategy: int = -1")
     .Attr("timeout_ms: int = -1")
@@ -34,13 +36,15 @@ REGISTER_OP("KungfuAllReduce")
     .SetIsDistributedCommunication()
     .SetShapeFn(tf::shape_inference::UnchangedShape);
 
-// Base of the allreduce kernels: the reduce op (attr `op`).
+// Base of the allreduce kernels: the reduce op (attr `op`), and `average`: the caller divides
+// the sum by the cluster size (in the signature, so sum here and avg there fail).
 class ReduceKernel : public CollectiveKernel {
  public:
   explicit ReduceKernel(tf::OpKernelConstruction* c) : CollectiveKernel(c) {
     std::string op;
     OP_REQUIRES_OK(c, c->GetAttr("op", &op));
     OP_REQUIRES(c, ParseOp(op, &op_), tf::errors::InvalidArgument("unknown op ", op));
+    OP_REQUIRES_OK(c, c->GetAttr("average", &options_.average));
   }
 
  protected:
@@ -69,6 +73,7 @@ REGISTER_OP("KungfuGroupAllReduce")
     .Attr("N: int >= 1")
     .Attr("T: " KF_TF_TYPES)
     .Attr("op: {'sum', 'min', 'max', 'prod'} = 'sum'")
+    .Attr("average: bool = false")
     .Attr("op_name: string")
     .Attr("strategy: int = -1")
     .Attr("timeout_ms: int = -1")
@@ -194,6 +199,143 @@ class AllGatherOp : public CollectiveKernel {
   }
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuAllGather").Device(tf::DEVICE_CPU), AllGatherOp);
+
+// Worker r sends splits[j] rows of its input to worker j and gets, in rank order, the rows every
+// worker sent it (kungfu/composite.h). The splits are this worker's own; they may differ.
+REGISTER_OP("KungfuAllToAll")
+    .Input("input: T")
+    .Input("splits: int64")
+    .Output("output: T")
+    .Attr("T: " KF_TF_TYPES)
+    .Attr("op_name: string")
+    .Attr("timeout_ms: int = -1")
+    .SetIsStateful()
+    .SetIsDistributedCommunication()
+    .SetShapeFn([](InferenceContext* c) {
+      tf::shape_inference::ShapeHandle in = c->input(0), rest, out;
+      if (c->RankKnown(in) && c->Rank(in) > 0) {
+        TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
+        TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
+        c->set_output(0, out);
+      } else {
+        c->set_output(0, c->UnknownShape());
+      }
+      return tf::OkStatus();
+    });
+
+class AllToAllOp : public CollectiveKernel {
+ public:
+  using CollectiveKernel::CollectiveKernel;
+  void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
+    Peer* peer = GetPeer(ctx);
+    if (!peer) return done();
+    const tf::Tensor& in = ctx->input(0);
+    const tf::Tensor& splits = ctx->input(1);
+    const OpOptions o = WithShape(options_, in.shape(), 1);
+    // Input this worker rejects still fails every part on every worker (composite.h).
+    auto reject = [&](const std::string& why) {
+      Finish(ctx, done, FailParts(*peer, "alltoall", o, InvalidArgument("all_to_all: " + why)));
+    };
+    if (in.dims() == 0) return reject("needs a tensor of rank >= 1, got a scalar");
+    if (splits.dims() != 1 || splits.NumElements() != peer->size()) {
+      return reject("splits must be a vector of " + std::to_string(peer->size()) +
+                    " row counts, got shape " + splits.shape().DebugString());
+    }
+    tf::TensorShape row = in.shape();
+    row.RemoveDim(0);
+    const int64_t row_size = row.num_elements();
+    std::vector<uint64_t> counts;
+    int64_t rows = 0;
+    for (int64_t j = 0; j < splits.NumElements(); ++j) {
+      const int64_t s = splits.vec<int64_t>()(j);
+      if (s < 0) return reject("splits must not be negative");
+      rows += s;
+      counts.push_back(static_cast<uint64_t>(s * row_size));
+    }
+    if (rows != in.dim_size(0)) {
+      return reject("splits add up to " + std::to_string(rows) + " rows, the tensor has " +
+                    std::to_string(in.dim_size(0)));
+    }
+    auto result = std::make_shared<GatherResult>();
+    Handle h = AllToAll(*peer, In(in), counts, dtype_, result, o);
+    // The input stays alive until the op completes: TensorFlow keeps it for the kernel.
+    h.OnComplete([ctx, done, result, row, row_size](const Status& s) {
+      if (!s.ok()) {
+        ctx->SetStatus(ToTF(s));
+        return done();
+      }
+      int64_t total = 0;
+      for (uint64_t c : result->counts) total += static_cast<int64_t>(c);
+      tf::TensorShape shape = row;
+      shape.InsertDim(0, row_size > 0 ? total / row_size : 0);
+      tf::Tensor* out = nullptr;
+      tf::Status st = ctx->allocate_output(0, shape, &out);
+      if (!st.ok()) {
+        ctx->SetStatus(st);
+        return done();
+      }
+      if (result->data.size() > 0) std::memcpy(Out(out), result->data.data(), result->data.size());
+      done();
+    });
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuAllToAll").Device(tf::DEVICE_CPU).HostMemory("splits"),
+                        AllToAllOp);
+
+// The element-wise reduction over every worker's input, split along axis 0: worker r gets part r,
+// the first (rows % size) workers one row more (kungfu/composite.h).
+REGISTER_OP("KungfuReduceScatter")
+    .Input("input: T")
+    .Output("output: T")
+    .Attr("T: " KF_TF_TYPES)
+    .Attr("op: {'sum', 'min', 'max', 'prod'} = 'sum'")
+    .Attr("average: bool = false")
+    .Attr("op_name: string")
+    .Attr("timeout_ms: int = -1")
+    .SetIsStateful()
+    .SetIsDistributedCommunication()
+    .SetShapeFn([](InferenceContext* c) {
+      tf::shape_inference::ShapeHandle in = c->input(0), rest, out;
+      if (c->RankKnown(in) && c->Rank(in) > 0) {
+        TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
+        TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
+        c->set_output(0, out);
+      } else {
+        c->set_output(0, c->UnknownShape());
+      }
+      return tf::OkStatus();
+    });
+
+class ReduceScatterOp : public ReduceKernel {
+ public:
+  using ReduceKernel::ReduceKernel;
+  void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
+    Peer* peer = GetPeer(ctx);
+    if (!peer) return done();
+    const tf::Tensor& in = ctx->input(0);
+    const OpOptions o = WithShape(options_, in.shape());
+    if (in.dims() == 0) {
+      return Finish(ctx, done, FailParts(*peer, "reducescatter", o, InvalidArgument(
+                                             "reduce_scatter: needs a tensor of rank >= 1")));
+    }
+    const int n = peer->size();
+    const int64_t rows = in.dim_size(0);
+    const int64_t row_size = in.NumElements() / std::max<int64_t>(rows, 1);
+    std::vector<uint64_t> counts;
+    int64_t mine = 0;
+    for (int j = 0; j < n; ++j) {
+      const int64_t part = rows / n + (j < rows % n ? 1 : 0);
+      if (j == peer->rank()) mine = part;
+      counts.push_back(static_cast<uint64_t>(part * row_size));
+    }
+    tf::TensorShape shape = in.shape();
+    shape.set_dim(0, mine);
+    tf::Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, shape, &out), done);
+    Finish(ctx, done, ReduceScatter(*peer, In(in), Out(out), counts, dtype_, op_, o));
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuReduceScatter").Device(tf::DEVICE_CPU), ReduceScatterOp);
 
 REGISTER_OP("KungfuBarrier")
     .Attr("op_name: string")

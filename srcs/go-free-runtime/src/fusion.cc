@@ -154,8 +154,8 @@ Handle Fusion::AllReduce(const void* send, void* recv, size_t count, DType dtype
   o->op = op;
   o->strategy = options.strategy < 0 ? -1 : options.strategy;
   o->digest = options.digest;
-  o->called = Clock::now();
   o->average = options.average;
+  o->called = Clock::now();
   const int64_t timeout = options.timeout_ms < 0 ? op_timeout_ms_ : options.timeout_ms;
   o->deadline = o->called + std::chrono::milliseconds(timeout);
   o->seen.assign(session_->size(), -1);

@@ -128,13 +128,13 @@ Status Peer::Save(const std::string& name, const void* data, size_t bytes, DType
 Status Peer::Lend(const std::string& name, const void* data, size_t bytes,
                   std::shared_ptr<const void> owner, DType dtype) {
   if (!owner && bytes > 0) return InvalidArgument("a lent blob needs an owner of its memory");
-  struct Lent {
-    std::shared_ptr<const void> owner;
   KF_RETURN_IF_ERROR(CheckDType(dtype));
   if (bytes % DTypeSize(dtype) != 0) {
     return InvalidArgument("a blob of " + std::to_string(bytes) + " bytes is not a whole number of " +
                            DTypeName(dtype));
   }
+  struct Lent {
+    std::shared_ptr<const void> owner;
     Transport::BlobBytes bytes;
   };
   auto lent = std::make_shared<const Lent>(
@@ -156,13 +156,13 @@ Handle Peer::Request(int target, const std::string& name, void* dst, size_t byte
   o.name = "p2p:" + name;
   return Run(Sig(OpKind::kRequest, o), o, bytes, [=](Session& s, const OpContext& ctx) -> Status {
     KF_RETURN_IF_ERROR(CheckRoot(target, s.size()));
-    if (target == rank_) {
-      std::lock_guard<std::mutex> lk(store_mu_);
     KF_RETURN_IF_ERROR(CheckDType(dtype));
     if (bytes % DTypeSize(dtype) != 0) {
       return InvalidArgument("a request of " + std::to_string(bytes) +
                              " bytes is not a whole number of " + DTypeName(dtype));
     }
+    if (target == rank_) {
+      std::lock_guard<std::mutex> lk(store_mu_);
       auto it = store_.find(name);
       if (it == store_.end()) return NotFound("this peer has no blob named '" + name + "'");
       if (it->second->size != bytes || it->second->dtype != dtype) {
@@ -508,9 +508,9 @@ OpSig Peer::Sig(OpKind kind, const OpOptions& options, int op, int root) const {
   // on other threads, and whichever it is, the tags of its messages tell strategies apart.
   sig.strategy = options.strategy;
   sig.digest = options.digest;
+  sig.average = options.average && (kind == OpKind::kAllReduce || kind == OpKind::kReduce);
   return sig;
 }
-  sig.average = options.average && kind == OpKind::kAllReduce;
 
 // 1. Number the op (name, seq). 2. On a worker: BeginOp, run the body, abort the op on every
 // peer if it failed, EndOp (no receive of it is left posted into the caller's buffers), and only
@@ -719,7 +719,9 @@ Handle Peer::Fail(const char* kind, const OpOptions& options, const Status& reas
   if (o.name.empty() && k == OpKind::kBarrier) o.name = "kungfu::barrier";
   // No rendezvous: its begun message would carry a signature that differs from the real op's
   // on the other peers (they would fail on that instead of on the reason).
-  return Run(Sig(k, o), o, 0, [reason](Session&, const OpContext&) { return reason; },
+  OpSig sig = Sig(k, o);
+  sig.rejected = true;  // its reason, not a signature mismatch, is what the others hear
+  return Run(sig, o, 0, [reason](Session&, const OpContext&) { return reason; },
              /*collective=*/true, /*rendezvous=*/false);
 }
 

@@ -122,8 +122,8 @@ OpSig OpSig::FromWire(uint64_t word, uint64_t digest) {
   s.kind = static_cast<OpKind>(word & 0xff);
   s.op = static_cast<int>((word >> 8) & 0xff);
   s.strategy = static_cast<int>((word >> 16) & 0xff) - 1;
-  s.root = static_cast<int>(static_cast<int64_t>(word >> 32) - 1);
   s.average = ((word >> 24) & 1) != 0;
+  s.root = static_cast<int>(static_cast<int64_t>(word >> 32) - 1);
   s.digest = digest;
   return s;
 }
@@ -269,7 +269,7 @@ void RendezvousTransport::BeginOp(const std::string& name, uint64_t seq, const O
   rec.begun = true;
   rec.begun_at = Clock::now();
   rec.sig = sig;
-  if (!rec.error.ok()) return;
+  if (!rec.error.ok() || sig.rejected) return;
   if (rec.first_src >= 0 && rec.first_remote != sig) {
     rec.error = Disagreement(Describe(rec.first_src), rec.first_remote,
                              "this peer " + Describe(rank_), sig, name);
@@ -359,7 +359,7 @@ void RendezvousTransport::NoteRemoteSig(int src, const OpKey& op, const OpSig& t
       rec.other_src = src;
       rec.other_remote = theirs;
     }
-  } else if (theirs != rec.sig && rec.error.ok()) {
+  } else if (theirs != rec.sig && rec.error.ok() && !rec.sig.rejected) {
     rec.error = Disagreement("peer " + Describe(src), theirs, "this peer " + Describe(rank_),
                              rec.sig, op.first);
     WakeAllLocked();
@@ -442,7 +442,8 @@ Status RendezvousTransport::Send(int dst, const MsgKey& key, const MsgExpect& me
     if (closed_) return Cancelled("peer stopped");
     if (peer_left_[dst]) return LeftLocked(dst);
     auto it = ops_.find({BaseName(key.name), key.seq});
-    if (it != ops_.end() && it->second.begun) sig = it->second.sig;
+    // A rejected op's signature is not one its caller meant: its frames carry none.
+    if (it != ops_.end() && it->second.begun && !it->second.sig.rejected) sig = it->second.sig;
   }
   Status s = SendData(dst, key, meta, data, sig);
   if (!s.ok()) {

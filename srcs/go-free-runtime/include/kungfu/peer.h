@@ -118,6 +118,9 @@ struct OpOptions {
   // What else every peer must agree on for this operation, beyond kind, reduce op, dtype, count,
   // root and strategy (e.g. a digest of a tensor's trailing shape); 0: nothing.
   uint64_t digest = 0;
+  // allreduce and reduce with kSum only: the caller divides the result by the peer count (see
+  // OpSig).
+  bool average = false;
 };
 
 // One buffer of a multi-buffer allreduce (send may equal recv: in place).
@@ -143,8 +146,6 @@ class Fusion;
 Peer* DefaultPeer();
 void SetDefaultPeer(Peer* peer);
 
-  // allreduce with kSum only: the caller divides the result by the peer count (see OpSig).
-  bool average = false;
 class Peer {
  public:
   static Status Create(const PeerConfig& config, std::unique_ptr<Peer>* out);

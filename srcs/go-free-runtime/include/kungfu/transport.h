@@ -124,6 +124,13 @@ struct OpSig {
   int strategy = -1;  // a StrategyKind, or -1
   int root = -1;      // rooted operations, or -1
   uint64_t digest = 0;  // anything else that must match (a tensor's trailing shape), or 0
+  // An allreduce whose sum the caller divides by the peer count ("avg", sum on the wire): part of
+  // the signature so that sum on one peer and avg on another fail instead of both returning.
+  bool average = false;
+  // Local only, never on the wire: this peer fails the operation with a reason of its own
+  // (Peer::Fail, input it rejected). It looks for no disagreement, so that its reason, not a
+  // signature it never meant, is what every peer hears.
+  bool rejected = false;
   uint64_t Word() const;
   static OpSig FromWire(uint64_t word, uint64_t digest);
   bool operator==(const OpSig& o) const { return Word() == o.Word() && digest == o.digest; }
@@ -148,9 +155,6 @@ struct MsgExpect {
   DType dtype = DType::kUInt8;
   uint64_t total_count = 0;  // element count of the whole operation buffer
   uint64_t bytes = 0;        // payload bytes of this message
-  // An allreduce whose sum the caller divides by the peer count ("avg", sum on the wire): part of
-  // the signature so that sum on one peer and avg on another fail instead of both returning.
-  bool average = false;
 };
 
 // Options of every implementation; those about peers' liveness, handshakes and connecting are
@@ -211,7 +215,12 @@ class Transport {
   struct BlobBytes {
     const char* data;
     size_t size;
+    DType dtype = DType::kUInt8;  // what the bytes hold; a request must ask for the same
   };
+  // The data message that answers a request for b.
+  static MsgExpect BlobReply(const BlobBytes& b) {
+    return MsgExpect{b.dtype, b.size / DTypeSize(b.dtype), b.size};
+  }
   using Blob = std::shared_ptr<const BlobBytes>;
   using BlobLookup = std::function<Blob(const std::string& name)>;
   virtual void SetBlobLookup(BlobLookup lookup) = 0;
@@ -245,12 +254,7 @@ class Transport {
   // src's address space into `dst`. Only memory src itself pointed this peer at (in a message)
   // may be read; a transport says yes only for a peer whose identity it can vouch for.
   virtual bool CanReadPeerMemory(int /*src*/) const { return false; }
-    DType dtype = DType::kUInt8;  // what the bytes hold; a request must ask for the same
   virtual Status ReadPeerMemory(int src, uint64_t addr, void* dst, size_t bytes);
-  // The data message that answers a request for b.
-  static MsgExpect BlobReply(const BlobBytes& b) {
-    return MsgExpect{b.dtype, b.size / DTypeSize(b.dtype), b.size};
-  }
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
