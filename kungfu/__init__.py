@@ -83,6 +83,8 @@ def init() -> None:
 # never imports TensorFlow.
 _TENSORFLOW_NAMES = {
     "Optimizer": "kungfu.tensorflow",
+    "Compression": "kungfu.tensorflow",
+    "SyncBatchNormalization": "kungfu.tensorflow",
     "load_model": "kungfu.tensorflow",
     "BroadcastGlobalVariablesCallback": "kungfu.tensorflow",
     "broadcast_variables": "kungfu.tensorflow",

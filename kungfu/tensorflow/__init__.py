@@ -25,12 +25,15 @@ from kungfu.tensorflow.initializer import (  # noqa: F401
     BroadcastGlobalVariablesCallback,
     broadcast_variables,
 )
-from kungfu.tensorflow.optimizers import Optimizer  # noqa: F401
+from kungfu.tensorflow.layers import SyncBatchNormalization  # noqa: F401
+from kungfu.tensorflow.optimizers import Compression, Optimizer  # noqa: F401
 from kungfu.tensorflow._saving import load_model  # noqa: F401
 
 __all__ = [
     "ops",
     "Optimizer",
+    "Compression",
+    "SyncBatchNormalization",
     "load_model",
     "BroadcastGlobalVariablesCallback",
     "broadcast_variables",

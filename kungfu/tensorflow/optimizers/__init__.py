@@ -16,6 +16,12 @@ from typing import Optional
 from kungfu.tensorflow.optimizers._core import ALGORITHMS, Optimizer
 
 
+class Compression:
+    """Horovod's names for kf.Optimizer(..., compression=...): Compression.none, Compression.fp16."""
+    none = "none"
+    fp16 = "fp16"
+
+
 def _unsupported(**flags):
     on = [k for k, v in flags.items() if v]
     if on:
@@ -84,6 +90,7 @@ def MonitorGradientVarianceOptimizer(optimizer, monitor_interval: int = 1,
 
 
 __all__ = [
+    "Compression",
     "MonitorGradientNoiseScaleOptimizer",
     "MonitorGradientVarianceOptimizer",
     "ALGORITHMS",

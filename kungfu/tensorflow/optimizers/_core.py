@@ -84,6 +84,14 @@ class Optimizer:
           monitor_interval: monitor every k-th step (default 1).
           monitor_decay: EMA decay of the estimates, weighting the old value (default 0.9).
           batch_size: this worker's batch size (needed by "gns").
+          compression: "fp16" sends float32/float64 gradients as float16 (half the bytes or
+              less; each worker's gradient is divided by the cluster size before the cast, so
+              the float16 sum is of the mean's parts and overflows no sooner than the mean
+              does), the averaged result back in the variable's dtype; None or "none" (default):
+              as they are. Horovod's `compression=hvd.Compression.fp16`.
+          sparse_as_dense: True (default): IndexedSlices gradients (embeddings) are made dense
+              and summed; False: they stay sparse, every worker's rows gathered (exactly the
+              dense result once applied; fewer bytes when each worker touches few rows).
       "sma": synchronous model averaging. options: alpha (default 0.1), bucket_bytes, strategy.
       "pair-averaging": AD-PSGD, average with one random peer each step. options: none besides
           op_prefix.
@@ -183,6 +191,17 @@ class Optimizer:
             value = _monitor.check_decay(value)
         elif key == "batch_size":
             value = None if value is None else _monitor.check_batch_size(value)
+        elif key == "compression":
+            name = getattr(value, "name", value)  # also an object named like Horovod's
+            if name is None or name == "none":
+                value = None
+            elif name == "fp16":
+                value = "fp16"
+            else:
+                raise ValueError(f"compression must be None, 'none' or 'fp16', got {value!r}")
+        elif key == "sparse_as_dense":
+            if not isinstance(value, bool):
+                raise ValueError(f"sparse_as_dense must be True or False, got {value!r}")
         elif key == "alpha":
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
                     0.0 < float(value) <= 1.0) or math.isnan(float(value)):
@@ -196,9 +215,12 @@ _MONITOR_OPTIONS = ("monitor", "monitor_interval", "monitor_decay", "batch_size"
 
 class _SynchronousSGD(Optimizer):
     _kf_algorithm = "sync-sgd"
-    _kf_accepts = ("op_prefix", "bucket_bytes", "strategy") + _MONITOR_OPTIONS
+    _kf_accepts = ("op_prefix", "bucket_bytes", "strategy", "compression",
+                   "sparse_as_dense") + _MONITOR_OPTIONS
     _kf_bucket_bytes = DEFAULT_BUCKET_BYTES
     _kf_strategy = None
+    _kf_compression = None
+    _kf_sparse_as_dense = True
     _kf_monitor: Tuple[str, ...] = ()
     _kf_monitor_interval = 1
     _kf_monitor_decay = _monitor.DEFAULT_DECAY
@@ -206,6 +228,8 @@ class _SynchronousSGD(Optimizer):
 
     def _kf_configured(self):
         monitor = None
+        if self._kf_monitor and not self._kf_sparse_as_dense:
+            raise ValueError("monitor= needs every gradient dense: use sparse_as_dense=True")
         if self._kf_monitor:
             monitor = _monitor.GradientMonitor(self._kf_monitor, self._kf_monitor_interval,
                                                self._kf_monitor_decay, self._kf_batch_size)
@@ -231,13 +255,19 @@ class _SynchronousSGD(Optimizer):
         self._kf_check_context()
         grads = list(grads)
         present = [i for i, g in enumerate(grads) if g is not None]
-        # IndexedSlices (embedding gradients) become dense tensors: workers touch different
-        # rows, and a dense sum is what every worker can agree on in size.
+        sparse = [] if self._kf_sparse_as_dense else [
+            i for i in present if isinstance(grads[i], tf.IndexedSlices)]
+        present = [i for i in present if i not in sparse]
+        # IndexedSlices (embedding gradients) become dense tensors unless sparse_as_dense=False:
+        # workers touch different rows, and a dense sum is what every worker can agree on in size.
         dense = [tf.convert_to_tensor(grads[i]) for i in present]
         with tf.control_dependencies(dense):
             ready = tf.timestamp()
         averaged = _mean_over_workers(dense, f"{self._kf_prefix()}/grads",
-                                      self._kf_bucket_bytes, self._kf_strategy)
+                                      self._kf_bucket_bytes, self._kf_strategy,
+                                      self._kf_compression)
+        for i in sparse:
+            grads[i] = ops.all_reduce(grads[i], op="avg", name=f"{self._kf_prefix()}/sparse/{i}")
         with tf.control_dependencies(averaged):
             self.__dict__["_kf_wait"].assign(tf.timestamp() - ready)
         for i, g in zip(present, averaged):
