@@ -54,6 +54,9 @@ def parse_args(argv=None):
                    "initial weights (each worker adds its rank) (default 1)")
     p.add_argument("--test-fraction", type=float, default=0.2,
                    help="fraction of the data held out for testing (default 0.2)")
+    p.add_argument("--compression", choices=("none", "fp16"), default="none",
+                   help="fp16: gradients travel as float16 (kf.Optimizer(compression=...)) "
+                        "(default none)")
     p.add_argument("--min-accuracy", type=float, default=None,
                    help="exit with code 1 when the test accuracy is below this "
                         "(default: only print it)")
@@ -118,7 +121,7 @@ def main(argv=None) -> int:
         opt = keras.optimizers.SGD(learning_rate=lr, momentum=0.9)
     else:
         opt = keras.optimizers.Adam(learning_rate=lr)
-    opt = Optimizer(opt, algorithm="sync-sgd")
+    opt = Optimizer(opt, algorithm="sync-sgd", compression=args.compression)
 
     model = build_model()
     # jit_compile=False: kungfu's collectives have no XLA kernels, and Keras' default ("auto")
