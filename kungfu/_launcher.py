@@ -60,6 +60,7 @@ STRATEGIES = (
     "CLIQUE",
     "DIRECT",
     "HIERARCHICAL",
+    "MULTI_STAR",
     "AUTO",
 )
 # After SIGTERM, how long a worker may take to exit before it gets SIGKILL.

@@ -224,6 +224,7 @@ const StrategyKind kStrategies[] = {
     StrategyKind::kBinaryTreeStar, StrategyKind::kMultiBinaryTreeStar,
     StrategyKind::kClique,         StrategyKind::kAuto,
     StrategyKind::kDirect,         StrategyKind::kHierarchical,
+    StrategyKind::kMultiStar,
 };
 const ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kProd};
 const DType kDTypes[] = {DType::kInt8,    DType::kUInt16,   DType::kInt32,   DType::kInt64,

@@ -19,7 +19,8 @@ const StrategyKind kAllKinds[] = {StrategyKind::kStar,           StrategyKind::k
                                   StrategyKind::kTree,           StrategyKind::kBinaryTree,
                                   StrategyKind::kBinaryTreeStar, StrategyKind::kMultiBinaryTreeStar,
                                   StrategyKind::kClique,         StrategyKind::kAuto,
-                                  StrategyKind::kDirect,         StrategyKind::kHierarchical};
+                                  StrategyKind::kDirect,         StrategyKind::kHierarchical,
+                                  StrategyKind::kMultiStar};
 
 // Peers on the given hosts, in order; ports distinct.
 PeerList Peers(const std::vector<std::string>& hosts) {
@@ -107,6 +108,9 @@ TEST(ParseStrategyNames) {
   CHECK_EQ(std::string(kungfu::StrategyName(StrategyKind::kDirect)), std::string("DIRECT"));
   CHECK_EQ(std::string(kungfu::StrategyName(StrategyKind::kHierarchical)),
            std::string("HIERARCHICAL"));
+  CHECK_EQ(std::string(kungfu::StrategyName(StrategyKind::kMultiStar)), std::string("MULTI_STAR"));
+  CHECK_OK(kungfu::ParseStrategy("multi-star", &out));
+  CHECK(out == StrategyKind::kMultiStar);
   for (StrategyKind k : kAllKinds) CHECK(kungfu::IsValidStrategy(static_cast<int>(k)));
   CHECK(!kungfu::IsValidStrategy(-1));
   CHECK(!kungfu::IsValidStrategy(kungfu::kNumStrategies));
@@ -221,8 +225,8 @@ TEST(MakeStrategyOneHost) {
           break;
         }
         default:
-          // STAR, TREE, BINARY_TREE_STAR, MULTI_BINARY_TREE_STAR, AUTO, DIRECT and HIERARCHICAL
-          // all reduce to one star rooted at rank 0 on a single host.
+          // STAR, TREE, BINARY_TREE_STAR, MULTI_BINARY_TREE_STAR, MULTI_STAR, AUTO, DIRECT and
+          // HIERARCHICAL all reduce to one star rooted at rank 0 on a single host.
           REQUIRE_EQ(s.trees.size(), size_t(1));
           CHECK_MSG(s.trees[0] == Tree(n, 0), what);
       }
@@ -285,6 +289,20 @@ TEST(MakeStrategyThreeUnevenHosts) {
           CHECK_EQ(kungfu::RootOf(t), masters[h]);
           CheckStarsInsideHosts(t, kThreeHostRanks, what + " tree " + std::to_string(h));
           for (int m : masters) CHECK_LE(Depth(t, m), 1);  // 3 first ranks: a binary tree of depth 1
+        }
+        break;
+      }
+      case StrategyKind::kMultiStar: {
+        // KungFu's: one graph per host h, stars inside the hosts and every other host's first
+        // rank straight under host h's first rank.
+        REQUIRE_EQ(s.trees.size(), size_t(3));
+        CHECK(s.trees[0] == Tree({0, 0, 0, 0, 0, 3, 3, 3}));
+        CHECK(s.trees[1] == Tree({2, 0, 2, 2, 0, 3, 3, 3}));
+        CHECK(s.trees[2] == Tree({3, 0, 3, 3, 0, 3, 3, 3}));
+        for (size_t h = 0; h < 3; ++h) {
+          CHECK_EQ(kungfu::RootOf(s.trees[h]), masters[h]);
+          CheckStarsInsideHosts(s.trees[h], kThreeHostRanks, what + " tree " + std::to_string(h));
+          for (int m : masters) CHECK_LE(Depth(s.trees[h], m), 1);
         }
         break;
       }

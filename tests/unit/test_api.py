@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STRATEGIES = ["STAR", "RING", "TREE", "BINARY_TREE", "BINARY_TREE_STAR",
-              "MULTI_BINARY_TREE_STAR", "CLIQUE", "DIRECT", "HIERARCHICAL",
+              "MULTI_BINARY_TREE_STAR", "CLIQUE", "DIRECT", "HIERARCHICAL", "MULTI_STAR",
               "AUTO"]
 DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
           np.float16, ml_dtypes.bfloat16, np.float32, np.float64]

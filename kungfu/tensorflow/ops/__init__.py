@@ -249,29 +249,57 @@ def counter(init: int = 0, incr: int = 1):
     return _lib.kungfu_counter(init=init, incr=incr)
 
 
-def save_variable(t, name: Optional[str] = None):
+# Versions of a blob kept per name (KungFu's window): see srcs/cpp/tensorflow/p2p_versions.cc.
+VERSION_WINDOW = 3
+
+
+def save_variable(t, version=None, name: Optional[str] = None):
     """Publishes t in this worker's store under `name` (atomically replacing the old value). The
-    store holds the tensor itself, not a copy (TensorFlow leaves a shared buffer unchanged)."""
-    return _lib.kungfu_save_variable(t, blob_name=_name(name, t, "blob", "save_variable"))
+    store holds the tensor itself, not a copy (TensorFlow leaves a shared buffer unchanged).
+
+    With `version` (an integer >= 0, or an int tensor, e.g. the step), t is version `version`
+    of `name`: this worker keeps the last VERSION_WINDOW (3) versions it saved of each name and
+    drops older ones, so a peer that lags by a step or two still finds the one it asks for.
+    Versioned and unversioned blobs of one name are separate."""
+    name = _name(name, t, "blob", "save_variable")
+    if version is None:
+        return _lib.kungfu_save_variable(t, blob_name=name)
+    return _lib.kungfu_save_variable_version(_version(version, "save_variable"), t,
+                                             blob_name=name)
+
+
+def _version(version, caller: str):
+    if isinstance(version, bool) or (isinstance(version, int) and version < 0):
+        raise ValueError(f"{caller}: version must be an integer >= 0, got {version!r}")
+    version = tf.convert_to_tensor(version)
+    if not version.dtype.is_integer:
+        raise ValueError(f"{caller}: version must be an integer, got a {version.dtype.name} "
+                         "tensor")
+    return tf.cast(version, tf.int64)
 
 
 def request_variable(target, version=None, name: Optional[str] = None, shape=None, dtype=None,
                      *, timeout: Optional[float] = None, like=None):
     """Worker `target`'s stored blob `name` as a tensor of `shape` and `dtype` (or like `like`).
-    The arguments come in KungFu's order, so calls ported from it mean the same; `version`
-    must be None (the store keeps the latest value of a name, not versions of it)."""
-    if version is not None:
-        raise ValueError(f"request_variable: version={version!r}: kungfu's store keeps the "
-                         "latest value of each name only; pass version=None")
+    The arguments come in KungFu's order, so calls ported from it mean the same. With
+    `version`, that version of the blob (saved with save_variable(t, version=...)); a version
+    the target never saved, or dropped (older than its last VERSION_WINDOW), fails with
+    NotFoundError naming the target and the blob ("<name>@v<version>")."""
     if like is not None:
         shape = like.shape if shape is None else shape
         dtype = like.dtype if dtype is None else dtype
         name = name or _name(None, like, "blob", "request_variable")
     if name is None:
         raise ValueError("request_variable needs name=")
-    return _lib.kungfu_request_variable(tf.cast(target, tf.int32), T=tf.as_dtype(dtype),
-                                        blob_name=name, shape=tf.TensorShape(shape),
-                                        timeout_ms=_timeout_ms(timeout))
+    _peer.get()
+    target = tf.cast(target, tf.int32)
+    if version is None:
+        return _lib.kungfu_request_variable(target, T=tf.as_dtype(dtype), blob_name=name,
+                                            shape=tf.TensorShape(shape),
+                                            timeout_ms=_timeout_ms(timeout))
+    return _lib.kungfu_request_variable_version(
+        target, _version(version, "request_variable"), T=tf.as_dtype(dtype), blob_name=name,
+        shape=tf.TensorShape(shape), timeout_ms=_timeout_ms(timeout))
 
 
 def global_noise_scale(batch_small, batch_big, tensor, avg_tensor, alpha: float = 0.6,
@@ -363,8 +391,33 @@ def _reduce_scatter_grad(op, grad):
     return all_gather(grad, name=_grad_name(op))
 
 
+from kungfu.tensorflow.ops._adapt import (  # noqa: E402  KungFu's names (docs/tensorflow.md)
+    calc_stats,
+    check_interference,
+    egress_rates,
+    get_init_checkpoint,
+    get_neighbour_mask,
+    get_peer_latencies,
+    global_minimum_spanning_tree,
+    group_nccl_all_reduce,
+    log_stats,
+    monitored_all_reduce,
+    request_variable_with_template,
+    resize,
+    resize_cluster_from_url,
+    round_robin,
+    set_tree,
+    step_based_schedule,
+    subset_all_reduce,
+)
+
 __all__ = [
     "global_noise_scale",
+    "set_tree", "resize", "resize_cluster_from_url", "monitored_all_reduce",
+    "request_variable_with_template", "calc_stats", "log_stats", "check_interference",
+    "egress_rates", "get_peer_latencies", "global_minimum_spanning_tree", "get_neighbour_mask",
+    "round_robin", "group_nccl_all_reduce", "subset_all_reduce", "step_based_schedule",
+    "get_init_checkpoint",
     "all_reduce", "group_all_reduce", "broadcast", "all_gather", "all_to_all", "reduce_scatter",
     "barrier", "consensus",
     "peer_info", "rank", "cluster_size", "counter", "fuse", "defuse", "save_variable",

@@ -132,5 +132,49 @@ class CollectiveKernel : public tf::AsyncOpKernel {
   DType dtype_ = DType::kUInt8;  // of input 0, if any
 };
 
+// Output 0 shaped by the "shape" attr (the peer-to-peer requests).
+inline tf::Status ShapeFromAttr(InferenceContext* c) {
+  tf::PartialTensorShape shape;
+  TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));
+  tf::shape_inference::ShapeHandle out;
+  TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shape, &out));
+  c->set_output(0, out);
+  return tf::OkStatus();
+}
+
+// Base of kernels that request a peer's blob into output 0 (attrs blob_name, shape, T,
+// timeout_ms).
+class BlobRequestKernel : public tf::AsyncOpKernel {
+ public:
+  explicit BlobRequestKernel(tf::OpKernelConstruction* c) : AsyncOpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("blob_name", &name_));
+    OP_REQUIRES_OK(c, c->GetAttr("shape", &shape_));
+    OP_REQUIRES_OK(c, c->GetAttr("timeout_ms", &options_.timeout_ms));
+    tf::DataType t;
+    OP_REQUIRES_OK(c, c->GetAttr("T", &t));
+    OP_REQUIRES(c, ToDType(t, &dtype_),
+                tf::errors::InvalidArgument("unsupported dtype ", tf::DataTypeString(t)));
+  }
+
+ protected:
+  // Requests blob `blob` of peer `target` (input 0) into a new output 0.
+  void Request(tf::OpKernelContext* ctx, const DoneCallback& done, const std::string& blob) {
+    Peer* peer = GetPeer(ctx);
+    if (!peer) return done();
+    const int target = ctx->input(0).scalar<int32_t>()();
+    tf::Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, shape_, &out), done);
+    Finish(ctx, done, peer->Request(target, blob, Out(out), out->tensor_data().size(), options_,
+                                    dtype_));
+  }
+
+  std::string name_;
+
+ private:
+  tf::TensorShape shape_;
+  OpOptions options_;
+  DType dtype_ = DType::kUInt8;
+};
+
 }  // namespace tfops
 }  // namespace kungfu

@@ -424,41 +424,14 @@ REGISTER_OP("KungfuRequestVariable")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
     .SetIsDistributedCommunication()
-    .SetShapeFn([](InferenceContext* c) {
-      tf::PartialTensorShape shape;
-      TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));
-      tf::shape_inference::ShapeHandle out;
-      TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shape, &out));
-      c->set_output(0, out);
-      return tf::OkStatus();
-    });
+    .SetShapeFn(ShapeFromAttr);
 
-class RequestVariableOp : public tf::AsyncOpKernel {
+class RequestVariableOp : public BlobRequestKernel {
  public:
-  explicit RequestVariableOp(tf::OpKernelConstruction* c) : AsyncOpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("blob_name", &name_));
-    OP_REQUIRES_OK(c, c->GetAttr("shape", &shape_));
-    OP_REQUIRES_OK(c, c->GetAttr("timeout_ms", &options_.timeout_ms));
-    tf::DataType t;
-    OP_REQUIRES_OK(c, c->GetAttr("T", &t));
-    OP_REQUIRES(c, ToDType(t, &dtype_),
-                tf::errors::InvalidArgument("unsupported dtype ", tf::DataTypeString(t)));
-  }
+  using BlobRequestKernel::BlobRequestKernel;
   void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
-    Peer* peer = GetPeer(ctx);
-    if (!peer) return done();
-    const int target = ctx->input(0).scalar<int32_t>()();
-    tf::Tensor* out = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, shape_, &out), done);
-    Finish(ctx, done, peer->Request(target, name_, Out(out), out->tensor_data().size(), options_,
-                                    dtype_));
+    Request(ctx, done, name_);
   }
-
- private:
-  std::string name_;
-  tf::TensorShape shape_;
-  OpOptions options_;
-  DType dtype_ = DType::kUInt8;
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuRequestVariable").Device(tf::DEVICE_CPU), RequestVariableOp);
 

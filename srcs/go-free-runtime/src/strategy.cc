@@ -15,7 +15,8 @@ const char* const kNames[] = {"STAR",
                               "CLIQUE",
                               "AUTO",
                               "DIRECT",
-                              "HIERARCHICAL"};
+                              "HIERARCHICAL",
+                              "MULTI_STAR"};
 }
 
 const char* StrategyName(StrategyKind kind) {
@@ -194,6 +195,13 @@ Strategy MakeStrategy(StrategyKind kind, const PeerList& peers) {
       }
       break;
     }
+    case StrategyKind::kMultiStar:
+      for (int root : masters) {
+        Tree t = HostStars(layout, n);
+        for (int m : masters) t[m] = root;
+        s.trees.push_back(t);
+      }
+      break;
     case StrategyKind::kClique:
       for (int r = 0; r < n; ++r) s.trees.push_back(Star(n, r));
       break;

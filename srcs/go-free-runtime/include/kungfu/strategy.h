@@ -23,8 +23,12 @@ enum class StrategyKind : int {
   // Reduce inside each host, allreduce across hosts with every local peer carrying a share,
   // fan out inside each host.
   kHierarchical = 9,
+  // KungFu's MULTI_STAR: one graph per host h, a star inside every host and a star across the
+  // hosts' first ranks rooted at host h's; chunks of a tensor are spread over the graphs, so
+  // each host's first rank reduces and broadcasts a slice of the tensor.
+  kMultiStar = 10,
 };
-constexpr int kNumStrategies = 10;
+constexpr int kNumStrategies = 11;
 inline bool IsValidStrategy(int k) { return k >= 0 && k < kNumStrategies; }
 
 const char* StrategyName(StrategyKind kind);
