@@ -16,8 +16,8 @@
 //
 // One outcome per operation: an operation succeeds on every peer or fails on every peer (unless
 // a peer dies or leaves mid-way). A deadline decided on each peer alone cannot give that (a peer
-// may complete from data already sent while another times out), so a deadline bounds only the
-// rendezvous, the phase before any peer sends data of the operation:
+// may complete from data already sent while another times out), so a per-call deadline bounds
+// only the rendezvous, the phase before this peer sends any data of the operation:
 //  C1. Every collective operation first sends every peer an empty "begun" message; one with a
 //      per-call timeout (OpOptions::timeout_ms >= 0) then waits for every peer's until its
 //      deadline (Session::Commit). (Sending it always lets a peer with a per-call timeout commit
@@ -29,9 +29,10 @@
 //      (step 3).
 // Why it holds: every collective needs data from every peer (an allreduce or allgather reduces
 // or gathers every peer's part; rooted operations end with a verdict that every peer
-// acknowledges), and a peer sends data only after it committed. So a peer succeeds only if every
-// peer committed, and a committed peer fails only through a peer failure, its bound, or an abort,
-// which comes from a peer that did not commit (none, if one succeeded) or one that failed.
+// acknowledges). A peer with a per-call timeout sends data only after it committed: if its
+// deadline passes first, no peer can succeed and its abort fails them all; once committed, it
+// ends only as the others do (a peer failure, an abort, its bound). A peer without one sends its
+// begun message and goes on, under its op_timeout_ms deadline as before.
 // Fused allreduces: the negotiation's agreement is the commit (fusion.h, steps 3-4). Operations
 // without a per-call timeout do not wait in C1 (no extra round trip on the common path, only
 // n - 1 empty sends): their deadline is op_timeout_ms (300 s by default), and outcomes can
