@@ -137,7 +137,10 @@ class ElasticLauncher(Launcher):
             try:
                 # Only the first proposal of version 0 is stored. On a helper thread, as the
                 # pause below: a signal or -timeout ends the wait at once (_wait_at_start).
-                self._wait_at_start(what, call=lambda: store.propose(initial))
+                # The job's slots go with it: a cluster PUT from outside is checked against
+                # them (Store.request_cluster).
+                self._wait_at_start(what, call=lambda: (store.propose(initial), store.describe_job(
+                    self._hosts_text(), "{}-{}".format(*self.opts.port_range))))
                 if said:
                     self.info(f"the config store at {shown_url(self.url)} answers")
                 return store

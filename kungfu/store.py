@@ -58,6 +58,10 @@ ALIVE_PREFIX = "cluster/alive/"  # alive/<v>/<peer> = the survivor's last commit
 DEAD_PREFIX = "cluster/dead/"  # dead/<peer> = the version its dead worker was started for
 RECOVERED_PREFIX = "cluster/recovered/"  # recovered/<v> = the survivors' decision (first wins)
 COOLDOWN_PREFIX = "cluster/cooldown/"  # cooldown/<host> = time.time() until which it gets no worker
+# Changing the cluster from outside the job (request_cluster; docs/elastic.md):
+JOB_KEY = "cluster/job"  # the job's slots, as the launchers were given them: {"hosts", "port_range"}
+REQUEST_KEY = "cluster/request"  # {"version", "peers", "state": "pending" | "accepted" | "refused", "why"}
+CLUSTER_PATH = "/config"  # KungFu's config-server path: GET the cluster, PUT a new one
 REQUEST_TIMEOUT = 5.0  # seconds
 MAX_VALUE_BYTES = 1 << 20  # a configuration of ~50k peers; the store holds nothing bigger
 # The builtin server's limits on clients. A thread serves each connection: a client that sends
@@ -247,6 +251,110 @@ class Store:
         """How many failures the job has recovered from (or is recovering from)."""
         return len(self.list(RECOVERED_PREFIX))
 
+    # -- a cluster asked for from outside the job ------------------------------------------
+
+    def describe_job(self, hosts: str, port_range: str) -> None:
+        """A launcher's word of the job's slots (its -H and -port-range; every launcher of a
+        job has the same), against which request_cluster checks a request."""
+        self.put(JOB_KEY, json.dumps({"hosts": hosts, "port_range": port_range}))
+
+    def request_cluster(self, peers, version: Optional[int] = None) -> ClusterConfig:
+        """Asks the job to change to these peers, as version `version` (default: the next one),
+        with kf.resize's checks: 1 to (the job's slots) workers, each a slot of the job's hosts,
+        the first (rank 0, whose state joiners take) a current worker, a version that is the
+        stored one + 1, no other request pending. Rank 0 of the job takes the request at a step
+        boundary (kf.Hook) or in kungfu.python.resize() (a custom loop) and resizes through the
+        usual protocol. Raises RequestRefused (its `status`: 400 bad request, 409 conflict with
+        the job's state) naming the problem; nothing is stored then."""
+        from kungfu._hosts import UsageError, parse_hosts, parse_port_range, plan_workers
+
+        try:
+            new = ClusterConfig(0 if version is None else version, peers)
+        except ValueError as e:
+            raise RequestRefused(400, str(e)) from None
+        job, _ = self.get(JOB_KEY)
+        stored, _ = self.config()
+        if job is None or stored is None:
+            raise RequestRefused(409, "the job has not started: its launchers have not "
+                                      "described its slots yet")
+        try:
+            job = json.loads(job)
+            hosts = parse_hosts(job["hosts"])
+            slots = [w.spec for w in plan_workers(sum(h.slots for h in hosts), hosts,
+                                                  parse_port_range(job["port_range"]))]
+        except (ValueError, KeyError, TypeError, UsageError) as e:
+            raise StoreError(f"the store holds no valid job description at {JOB_KEY}: {e}") from None
+        expected = stored.version + 1
+        if version is None:
+            new = ClusterConfig(expected, new.peers)
+        elif new.version != expected:
+            raise RequestRefused(409, f"version {new.version} is not the next one: the stored "
+                                      f"cluster is version {stored.version} (expected {expected})")
+        if len(new.peers) > len(slots):
+            raise RequestRefused(400, f"cannot resize to {len(new.peers)} workers: the job has 1 "
+                                      f"to {len(slots)} slots (kungfu-run -H {job['hosts']})")
+        unknown = [p for p in new.peers if p not in slots]
+        if unknown:
+            raise RequestRefused(400, f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'}"
+                                      f" not a slot of this job (kungfu-run -H {job['hosts']} "
+                                      f"-port-range {job['port_range']}: {', '.join(slots)})")
+        if new.peers[0] not in stored.peers:
+            raise RequestRefused(400, f"the first worker (rank 0) must be a current one, whose "
+                                      f"state the new workers take: {new.peers[0]} is not in "
+                                      f"version {stored.version} ({', '.join(stored.peers)})")
+        if new.peers == stored.peers:
+            raise RequestRefused(400, f"version {stored.version} has these workers already")
+        text, rev = self.get(REQUEST_KEY)
+        if text is not None:
+            old = _json_object(text, REQUEST_KEY)
+            if old.get("state") == "pending" and old.get("version", -1) >= expected:
+                raise RequestRefused(409, f"a request for version {old['version']} is pending "
+                                          "(the job takes it at its next step boundary)")
+        value = dict(json.loads(new.to_json()), state="pending")
+        try:
+            self.compare_and_swap(REQUEST_KEY, json.dumps(value), rev)
+        except StaleWriteError:
+            raise RequestRefused(409, "another request was stored at the same time") from None
+        return new
+
+    def cluster_request(self) -> Optional[dict]:
+        """The last request (request_cluster) with its state, or None."""
+        text, _ = self.get(REQUEST_KEY)
+        return None if text is None else _json_object(text, REQUEST_KEY)
+
+    def settle_request(self, version: int, state: str, why: str = "") -> None:
+        """Rank 0: says what became of the request for `version` ("accepted" or "refused")."""
+        text, rev = self.get(REQUEST_KEY)
+        if text is None:
+            return
+        got = _json_object(text, REQUEST_KEY)
+        if got.get("version") != version or got.get("state") != "pending":
+            return
+        got.update(state=state, why=why)
+        try:
+            self.compare_and_swap(REQUEST_KEY, json.dumps(got), rev)
+        except StaleWriteError:
+            pass  # a new request replaced it
+
+
+class RequestRefused(StoreError):
+    """A cluster asked for from outside the job that kf.resize's checks refuse (request_cluster);
+    `status` is the HTTP code the builtin server answers with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _json_object(text: str, key: str) -> dict:
+    try:
+        got = json.loads(text)
+    except ValueError:
+        got = None
+    if not isinstance(got, dict):
+        raise StoreError(f"the store holds no JSON object at {key}: {text[:200]!r}")
+    return got
+
 
 def _int(text: str) -> int:
     try:
@@ -309,6 +417,68 @@ def _check_version(old: Optional[str], cfg: ClusterConfig) -> None:
                          f"{'nothing' if old is None else want - 1}: expected {want}")
 
 
+def _ipv4_int(host: str):
+    """KungFu's IPv4 field: a dotted IPv4 address as its integer, another host name as it is."""
+    parts = host.split(".")
+    if len(parts) == 4 and all(p.isdigit() and int(p) < 256 for p in parts):
+        return int.from_bytes(bytes(int(p) for p in parts), "big")
+    return host
+
+
+def kungfu_cluster(cfg: ClusterConfig) -> dict:
+    """The configuration in KungFu's config-server JSON (Version added)."""
+    workers = []
+    for p in cfg.peers:
+        host, _, port = p.rpartition(":")
+        workers.append({"IPv4": _ipv4_int(host), "Port": int(port)})
+    return {"Version": cfg.version, "Workers": workers}
+
+
+def parse_cluster_request(body: bytes, query: Dict[str, List[str]]):
+    """(peers, version or None) from a PUT of a cluster: KungFu's JSON ({"Runners": [...],
+    "Workers": [{"IPv4": 2130706433, "Port": 10000}, ...]}; Runners are not used: kungfu's
+    launchers are the job's -H hosts) or kungfu's ({"peers": ["127.0.0.1:10000", ...]});
+    the version from ?version=, "Version" or "version" (optional). ValueError if malformed."""
+    try:
+        got = json.loads(body.decode())
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"the body is not JSON: {type(e).__name__}: {e}") from None
+    if not isinstance(got, dict):
+        raise ValueError("the body must be a JSON object with Workers (KungFu's) or peers")
+    if "Workers" in got:
+        workers = got["Workers"]
+        if not isinstance(workers, list):
+            raise ValueError("Workers must be a list of {\"IPv4\": ..., \"Port\": ...}")
+        peers = []
+        for w in workers:
+            if not isinstance(w, dict) or "IPv4" not in w or "Port" not in w:
+                raise ValueError(f"a worker must be {{\"IPv4\": ..., \"Port\": ...}}, got {w!r}")
+            ip, port = w["IPv4"], w["Port"]
+            if isinstance(ip, int) and not isinstance(ip, bool) and 0 <= ip < 1 << 32:
+                ip = ".".join(str(b) for b in ip.to_bytes(4, "big"))
+            if not isinstance(ip, str) or isinstance(port, bool) or not isinstance(port, int):
+                raise ValueError(f"a worker's IPv4 is an integer (or a host name) and its Port "
+                                 f"an integer, got {w!r}")
+            peers.append(f"{ip}:{port}")
+    elif "peers" in got:
+        peers = got["peers"]
+        if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
+            raise ValueError("peers must be a list of \"host:port\" strings")
+    else:
+        raise ValueError("the body has neither Workers (KungFu's cluster) nor peers")
+    version = query.get("version", [None])[0]
+    if version is None:
+        version = got.get("Version", got.get("version"))
+    if version is not None:
+        try:
+            if isinstance(version, bool):
+                raise ValueError
+            version = int(version)
+        except (TypeError, ValueError):
+            raise ValueError(f"the version must be an integer, got {version!r}") from None
+    return peers, version
+
+
 class _DeadlineReader(io.RawIOBase):
     """A connection's reads, all before one deadline: each waits only for the time left, so a
     request that trickles in is cut off when the deadline passes, not when it falls silent."""
@@ -330,7 +500,9 @@ class _DeadlineReader(io.RawIOBase):
 
 
 class ConfigServer:
-    """An HTTP server over a MemoryStore: GET/PUT /v1/kv/<key>[?revision=R], GET /v1/kv?prefix=P.
+    """An HTTP server over a MemoryStore: GET/PUT /v1/kv/<key>[?revision=R], GET /v1/kv?prefix=P,
+    and KungFu's GET/PUT /config (the cluster in KungFu's JSON; a PUT asks the job to change to
+    it: Store.request_cluster, refused with 400 or 409 naming the problem).
 
     PUT with ?revision=R is a compare-and-swap (409 when stale); 400 for a malformed write, 401
     without the token (when one is set), 411/413 for a missing or too large body, 503 at once
@@ -385,6 +557,8 @@ class ConfigServer:
             def do_GET(self):
                 if not self._authorized():
                     return
+                if urllib.parse.urlparse(self.path).path == CLUSTER_PATH:
+                    return self._get_cluster()
                 key, q = self._key()
                 if key is False:
                     return self._reply(404, {"error": f"no such path {self.path}"})
@@ -396,11 +570,36 @@ class ConfigServer:
                     return self._reply(404, {"error": f"no key {key}", "revision": 0})
                 return self._reply(200, {"value": value, "revision": rev})
 
+            def _get_cluster(self):
+                try:
+                    cfg, _ = store.config()
+                    request = store.cluster_request()
+                except StoreError as e:
+                    return self._reply(500, {"error": str(e)})
+                if cfg is None:
+                    return self._reply(404, {"error": "No Config Found."})
+                return self._reply(200, dict(kungfu_cluster(cfg), Request=request))
+
+            def _put_cluster(self, body: bytes, q):
+                """KungFu's PUT /config: a new cluster for the job, checked as kf.resize checks
+                a size (Store.request_cluster); rank 0 of the job applies it."""
+                try:
+                    peers, version = parse_cluster_request(body, q)
+                    new = store.request_cluster(peers, version)
+                except ValueError as e:
+                    return self._reply(400, {"error": str(e)})
+                except RequestRefused as e:
+                    return self._reply(e.status, {"error": str(e)})
+                except StoreError as e:
+                    return self._reply(500, {"error": str(e)})
+                return self._reply(200, dict(kungfu_cluster(new), state="pending"))
+
             def do_PUT(self):
                 if not self._authorized():
                     return
+                cluster = urllib.parse.urlparse(self.path).path == CLUSTER_PATH
                 key, q = self._key()
-                if not key:
+                if not key and not cluster:
                     return self._reply(404, {"error": f"no such path {self.path}"})
                 text = self.headers.get("Content-Length")
                 if text is None or not text.strip().isdigit():
@@ -420,6 +619,8 @@ class ConfigServer:
                     self.close_connection = True
                     return self._reply(400, {"error": f"body of {len(body)} bytes, "
                                                       f"{length} announced"})
+                if cluster:
+                    return self._put_cluster(body, q)
                 try:
                     value = body.decode()
                     if "revision" in q:
@@ -806,5 +1007,6 @@ def server_main(argv=None) -> int:
     return 0
 
 
-__all__ = ["ClusterConfig", "Store", "StoreError", "StaleWriteError", "ConfigServer", "MemoryStore",
+__all__ = ["ClusterConfig", "Store", "StoreError", "StaleWriteError", "RequestRefused",
+           "ConfigServer", "MemoryStore",
            "HTTPStore", "EtcdStore", "connect", "CONFIG_KEY", "MAX_VALUE_BYTES"]

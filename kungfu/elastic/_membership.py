@@ -45,6 +45,9 @@ from kungfu.policy import TrainingState, _actions
 from kungfu.store import ClusterConfig, StoreError
 
 
+REQUEST_POLL = 0.5  # seconds between rank 0's reads of a cluster asked for from outside
+
+
 class State(enum.Enum):
     JOINING = "joining"
     TRAINING = "training"
@@ -174,6 +177,7 @@ class Membership:
         self.recoveries: List[dict] = []  # what this worker survived (see recover)
         self.replace_to: Optional[int] = None  # the size to restore after a recovery
         self._replace_check = 0.0  # time.monotonic() of the next check for free slots
+        self._request_check = 0.0  # ... and for a cluster asked for from outside
         self.checkpoint: Optional[str] = None
         self.checkpoint_every = 100
         self._checkpoint_failing: Optional[int] = None  # the step whose write failed first
@@ -199,6 +203,25 @@ class Membership:
             return
         self._check_pending()
         self._request_replacement()
+        self._take_request()
+
+    def _take_request(self) -> None:
+        """Rank 0, no resize in progress and none decided this round: the cluster asked for
+        from outside the job, if any, becomes this round's resize (checked at most every
+        REQUEST_POLL seconds: a store read)."""
+        ctx, now = context(), time.monotonic()
+        if (not ctx.enabled or ctx.pending is not None or _actions.recorded("resize")
+                or now < self._request_check):
+            return
+        self._request_check = now + REQUEST_POLL
+        try:
+            new = ctx.take_request()
+        except StoreError as e:
+            warnings.warn(f"kungfu: cannot read the config store: {e}")
+            return
+        if new is not None:
+            _actions._record("resize", {"size": len(new.peers), "leave": [],
+                                        "request": new.to_json()})
 
     def _request_replacement(self) -> None:
         """Rank 0, after a recovery with replacement on: asks for a resize back to the size
@@ -230,10 +253,11 @@ class Membership:
         if decision is not None:
             _actions._record("elastic", decision)
 
-    def apply_resize(self, n: int, leave: Sequence[str] = ()) -> None:
-        """An agreed resize to n workers, without the peers in `leave`: rank 0 writes the new
-        version and broadcasts it; with joiners every worker waits for them (WAITING), else
-        switches at once."""
+    def apply_resize(self, n: int, leave: Sequence[str] = (),
+                     request: Optional[str] = None) -> None:
+        """An agreed resize to n workers, without the peers in `leave` (or to the cluster
+        `request` asked for from outside): rank 0 writes the new version and broadcasts it; with
+        joiners every worker waits for them (WAITING), else switches at once."""
         ctx = context()
         if self.replace_to is not None and n != self.replace_to:
             self.replace_to = None  # a policy's size wins over the replacement's
@@ -242,10 +266,10 @@ class Membership:
                           f"{len(ctx.pending.peers)} is still in progress")
             return
         peer = _peer.identity()
-        if n == peer.size and not leave:
+        if n == peer.size and not leave and request is None:
             return
         self._enter(State.PROPOSING)
-        new = ctx.agree_proposal(n, leave)
+        new = ctx.agree_proposal(n, leave, request)
         if isinstance(new, str):
             self._enter(State.TRAINING)
             warnings.warn(f"kungfu: resize to {n} failed: {new}; training goes on with "

@@ -162,17 +162,72 @@ class Elastic:
         new = ClusterConfig(stored.version + 1, peers)
         return new if self.store.propose(new) else None
 
+    # -- a cluster asked for from outside the job (Store.request_cluster) -----------------------
+    #
+    # 1. Someone PUTs a cluster to the store (KungFu's PUT /config on the builtin server); the
+    #    store checks it as kf.resize checks a size and keeps it as the pending request.
+    # 2. Rank 0, at a step boundary with no resize in progress (kf.Hook; at most every
+    #    REQUEST_POLL seconds) or in kungfu.python.resize() (a custom loop), takes it
+    #    (take_request) and the workers agree on it like a resize a policy asked for.
+    # 3. Rank 0 writes it as the next version (propose_request: compare-and-swap, so a resize
+    #    of the job's own that came first makes it stale) and marks it accepted or refused.
+    # 4. From there it is the resize protocol: joiners start, report ready, everyone switches;
+    #    workers the request leaves out are detached.
+
+    def take_request(self) -> Optional[ClusterConfig]:
+        """Rank 0: the pending request, checked again against this worker's view (slots, rank
+        0 a current worker, the next version); one that cannot be taken is marked refused with
+        why (and warned about), and None returned."""
+        got = self.store.cluster_request()
+        if got is None or got.get("state") != "pending":
+            return None
+        version = got.get("version")
+        try:
+            new = ClusterConfig(version, got.get("peers") or ())
+            stored, _ = self.store.config()
+            why = ""
+            if new.version != stored.version + 1:
+                why = (f"the cluster moved on to version {stored.version} since it was asked "
+                       f"for as version {new.version}")
+            elif len(new.peers) > self.max_size():
+                why = f"{len(new.peers)} workers, more than the job's {self.max_size()} slots"
+            elif new.peers[0] not in self.current.peers:
+                why = f"its first worker {new.peers[0]} is not a current worker"
+        except ValueError as e:
+            why = str(e)
+        if not why:
+            return new
+        self.store.settle_request(version, "refused", why)
+        warnings.warn(f"kungfu: the cluster asked for from outside (version {version}) is "
+                      f"refused: {why}")
+        return None
+
+    def propose_request(self, new: ClusterConfig) -> Optional[ClusterConfig]:
+        """Rank 0: writes the requested configuration as the next version; None (and the
+        request refused) if another write came first."""
+        if self.store.propose(new):
+            self.store.settle_request(new.version, "accepted")
+            return new
+        self.store.settle_request(new.version, "refused", "the stored configuration changed "
+                                  "before the job could take it")
+        return None
+
     def joiners(self, new: ClusterConfig) -> List[str]:
         return [p for p in new.peers if p not in self.current.peers]
 
-    def agree_proposal(self, n: int, leave: Sequence[str] = ()) -> Union[ClusterConfig, str]:
+    def agree_proposal(self, n: int, leave: Sequence[str] = (),
+                       request: Optional[str] = None) -> Union[ClusterConfig, str]:
         """Every worker, once a resize to n (without the peers in `leave`) is agreed: rank 0
         writes the configuration (propose) and broadcasts what it wrote; returns it, or why
-        nothing was written (a str) on every worker."""
+        nothing was written (a str) on every worker. `request`: the configuration asked for
+        from outside (take_request, as JSON), written as it is instead."""
         proposal = ""
         if _peer.identity().rank == 0:
             try:
-                new = self.propose(n, leave)
+                if request is not None:
+                    new = self.propose_request(ClusterConfig.from_json(request))
+                else:
+                    new = self.propose(n, leave)
                 proposal = new.to_json() if new is not None else "!the stored configuration changed"
             except (StoreError, ResizeError) as e:  # the others wait in the broadcast: go on
                 proposal = f"!{e}"
@@ -416,7 +471,8 @@ def resize(n: int, leave: Sequence[int] = ()) -> bool:
     return True
 
 
-def resize_now(n: int, agreed: bool = False, leave: Sequence[int] = ()) -> bool:
+def resize_now(n: int, agreed: bool = False, leave: Sequence[int] = (),
+               request: Optional[str] = None) -> bool:
     """The whole resize at once, for programs without a trainer: a collective of the current
     workers. They agree on n (all must pass the same, unless `agreed`), rank 0 writes the new
     version, the launchers start the joiners, the workers wait (up to KUNGFU_RESIZE_TIMEOUT)
@@ -424,7 +480,8 @@ def resize_now(n: int, agreed: bool = False, leave: Sequence[int] = ()) -> bool:
     worker left out is detached: kf.detached()); False: n is the current size, or the resize
     was given up (a warning says why). The joiners have none of the others' state: the program
     gives it to them (e.g. kf.broadcast of its variables and its step, called by the joiners
-    when they start and by the others after a resize that returned True)."""
+    when they start and by the others after a resize that returned True). `request`: the
+    cluster asked for from outside (take_request, as JSON, agreed), instead of a size."""
     ctx = context()
     n = ctx.check_size(n)
     gone = ctx.check_leave(leave)
@@ -437,9 +494,9 @@ def resize_now(n: int, agreed: bool = False, leave: Sequence[int] = ()) -> bool:
             raise ResizeError(f"kf.resize outside kf.Hook is a collective: every worker must ask "
                               f"for the same size and leavers (this one asked for {n}"
                               f"{', without ' + ', '.join(gone) if gone else ''})")
-    if n == me.size and not gone:
+    if n == me.size and not gone and request is None:
         return False
-    new = ctx.agree_proposal(n, gone)
+    new = ctx.agree_proposal(n, gone, request)
     if isinstance(new, str):
         warnings.warn(f"kungfu: resize to {n} failed: {new}; the cluster stays at {me.size}")
         return False

@@ -47,8 +47,9 @@ def resize(n=None):
     From a policy hook run by kf.Hook it is kf.resize(n) (applied by the Hook at the step
     boundary: (True, False) when it was asked for). In a custom loop without a Hook it is a
     collective that every worker calls at the same point (see kf.resize); without n it resizes
-    to the size given to propose_new_size (the lowest proposing rank's; nothing changes when
-    no worker proposed one)."""
+    to the size given to propose_new_size (the lowest proposing rank's), else to the cluster
+    PUT into the config store from outside the job (KungFu's resize_cluster_from_url;
+    docs/elastic.md); nothing changes when there is neither."""
     from kungfu import elastic as _elastic
     from kungfu.policy import _actions
 
@@ -61,10 +62,38 @@ def resize(n=None):
     sizes = _kf.allgather(np.array([-1 if mine is None else mine], np.int64),
                           name="kungfu/python/proposed-size")
     wanted = [int(s) for s in sizes if s >= 0]
-    if not wanted:
+    if wanted:
+        changed = _elastic.resize_now(wanted[0], agreed=True)
+        return changed, _elastic.detached()
+    request = _outside_request()
+    if request is None:
         return False, False
-    changed = _elastic.resize_now(wanted[0], agreed=True)
+    changed = _elastic.resize_now(len(request.peers), agreed=True, request=request.to_json())
     return changed, _elastic.detached()
+
+
+def _outside_request():
+    """The cluster asked for from outside the job (a PUT to the config store), as every worker
+    learns it from rank 0; None when there is none (or the job is not elastic)."""
+    from kungfu import elastic as _elastic
+    from kungfu.elastic._protocol import broadcast_blob
+    from kungfu.store import ClusterConfig, StoreError
+
+    ctx = _elastic.context()
+    if not ctx.enabled:
+        return None
+    blob = b""
+    if _kf.rank() == 0:
+        try:
+            new = ctx.take_request()
+        except StoreError as e:  # the others wait in the broadcast: go on without
+            import warnings
+
+            warnings.warn(f"kungfu: cannot read the config store: {e}")
+            new = None
+        blob = b"" if new is None else new.to_json().encode()
+    blob = broadcast_blob(blob, f"kungfu/python/{ctx.current.version}/request")
+    return ClusterConfig.from_json(blob.decode()) if blob else None
 
 
 def propose_new_size(n: int) -> None:

@@ -236,7 +236,8 @@ class Hook(keras.callbacks.Callback):
             raise RuntimeError("growing the cluster in model.fit needs kungfu's data: pass "
                                "data=kf.ElasticData(...) to kf.Hook (joiners continue from its "
                                "sample offset)")
-        self.membership.apply_resize(n, leave)
+        self.membership.apply_resize(n, leave, None if isinstance(decision, int)
+                                     else decision.get("request"))
 
     def _apply_elastic(self, decision: dict) -> None:
         self.membership.apply_elastic(decision)

@@ -4,7 +4,9 @@
 
 MODE "resize": every worker calls kungfu.python.resize(n); "propose": rank 0 calls
 propose_new_size(n), every worker resize(); "disagree": the workers ask for different sizes;
-"replace": kf.resize(size, leave=[n]) replaces rank n by a new worker.
+"replace": kf.resize(size, leave=[n]) replaces rank n by a new worker; "outside": every step
+ends with kungfu.python.resize() (no size: the cluster PUT into the config store from outside,
+test_outside_resize.py), and the loop runs until OUT/stop exists (SCHEDULE unused).
 SCHEDULE "3:3,8:1": after step 3 resize to 3, after step 8 to 1; 12 steps in all.
 
 The model is a vector that every step adds the mean of the workers' ones to (so +1 per step at
@@ -16,6 +18,7 @@ to OUT/<pid>.jsonl, then {"end": ...}.
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -23,6 +26,7 @@ import kungfu as kf
 import kungfu.python as kp
 
 STEPS = 12
+OUTSIDE_STEPS = 600  # at most, in mode "outside"
 
 
 def main() -> int:
@@ -38,16 +42,24 @@ def main() -> int:
 
     sync()
     end = "done"
-    while step < STEPS:
+    while step < (OUTSIDE_STEPS if mode == "outside" else STEPS):
         w = w + kf.allreduce(np.ones(4), name="grad") / kf.size()
         log.write(json.dumps({"step": step, "size": kf.size(), "rank": kf.rank(),
                               "w": float(w[0])}) + "\n")
         log.flush()
         step += 1
-        if step not in schedule:
+        if mode == "outside":
+            # Everyone stops at the same step: rank 0's word.
+            stop = np.int64(kf.rank() == 0 and os.path.exists(os.path.join(out, "stop")))
+            if kf.broadcast(stop, name="stop"):
+                break
+            time.sleep(0.05)
+        elif step not in schedule:
             continue
-        n = schedule[step]
-        if mode == "propose":
+        n = schedule.get(step)
+        if mode == "outside":
+            changed, detached = kp.resize()
+        elif mode == "propose":
             if kf.rank() == 0:
                 kp.propose_new_size(n)
             changed, detached = kp.resize()
