@@ -3,6 +3,7 @@
 // peers that stop) on every peer, with the op named.
 #define KF_TESTING_CLUSTER
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -480,6 +481,33 @@ TEST(AnOpOnePeerNeverIssuesFailsByItsDeadline) {
     std::vector<std::vector<Spec>> per_rank(n, MixedOps(20, "after"));
     RunShuffled(c, per_rank, 5, LayoutName(hosts) + " after");
   }
+}
+
+// Cycles that agree on nothing (each peer holds an op the other never issues) back the loop off,
+// up to 16 ms. Once those ops are gone, the next op must start its cycle at once: the stale
+// backoff made it wait 16 ms, so after a name mismatch every op with a shorter per-call timeout
+// failed (0 of 20 in a loop of 10 ms timeouts, against 15 of 20 without the mismatch).
+TEST(AnOpAfterOpsThatNeverMatchedStartsAtOnce) {
+  LocalCluster c(Layouts()[0]);
+  REQUIRE(c.Start());
+  std::atomic<int> arrived{0};
+  auto together = [&](int round) {  // both rank threads leave together
+    arrived.fetch_add(1);
+    while (arrived.load() < 2 * (round + 1)) std::this_thread::yield();
+  };
+  OnEveryRank(2, [&](int r) {
+    std::vector<float> x(3, 1.f), y(3);
+    Handle stuck = c[r].AllReduce(x.data(), y.data(), 3, DType::kFloat32, ReduceOp::kSum,
+                                  Named(r == 0 ? "a" : "b", -1, 300));
+    CHECK_MSG(!WAIT(stuck).ok(), "ops under names that differ must fail");
+    for (int k = 0; k < 5; ++k) {
+      together(k);
+      Handle h = c[r].AllReduce(x.data(), y.data(), 3, DType::kFloat32, ReduceOp::kSum,
+                                Named("next", -1, 12));
+      CHECK_OK(WAIT(h));
+      CHECK_MSG(y[0] == 2.f, "rank " + std::to_string(r) + " round " + std::to_string(k));
+    }
+  });
 }
 
 // A peer that stops mid-way fails the others' queued ops within seconds, naming it.

@@ -380,6 +380,10 @@ void Fusion::Loop() {
     uint64_t seen_enqueued;
     {
       std::unique_lock<std::mutex> lk(mu_);
+      // The backoff is for ops held while nothing was agreed; once the queue has drained, a new
+      // op starts its cycle at once (a backoff left from a failed op delayed it by up to 16 ms,
+      // so every op with a per-call timeout under that failed after a name mismatch).
+      if (queue_.empty()) backoff = std::chrono::milliseconds(0);
       cv_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
       if (stopping_) return;
       if (backoff.count() > 0) {
