@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -98,6 +99,24 @@ def check_job_token(token: str) -> str:
             f"than {MIN_TOKEN_BITS} (judged by length and alphabet: 32 hex digits or 22 base64 "
             f"characters make {MIN_TOKEN_BITS}); make one with: {MAKE_TOKEN}")
     return token
+
+
+def read_secret_file(path: str, what: str) -> str:
+    """The stripped text of a file holding a secret (`what` names it in errors), which only its
+    owner may read or write: a secret in a file others can read is theirs too. ValueError, naming
+    the file and the fix, if it cannot be read, is open to others or is empty."""
+    try:
+        with open(path) as f:
+            mode = os.fstat(f.fileno()).st_mode
+            text = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path!r}: {e.strerror or e}") from None
+    if mode & 0o077:
+        raise ValueError(f"{what} {path!r} is open to other users (mode {mode & 0o7777:04o}): "
+                         f"chmod 600 {shlex.quote(path)}")
+    if not text:
+        raise ValueError(f"{what} {path!r} is empty")
+    return text
 
 
 JOB_TOKEN = Var("KUNGFU_JOB_TOKEN", check_job_token, None,

@@ -171,7 +171,8 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
                       KUNGFU_JOB_TOKEN if set, else a random secret for this job; a job on
                       several hosts must give every launcher the same one. A given secret
                       needs 128 bits (32 hex digits or 22 base64 characters); make one with
-                      python -c "import secrets; print(secrets.token_hex(32))"
+                      python -c "import secrets; print(secrets.token_hex(32))"; the file must
+                      be its owner's alone (chmod 600)
   -V, -version        print kungfu-run's version and exit
   -h, -help, --help   print this help and exit
 
@@ -401,13 +402,9 @@ def job_token(opts: Options, alone: bool) -> str:
     given secret must have _env.MIN_TOKEN_BITS (see _env.token_bits)."""
     if opts.job_token_file is not None:
         try:
-            with open(opts.job_token_file) as f:
-                token = f.read().strip()
-        except OSError as e:
-            raise UsageError(f"cannot read -job-token-file {opts.job_token_file!r}: "
-                             f"{e.strerror or e}") from None
-        if not token:
-            raise UsageError(f"-job-token-file {opts.job_token_file!r} is empty")
+            token = _env.read_secret_file(opts.job_token_file, "-job-token-file")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         try:
             return _env.check_job_token(token)
         except ValueError as e:

@@ -35,10 +35,8 @@ import io
 import json
 import os
 import re
-import shlex
 import socket
 import ssl
-import stat
 import threading
 import time
 import urllib.error
@@ -47,6 +45,8 @@ import urllib.request
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Dict, List, Optional, Tuple
+
+from kungfu import _env
 
 CONFIG_KEY = "cluster/config"
 READY_PREFIX = "cluster/ready/"
@@ -748,8 +748,6 @@ class HTTPStore(Store):
     def __init__(self, url: str, token: Optional[str] = None):
         self.url = url.rstrip("/")
         if token is None:
-            from kungfu import _env
-
             token = _env.JOB_TOKEN.get()
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
@@ -896,16 +894,7 @@ def read_credentials(path: str) -> Tuple[str, str]:
     """(user, password) from a file holding USER:PASSWORD (one line), which only its owner may
     read or write: a password is kept out of URLs and command lines, where every local user can
     read it (ps), and a file others can read would expose it the same way. ValueError if not."""
-    try:
-        with open(path) as f:
-            mode = os.fstat(f.fileno()).st_mode
-            text = f.read().strip()
-    except OSError as e:
-        raise ValueError(f"cannot read the etcd credentials file {path!r}: "
-                         f"{e.strerror or e}") from None
-    if mode & 0o077:
-        raise ValueError(f"the etcd credentials file {path!r} is open to other users (mode "
-                         f"{stat.S_IMODE(mode):04o}): chmod 600 {shlex.quote(path)}")
+    text = _env.read_secret_file(path, "the etcd credentials file")
     user, sep, password = text.partition(":")
     if not sep or not user or not password or "\n" in text:
         raise ValueError(f"the etcd credentials file {path!r} must hold USER:PASSWORD on one "
@@ -941,8 +930,6 @@ def connect(url: str, token: Optional[str] = None, credentials: Optional[str] = 
     read_credentials), or from the URL; not both."""
     for scheme, web in (("etcd://", "http://"), ("etcds://", "https://")):
         if url.startswith(scheme):
-            from kungfu import _env
-
             parts = urllib.parse.urlsplit("x://" + url[len(scheme):])
             user = urllib.parse.unquote(parts.username) if parts.username else None
             password = urllib.parse.unquote(parts.password or "") if user else None
@@ -979,19 +966,10 @@ def server_main(argv=None) -> int:
                         "Default: KUNGFU_JOB_TOKEN if set, else no token (anyone who can reach "
                         "the port may change the job)")
     args = p.parse_args(argv)
-    from kungfu import _env
-
     try:
         token = _env.JOB_TOKEN.get()
         if args.token_file:
-            try:
-                with open(args.token_file) as f:
-                    token = f.read().strip()
-            except OSError as e:
-                p.exit(2, f"kungfu-config-server: cannot read --token-file: {e}\n")
-            if not token:
-                p.exit(2, f"kungfu-config-server: --token-file {args.token_file} is empty\n")
-            _env.check_job_token(token)
+            token = _env.check_job_token(_env.read_secret_file(args.token_file, "--token-file"))
     except ValueError as e:
         p.exit(2, f"kungfu-config-server: {e}\n")
     try:

@@ -329,13 +329,22 @@ def test_a_job_on_several_hosts_needs_one_secret(tmp_path):
     assert r.returncode == 2 and "same -job-token-file" in r.stderr, r.stderr
     empty, secret = tmp_path / "empty", tmp_path / "secret"
     empty.write_text("\n")
+    empty.chmod(0o600)
     secret.write_text(STRONG_TOKEN + "\n")
+    secret.chmod(0o600)
     r = launcher("-job-token-file", str(empty), *args)
     assert r.returncode == 2 and "is empty" in r.stderr, r.stderr
     r = launcher("-job-token-file", str(tmp_path / "missing"), *args)
     assert r.returncode == 2 and "cannot read -job-token-file" in r.stderr, r.stderr
     r = launcher("-job-token-file", str(secret), *args)
     assert r.returncode == 0, r.stderr
+    # A secret other users can read is theirs too (probe 3, 4i: 0644 was taken without a word).
+    for mode in (0o644, 0o640, 0o604):
+        secret.chmod(mode)
+        r = launcher("-job-token-file", str(secret), *args)
+        assert r.returncode == 2, r.stderr
+        assert "open to other users" in r.stderr and f"chmod 600 {secret}" in r.stderr, r.stderr
+        assert STRONG_TOKEN not in r.stderr
 
 
 def test_workers_get_the_job_token_and_it_is_never_printed(tmp_path):
@@ -361,6 +370,7 @@ def test_weak_job_tokens_are_refused(tmp_path, token):
     alphabet) are refused, from the environment and from a file, and never shown."""
     weak = tmp_path / "weak"
     weak.write_text(token + "\n")
+    weak.chmod(0o600)
     for how in ({"env_extra": {"KUNGFU_JOB_TOKEN": token}}, {"args": ("-job-token-file", str(weak))}):
         r = launcher(*how.get("args", ()), "-np", "1", sys.executable, "-c", "print('ran')",
                      env_extra=how.get("env_extra"))

@@ -274,7 +274,9 @@ def test_etcd_credentials_come_from_a_file_only_its_owner_reads(tmp_path, monkey
     for mode in (0o644, 0o640, 0o604, 0o620):
         with pytest.raises(ValueError, match=f"open to other users \\(mode 0{mode:o}\\): chmod 600"):
             st.read_credentials(_credentials(tmp_path, "alice:pw", mode))
-    for bad in ("alice", "alice:", ":pw", "", "alice:pw\nbob:pw"):
+    with pytest.raises(ValueError, match="is empty"):
+        st.read_credentials(_credentials(tmp_path, "", 0o600))
+    for bad in ("alice", "alice:", ":pw", "alice:pw\nbob:pw"):
         with pytest.raises(ValueError, match="must hold USER:PASSWORD") as e:
             st.read_credentials(_credentials(tmp_path, bad))
         assert "pw" not in str(e.value).replace(str(tmp_path), "")
@@ -289,3 +291,27 @@ def test_a_password_in_the_url_still_works_and_is_never_shown():
     assert st.url_password("etcd://alice@h:1") is None and st.url_password("http://a:b@h:1") is None
     assert st.shown_url("etcd://alice:S3cret%40PW@h:1") == "etcd://alice:***@h:1"
     assert st.shown_url("etcds://h:1") == "etcds://h:1"
+
+
+def test_the_config_server_takes_its_token_only_from_a_private_file(tmp_path, monkeypatch, capsys):
+    # Probe 3, 4i: --token-file with mode 0644 was taken without a word; the secret in it is
+    # every local user's.
+    import secrets
+
+    from kungfu import store
+
+    monkeypatch.delenv("KUNGFU_JOB_TOKEN", raising=False)
+    token = secrets.token_hex(32)
+    path = tmp_path / "token"
+    path.write_text(token + "\n")
+    path.chmod(0o644)
+    with pytest.raises(SystemExit) as e:
+        store.server_main(["--port", "0", "--token-file", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "open to other users" in err and "chmod 600" in err and token not in err
+    path.write_text("\n")
+    path.chmod(0o600)
+    with pytest.raises(SystemExit) as e:
+        store.server_main(["--port", "0", "--token-file", str(path)])
+    assert e.value.code == 2 and "is empty" in capsys.readouterr().err
