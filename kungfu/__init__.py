@@ -29,6 +29,7 @@ from kungfu._collective import (
     reducescatter,
     reducescatter_async,
 )
+from kungfu._process_set import ProcessSet
 
 from kungfu.elastic import ResizeError, detached, resize
 from kungfu.policy import (
@@ -138,6 +139,7 @@ __all__ = [
     "local_rank",
     "local_size",
     "barrier",
+    "ProcessSet",
     "allreduce",
     "allreduce_async",
     "reduce",

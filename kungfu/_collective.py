@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from kungfu import _peer
+from kungfu._process_set import ProcessSet, members as _members
 from kungfu.errors import InvalidArgumentError, OpTimeoutError, raise_for_status
 
 
@@ -161,13 +162,14 @@ class Handle:
 
 
 @contextmanager
-def _takes_part(kind: str, name, timeout):
+def _takes_part(kind: str, name, timeout, ranks=()):
     """Input this worker rejects still takes part: the operation's sequence number is taken and
     failed on every worker (the others fail at once with the reason; later operations stay
     paired). Wraps everything up to the native call.
 
     A name that is not a str cannot say which operation to fail (failing the default name's
-    would shift that numbering instead): it is only raised here."""
+    would shift that numbering instead): it is only raised here. `ranks`: the process set's
+    members (empty: every worker), the only workers whose operation fails."""
     if name is not None and not isinstance(name, str):
         raise InvalidArgumentError(f"name must be a str or None, got {type(name).__name__}")
     try:
@@ -180,7 +182,7 @@ def _takes_part(kind: str, name, timeout):
         try:
             peer = _peer.get()
             if peer.size > 1:
-                peer.fail(kind, name or "", f"rejected on rank {peer.rank}: {e}", ms)
+                peer.fail(kind, name or "", f"rejected on rank {peer.rank}: {e}", ms, list(ranks))
         except Exception:  # no peer to tell (it failed to start): the error below says enough
             pass
         raise
@@ -226,8 +228,10 @@ class _IntegerMean:
 
 
 def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
-                    timeout: Optional[float] = None, out: Optional[np.ndarray] = None) -> Handle:
-    with _takes_part("allreduce", name, timeout):
+                    timeout: Optional[float] = None, out: Optional[np.ndarray] = None,
+                    process_set: Optional[ProcessSet] = None) -> Handle:
+    ranks = _members(process_set, "allreduce")
+    with _takes_part("allreduce", name, timeout, ranks):
         ops = _table("reduce_ops")
         if op not in ops and op != "avg":
             raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, avg, min, max, prod)")
@@ -236,7 +240,7 @@ def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Op
         if average and inp.array.dtype == np.bool_:
             raise InvalidArgumentError("op 'avg' is not defined for bool")
         peer = _peer.get()
-        n = peer.size
+        n = len(ranks) or peer.size
         recv = _output(inp, out)
         send, into, code = inp.array, recv, inp.code
         exact = None
@@ -248,7 +252,7 @@ def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Op
         native = peer.allreduce(send.reshape(-1).view(np.uint8), into.reshape(-1).view(np.uint8),
                                 send.size, code, ops["sum" if average else op], name or "",
                                 _strategy_code(strategy), _timeout_ms(timeout),
-                                _shape_digest(inp.array.shape), average)
+                                _shape_digest(inp.array.shape), average, ranks)
 
     def result():
         if exact is not None:
@@ -261,7 +265,8 @@ def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Op
 
 
 def allreduce(x, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
-              timeout: Optional[float] = None, out: Optional[np.ndarray] = None):
+              timeout: Optional[float] = None, out: Optional[np.ndarray] = None,
+              process_set: Optional[ProcessSet] = None):
     """Reduces x across all workers with op (sum, avg, min, max, prod); every worker gets the result.
 
     x must have the same shape and dtype on every worker, and op must be the same (else every
@@ -271,12 +276,14 @@ def allreduce(x, op: str = "sum", name: Optional[str] = None, strategy: Optional
     min and max propagate NaN (NaN wins, as numpy's minimum/maximum). `out` (an array of x's
     shape and dtype, x itself for in place) receives the result without a new allocation.
     """
-    return allreduce_async(x, op, name, strategy, timeout, out).wait()
+    return allreduce_async(x, op, name, strategy, timeout, out, process_set).wait()
 
 
 def reduce_async(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
-                 strategy: Optional[str] = None, timeout: Optional[float] = None) -> Handle:
-    with _takes_part("reduce", name, timeout):
+                 strategy: Optional[str] = None, timeout: Optional[float] = None,
+                 process_set: Optional[ProcessSet] = None) -> Handle:
+    ranks = _members(process_set, "reduce")
+    with _takes_part("reduce", name, timeout, ranks):
         ops = _table("reduce_ops")
         if op not in ops:
             raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, min, max, prod)")
@@ -286,19 +293,23 @@ def reduce_async(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
         recv = np.empty_like(send)
         native = peer.reduce(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
                              send.size, inp.code, ops[op], _root(root), name or "",
-                             _strategy_code(strategy), _timeout_ms(timeout))
-    return Handle(native, lambda: inp.back(recv) if peer.rank == root else None)
+                             _strategy_code(strategy), _timeout_ms(timeout), ranks)
+    me = _set_rank(peer, ranks)
+    return Handle(native, lambda: inp.back(recv) if me == root else None)
 
 
 def reduce(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
-           strategy: Optional[str] = None, timeout: Optional[float] = None):
+           strategy: Optional[str] = None, timeout: Optional[float] = None,
+           process_set: Optional[ProcessSet] = None):
     """Reduces x to worker `root`; returns the result there and None elsewhere."""
-    return reduce_async(x, op, root, name, strategy, timeout).wait()
+    return reduce_async(x, op, root, name, strategy, timeout, process_set).wait()
 
 
 def broadcast_async(x, root: int = 0, name: Optional[str] = None, strategy: Optional[str] = None,
-                    timeout: Optional[float] = None, out: Optional[np.ndarray] = None) -> Handle:
-    with _takes_part("broadcast", name, timeout):
+                    timeout: Optional[float] = None, out: Optional[np.ndarray] = None,
+                    process_set: Optional[ProcessSet] = None) -> Handle:
+    ranks = _members(process_set, "broadcast")
+    with _takes_part("broadcast", name, timeout, ranks):
         inp = _Input(x)
         peer = _peer.get()
         send = inp.array
@@ -306,19 +317,25 @@ def broadcast_async(x, root: int = 0, name: Optional[str] = None, strategy: Opti
         native = peer.broadcast(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
                                 send.size, inp.code, _root(root), name or "",
                                 _strategy_code(strategy), _timeout_ms(timeout),
-                                _shape_digest(send.shape))
+                                _shape_digest(send.shape), ranks)
     return Handle(native, lambda: inp.back(recv))
 
 
 def broadcast(x, root: int = 0, name: Optional[str] = None, strategy: Optional[str] = None,
-              timeout: Optional[float] = None, out: Optional[np.ndarray] = None):
+              timeout: Optional[float] = None, out: Optional[np.ndarray] = None,
+              process_set: Optional[ProcessSet] = None):
     """Returns root's x on every worker. x must have the same shape and dtype everywhere."""
-    return broadcast_async(x, root, name, strategy, timeout, out).wait()
+    return broadcast_async(x, root, name, strategy, timeout, out, process_set).wait()
 
 
-def _gathered(native, inp: _Input, root: Optional[int]):
+def _set_rank(peer, ranks) -> int:
+    """This worker's rank in the process set `ranks` (its own rank for the whole cluster)."""
+    return ranks.index(peer.rank) if ranks else peer.rank
+
+
+def _gathered(native, inp: _Input, root: Optional[int], me: int):
     def result():
-        if root is not None and _peer.get().rank != root:
+        if root is not None and me != root:
             return None
         counts, data = native.gathered()
         row = inp.array.shape[1:] if inp.array.ndim > 0 else ()
@@ -335,36 +352,42 @@ def _gathered(native, inp: _Input, root: Optional[int]):
     return result
 
 
-def allgather_async(x, name: Optional[str] = None, timeout: Optional[float] = None) -> Handle:
-    with _takes_part("allgather", name, timeout):
+def allgather_async(x, name: Optional[str] = None, timeout: Optional[float] = None,
+                    process_set: Optional[ProcessSet] = None) -> Handle:
+    ranks = _members(process_set, "allgather")
+    with _takes_part("allgather", name, timeout, ranks):
         inp = _Input(x)
         peer = _peer.get()
         send = inp.array
         native = peer.allgather(send.reshape(-1).view(np.uint8), send.size, inp.code, name or "",
-                                _timeout_ms(timeout), _shape_digest(send.shape[1:]))
-    return Handle(native, _gathered(native, inp, None))
+                                _timeout_ms(timeout), _shape_digest(send.shape[1:]), ranks)
+    return Handle(native, _gathered(native, inp, None, _set_rank(peer, ranks)))
 
 
-def allgather(x, name: Optional[str] = None, timeout: Optional[float] = None) -> np.ndarray:
+def allgather(x, name: Optional[str] = None, timeout: Optional[float] = None,
+              process_set: Optional[ProcessSet] = None) -> np.ndarray:
     """Concatenates every worker's x along axis 0 in rank order (sizes along axis 0 may differ;
     a scalar counts as one row). Workers whose arrays differ beyond axis 0 all fail."""
-    return allgather_async(x, name, timeout).wait()
+    return allgather_async(x, name, timeout, process_set).wait()
 
 
 def gather_async(x, root: int = 0, name: Optional[str] = None,
-                 timeout: Optional[float] = None) -> Handle:
-    with _takes_part("gather", name, timeout):
+                 timeout: Optional[float] = None,
+                 process_set: Optional[ProcessSet] = None) -> Handle:
+    ranks = _members(process_set, "gather")
+    with _takes_part("gather", name, timeout, ranks):
         inp = _Input(x)
         peer = _peer.get()
         send = inp.array
         native = peer.gather(send.reshape(-1).view(np.uint8), send.size, inp.code, _root(root),
-                             name or "", _timeout_ms(timeout), _shape_digest(send.shape[1:]))
-    return Handle(native, _gathered(native, inp, int(root)))
+                             name or "", _timeout_ms(timeout), _shape_digest(send.shape[1:]), ranks)
+    return Handle(native, _gathered(native, inp, int(root), _set_rank(peer, ranks)))
 
 
-def gather(x, root: int = 0, name: Optional[str] = None, timeout: Optional[float] = None):
+def gather(x, root: int = 0, name: Optional[str] = None, timeout: Optional[float] = None,
+           process_set: Optional[ProcessSet] = None):
     """Like allgather, but only `root` gets the concatenation; the others get None."""
-    return gather_async(x, root, name, timeout).wait()
+    return gather_async(x, root, name, timeout, process_set).wait()
 
 
 def _rows(inp: "_Input", what: str) -> int:
@@ -380,12 +403,14 @@ def _even_parts(rows: int, n: int) -> list:
 
 
 def alltoall_async(x, splits=None, name: Optional[str] = None,
-                   timeout: Optional[float] = None) -> Handle:
-    with _takes_part("alltoall", name, timeout):
+                   timeout: Optional[float] = None,
+                   process_set: Optional[ProcessSet] = None) -> Handle:
+    ranks = _members(process_set, "alltoall")
+    with _takes_part("alltoall", name, timeout, ranks):
         inp = _Input(x)
         rows = _rows(inp, "alltoall")
         peer = _peer.get()
-        n = peer.size
+        n = len(ranks) or peer.size
         if splits is None:
             if rows % n:
                 raise InvalidArgumentError(
@@ -401,20 +426,23 @@ def alltoall_async(x, splits=None, name: Optional[str] = None,
         send = inp.array
         native = peer.alltoall(send.reshape(-1).view(np.uint8), [int(c) * row for c in splits],
                                inp.code, name or "", _timeout_ms(timeout),
-                               _shape_digest(send.shape[1:]))
-    return Handle(native, _gathered(native, inp, None))
+                               _shape_digest(send.shape[1:]), ranks)
+    return Handle(native, _gathered(native, inp, None, _set_rank(peer, ranks)))
 
 
-def alltoall(x, splits=None, name: Optional[str] = None, timeout: Optional[float] = None):
+def alltoall(x, splits=None, name: Optional[str] = None, timeout: Optional[float] = None,
+             process_set: Optional[ProcessSet] = None):
     """Worker r sends rows of x to every worker: splits[j] rows (in order) to worker j, equal
     parts when splits is None. Returns the rows every worker sent this one, in rank order.
     Dimensions after the first must agree everywhere; splits may differ per worker."""
-    return alltoall_async(x, splits, name, timeout).wait()
+    return alltoall_async(x, splits, name, timeout, process_set).wait()
 
 
 def reducescatter_async(x, op: str = "sum", name: Optional[str] = None,
-                        timeout: Optional[float] = None) -> Handle:
-    with _takes_part("reducescatter", name, timeout):
+                        timeout: Optional[float] = None,
+                        process_set: Optional[ProcessSet] = None) -> Handle:
+    ranks = _members(process_set, "reducescatter")
+    with _takes_part("reducescatter", name, timeout, ranks):
         ops = _table("reduce_ops")
         if op not in ops and op != "avg":
             raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, avg, min, max, prod)")
@@ -424,7 +452,7 @@ def reducescatter_async(x, op: str = "sum", name: Optional[str] = None,
         if average and inp.array.dtype == np.bool_:
             raise InvalidArgumentError("op 'avg' is not defined for bool")
         peer = _peer.get()
-        n, me = peer.size, peer.rank
+        n, me = len(ranks) or peer.size, _set_rank(peer, ranks)
         parts = _even_parts(rows, n)
         shape = (parts[me],) + inp.array.shape[1:]
         recv = np.empty(shape, inp.array.dtype)
@@ -438,7 +466,8 @@ def reducescatter_async(x, op: str = "sum", name: Optional[str] = None,
         native = peer.reducescatter(send.reshape(-1).view(np.uint8), into.reshape(-1).view(np.uint8),
                                     [c * row for c in parts], code,
                                     ops["sum" if average else op], name or "",
-                                    _timeout_ms(timeout), _shape_digest(inp.array.shape), average)
+                                    _timeout_ms(timeout), _shape_digest(inp.array.shape), average,
+                                    ranks)
 
     def result():
         if exact is not None:
@@ -451,11 +480,12 @@ def reducescatter_async(x, op: str = "sum", name: Optional[str] = None,
 
 
 def reducescatter(x, op: str = "sum", name: Optional[str] = None,
-                  timeout: Optional[float] = None) -> np.ndarray:
+                  timeout: Optional[float] = None,
+                  process_set: Optional[ProcessSet] = None) -> np.ndarray:
     """x reduced over all workers with op (sum, avg, min, max, prod) and split along axis 0:
     worker r gets part r, the first rows % size workers one row more. x must have the same
     shape and dtype everywhere. avg as in allreduce (exact for integers)."""
-    return reducescatter_async(x, op, name, timeout).wait()
+    return reducescatter_async(x, op, name, timeout, process_set).wait()
 
 
 def broadcast_object(obj: Any = None, root: int = 0, name: Optional[str] = None,
@@ -485,28 +515,33 @@ def allgather_object(obj: Any, name: Optional[str] = None,
     return [pickle.loads(everything[e - s:e]) for s, e in zip(sizes.tolist(), ends.tolist())]
 
 
-def barrier(name: Optional[str] = None, timeout: Optional[float] = None) -> None:
-    """Returns once every worker has entered the barrier."""
-    with _takes_part("barrier", name, timeout):
-        native = _peer.get().barrier(name or "", _timeout_ms(timeout))
+def barrier(name: Optional[str] = None, timeout: Optional[float] = None,
+            process_set: Optional[ProcessSet] = None) -> None:
+    """Returns once every worker (of process_set, if given) has entered the barrier."""
+    ranks = _members(process_set, "barrier")
+    with _takes_part("barrier", name, timeout, ranks):
+        native = _peer.get().barrier(name or "", _timeout_ms(timeout), ranks)
     Handle(native, lambda: None).wait()
 
 
-def consensus_async(x, name: Optional[str] = None, timeout: Optional[float] = None) -> Handle:
-    with _takes_part("consensus", name, timeout):
+def consensus_async(x, name: Optional[str] = None, timeout: Optional[float] = None,
+                    process_set: Optional[ProcessSet] = None) -> Handle:
+    ranks = _members(process_set, "consensus")
+    with _takes_part("consensus", name, timeout, ranks):
         if isinstance(x, str):
             data = np.frombuffer(x.encode(), dtype=np.uint8)
         elif isinstance(x, (bytes, bytearray, memoryview)):
             data = np.frombuffer(bytes(x), dtype=np.uint8)
         else:
             data = np.ascontiguousarray(_Input(x).array).reshape(-1).view(np.uint8)
-        native = _peer.get().consensus(data, name or "", _timeout_ms(timeout))
+        native = _peer.get().consensus(data, name or "", _timeout_ms(timeout), ranks)
     return Handle(native, native.agreed)
 
 
-def consensus(x, name: Optional[str] = None, timeout: Optional[float] = None) -> bool:
+def consensus(x, name: Optional[str] = None, timeout: Optional[float] = None,
+              process_set: Optional[ProcessSet] = None) -> bool:
     """True on every worker iff every worker passed the same bytes (array, scalar, str or bytes)."""
-    return consensus_async(x, name, timeout).wait()
+    return consensus_async(x, name, timeout, process_set).wait()
 
 
 def drop(name: str) -> None:

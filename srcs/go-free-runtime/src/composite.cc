@@ -40,8 +40,11 @@ class Countdown {
 
 Handle AllToAll(Peer& peer, const void* send, const std::vector<uint64_t>& send_counts,
                 DType dtype, std::shared_ptr<GatherResult> out, const OpOptions& options) {
-  const int n = peer.size();
+  const int n = peer.SizeIn(options);
   Handle whole;
+  if (peer.RankIn(options) < 0) {  // each part fails at once, on this peer only, saying why
+    return FailParts(peer, "alltoall", options, InvalidArgument("not a member of the process set"));
+  }
   if (static_cast<int>(send_counts.size()) != n) {
     return FailParts(peer, "alltoall", options,
                      InvalidArgument("alltoall: " + std::to_string(send_counts.size()) +
@@ -51,7 +54,7 @@ Handle AllToAll(Peer& peer, const void* send, const std::vector<uint64_t>& send_
   // result, which is exactly what it receives, in rank order.
   std::vector<std::shared_ptr<GatherResult>> results(n);
   for (auto& r : results) r = std::make_shared<GatherResult>();
-  const int me = peer.rank();
+  const int me = peer.RankIn(options);
   auto countdown = std::make_shared<Countdown>(n, whole, [out, mine = results[me]]() {
     out->counts = std::move(mine->counts);
     out->data = std::move(mine->data);
@@ -69,8 +72,11 @@ Handle AllToAll(Peer& peer, const void* send, const std::vector<uint64_t>& send_
 
 Handle ReduceScatter(Peer& peer, const void* send, void* recv, const std::vector<uint64_t>& counts,
                      DType dtype, ReduceOp op, const OpOptions& options) {
-  const int n = peer.size();
+  const int n = peer.SizeIn(options);
   Handle whole;
+  if (peer.RankIn(options) < 0) {  // each part fails at once, on this peer only, saying why
+    return FailParts(peer, "reducescatter", options, InvalidArgument("not a member of the process set"));
+  }
   if (static_cast<int>(counts.size()) != n) {
     return FailParts(peer, "reducescatter", options,
                      InvalidArgument("reducescatter: " + std::to_string(counts.size()) +
@@ -78,7 +84,7 @@ Handle ReduceScatter(Peer& peer, const void* send, void* recv, const std::vector
   }
   // Part j: a reduce to peer j of every peer's part j. Only the root's output is the result; the
   // other peers' parts need a buffer the reduce may work in (a tree's inner nodes sum there).
-  const int me = peer.rank();
+  const int me = peer.RankIn(options);
   const size_t width = DTypeSize(dtype);
   uint64_t scratch_elems = 0;
   for (int j = 0; j < n; ++j) {
@@ -107,8 +113,9 @@ Handle ReduceScatter(Peer& peer, const void* send, void* recv, const std::vector
 Handle FailParts(Peer& peer, const char* kind, const OpOptions& options, const Status& reason) {
   const bool gather = std::strcmp(kind, "alltoall") == 0;
   Handle whole;
-  auto countdown = std::make_shared<Countdown>(peer.size(), whole, [] { return Status::OK(); });
-  for (int j = 0; j < peer.size(); ++j) {
+  const int n = peer.SizeIn(options);
+  auto countdown = std::make_shared<Countdown>(n, whole, [] { return Status::OK(); });
+  for (int j = 0; j < n; ++j) {
     OpOptions o = options;
     o.name = PartName(options, kind, j);
     countdown->Watch(countdown, j, peer.Fail(gather ? "gather" : "reduce", o, reason));

@@ -11,6 +11,7 @@
 #include <deque>
 
 #include "fusion.h"
+#include "kungfu/process_set.h"
 #include "kungfu/session.h"
 #include "kungfu/stream_transport.h"
 #include "net.h"
@@ -538,6 +539,14 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
     h.Complete(InvalidArgument("an operation name may not contain NUL"));
     return h;
   }
+  std::shared_ptr<Session> session;
+  std::string prefix;
+  Status in_set = SessionFor(options.process_set, &session, &prefix);
+  if (!in_set.ok()) {  // at once, and on this peer only: nothing was numbered or sent
+    h.Complete(in_set.WithContext(std::string(kind) + " '" + ctx.name + "'"));
+    return h;
+  }
+  ctx.name = prefix + ctx.name;  // a set's numbering runs per set and name
   {
     std::lock_guard<std::mutex> lk(seq_mu_);
     ctx.seq = next_seq_[ctx.name]++;
@@ -546,10 +555,9 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
   ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout);
   // C1-C3 (peer.h): every collective says it has begun; one with a per-call deadline waits
   // for every peer's begin until that deadline, and then no longer ends at it.
-  const bool begin = collective && rendezvous && size() > 1;
+  const bool begin = collective && rendezvous && session->size() > 1;
   const bool commit = begin && options.timeout_ms >= 0;
   const auto bound = std::chrono::milliseconds(config_.op_timeout_ms);
-  std::shared_ptr<Session> session = session_;
   const std::string what = std::string(kind) + " '" + ctx.name + "'";
   const TimePoint called = Clock::now();
   auto task = [=]() {
@@ -605,7 +613,7 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
     }
     h.Complete(s);
   };
-  if (size() == 1) {
+  if (session->size() == 1) {
     task();  // nothing to wait for
   } else {
     Submit(task);
@@ -613,6 +621,42 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
   return h;
 }
 
+
+Status Peer::SessionFor(const std::vector<int>& members, std::shared_ptr<Session>* session,
+                        std::string* prefix) {
+  prefix->clear();
+  if (members.empty()) {
+    *session = session_;
+    return Status::OK();
+  }
+  KF_RETURN_IF_ERROR(ValidateProcessSet(members, size()));
+  if (!std::binary_search(members.begin(), members.end(), rank_)) {
+    return InvalidArgument("this peer (rank " + std::to_string(rank_) +
+                           ") is not a member of " + ProcessSetName(members) +
+                           ": only members may call its operations");
+  }
+  *prefix = ProcessSetPrefix(members);
+  std::lock_guard<std::mutex> lk(sets_mu_);
+  std::shared_ptr<Session>& s = sets_[members];
+  if (!s) {
+    auto view = std::make_unique<SubsetTransport>(session_->transport(), members, session_);
+    s = std::make_shared<Session>(std::move(view), config_.strategy, config_.chunk_bytes,
+                                  config_.parallelism);
+  }
+  *session = s;
+  return Status::OK();
+}
+
+int Peer::RankIn(const OpOptions& options) const {
+  const auto& m = options.process_set;
+  if (m.empty()) return rank_;
+  auto it = std::lower_bound(m.begin(), m.end(), rank_);
+  return it != m.end() && *it == rank_ ? static_cast<int>(it - m.begin()) : -1;
+}
+
+int Peer::SizeIn(const OpOptions& options) const {
+  return options.process_set.empty() ? size() : static_cast<int>(options.process_set.size());
+}
 
 void Peer::Record(TimelineEvent e) {
   std::lock_guard<std::mutex> lk(timeline_mu_);
@@ -625,7 +669,8 @@ void Peer::Record(TimelineEvent e) {
 
 Handle Peer::AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                        const OpOptions& options) {
-  if (fusion_ && CheckReducible(dtype, op).ok() &&
+  // A set's allreduces run unfused: the negotiation runs among every peer of the session.
+  if (fusion_ && options.process_set.empty() && CheckReducible(dtype, op).ok() &&
       fusion_->Accepts(count * DTypeSize(dtype), options.strategy)) {
     return fusion_->AllReduce(send, recv, count, dtype, op, options);
   }

@@ -8,6 +8,7 @@
 #include <map>
 #include <thread>
 
+#include "kungfu/process_set.h"
 #include "kungfu/strategy.h"
 
 namespace kungfu {
@@ -594,6 +595,13 @@ Status RendezvousTransport::SendRequest(int dst, const MsgKey& key, const std::s
 }
 
 void RendezvousTransport::AbortOp(const std::string& full_name, uint64_t seq, const Status& reason) {
+  std::vector<int> everyone(peers_.size());
+  for (size_t r = 0; r < everyone.size(); ++r) everyone[r] = static_cast<int>(r);
+  AbortOpAmong(full_name, seq, reason, everyone);
+}
+
+void RendezvousTransport::AbortOpAmong(const std::string& full_name, uint64_t seq,
+                                       const Status& reason, const std::vector<int>& among) {
   const std::string name = BaseName(full_name);
   std::vector<OpKey> linked;
   {
@@ -611,8 +619,8 @@ void RendezvousTransport::AbortOp(const std::string& full_name, uint64_t seq, co
   std::string why = "on peer " + Describe(rank_) + ": " + reason.message();
   if (why.size() > kMaxAbortMessage / 2) why.resize(kMaxAbortMessage / 2);
   const Status shared(reason.code(), why);
-  for (int dst = 0; dst < size(); ++dst) {
-    if (dst == rank_) continue;
+  for (int dst : among) {
+    if (dst == rank_ || dst < 0 || dst >= size()) continue;
     SendAbort(dst, key, shared);
   }
 }
@@ -794,6 +802,12 @@ void RendezvousTransport::OnReport(int src, const MsgKey& key, uint64_t state,
   const int64_t mine_ms =
       std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - rec.begun_at).count();
   int64_t oldest = 0;
+  // Q's operations of process sets without this peer prove nothing: this peer never calls them
+  // (process_set.h); if they are all Q has pending, Q may simply be busy in them.
+  theirs.erase(std::remove_if(theirs.begin(), theirs.end(),
+                              [this](const Waits& w) { return !InProcessSet(w.op.first, rank_); }),
+               theirs.end());
+  if (theirs.empty()) return;
   for (const Waits& w : theirs) {
     auto here = ops_.find(w.op);
     if ((here != ops_.end() && here->second.begun) || IsFinished(w.op)) return;

@@ -122,6 +122,10 @@ struct OpOptions {
   // allreduce and reduce with kSum only: the caller divides the result by the peer count (see
   // OpSig).
   bool average = false;
+  // A process set (process_set.h): the sorted global ranks of the peers that run this operation,
+  // this one among them; ranks and roots are then the set's, and the result is as if the set were
+  // the whole cluster. Empty: every peer. Allreduces of a set are not fused.
+  std::vector<int> process_set;
 };
 
 // One buffer of a multi-buffer allreduce (send may equal recv: in place).
@@ -163,6 +167,10 @@ class Peer {
   int local_size() const;
   int host_count() const;
   uint64_t version() const { return config_.version; }
+  // This peer's rank in, and the size of, options.process_set (the whole cluster when empty;
+  // rank -1 when this peer is not a member).
+  int RankIn(const OpOptions& options) const;
+  int SizeIn(const OpOptions& options) const;
   const PeerConfig& config() const { return config_; }
 
   Handle AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
@@ -231,6 +239,11 @@ class Peer {
   Handle Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
              bool collective = true, bool rendezvous = true);
   OpSig Sig(OpKind kind, const OpOptions& options, int op = 0, int root = -1) const;
+  // The session that runs operations of `members` (session_ when empty; a set's is made at its
+  // first use and kept), and the prefix of their names; InvalidArgument for a set that is malformed
+  // or does not include this peer.
+  Status SessionFor(const std::vector<int>& members, std::shared_ptr<Session>* session,
+                    std::string* prefix);
   void AcceptLoop();
   int Admit(const std::string& src, const std::string& dst, uint64_t version, int* claimed,
             Status* why);
@@ -259,6 +272,10 @@ class Peer {
 
   std::mutex seq_mu_;
   std::map<std::string, uint64_t> next_seq_;
+
+  // Process sets' sessions by members, made at first use; sets_mu_ is taken alone.
+  std::mutex sets_mu_;
+  std::map<std::vector<int>, std::shared_ptr<Session>> sets_;
 
   // A pool that grows whenever every worker is busy: an operation may block on its peers, so a
   // bounded pool could deadlock when peers issue operations in different orders.

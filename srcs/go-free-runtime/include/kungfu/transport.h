@@ -231,6 +231,10 @@ class Transport {
   // Fails this operation (name, seq) on every peer with `reason`, this one included (and the
   // operations of another peer that a name mismatch of it named; see above).
   virtual void AbortOp(const std::string& name, uint64_t seq, const Status& reason) = 0;
+  // AbortOp telling only the peers `among` (ranks of this transport): a process set's operation
+  // fails on its members and leaves no abort behind on the others (process_set.h).
+  virtual void AbortOpAmong(const std::string& name, uint64_t seq, const Status& reason,
+                            const std::vector<int>& among) = 0;
   // Step 1 of names that differ: asks peer dst what it waits on, for this peer's pending
   // operation (name, seq), which waits on dst. Best effort and without blocking; the answer may
   // fail the operation (OpError) as a mismatch.
@@ -285,6 +289,8 @@ class RendezvousTransport : public Transport {
   void SetBlobLookup(BlobLookup lookup) override { lookup_ = std::move(lookup); }
   Status SendRequest(int dst, const MsgKey& key, const std::string& blob) override;
   void AbortOp(const std::string& name, uint64_t seq, const Status& reason) override;
+  void AbortOpAmong(const std::string& name, uint64_t seq, const Status& reason,
+                    const std::vector<int>& among) override;
   void Query(int dst, const std::string& name, uint64_t seq) override;
   int64_t mismatch_grace_ms() const override { return options_.mismatch_grace_ms; }
   Status failure() const override;
