@@ -21,6 +21,53 @@ namespace kungfu {
 namespace tfops {
 namespace {
 
+// Shape function of ops whose output has the input's dimensions after the first and a number
+// of rows known only when they run (gathers, all-to-all, reduce-scatter).
+tf::Status RowsOfInput(InferenceContext* c) {
+  tf::shape_inference::ShapeHandle in = c->input(0), rest, out;
+  if (c->RankKnown(in) && c->Rank(in) > 0) {
+    TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
+    TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
+    c->set_output(0, out);
+  } else {
+    c->set_output(0, c->UnknownShape());
+  }
+  return tf::OkStatus();
+}
+
+// Completes a kernel whose output 0 is a GatherResult: rows of `row`'s shape, as many as the
+// gathered elements make (counts that are not whole rows fail it).
+void FinishGathered(tf::OpKernelContext* ctx, const tf::AsyncOpKernel::DoneCallback& done,
+                    const Handle& h, std::shared_ptr<GatherResult> result, tf::TensorShape row,
+                    const char* what) {
+  h.OnComplete([ctx, done, result, row, what](const Status& s) {
+    if (!s.ok()) {
+      ctx->SetStatus(ToTF(s));
+      return done();
+    }
+    const int64_t row_size = row.num_elements();
+    int64_t total = 0;
+    for (uint64_t c : result->counts) {
+      if (row_size > 0 && static_cast<int64_t>(c) % row_size != 0) {
+        ctx->SetStatus(tf::errors::InvalidArgument(
+            what, ": workers passed tensors whose shapes differ beyond axis 0"));
+        return done();
+      }
+      total += static_cast<int64_t>(c);
+    }
+    tf::TensorShape shape = row;
+    shape.InsertDim(0, row_size > 0 ? total / row_size : 0);
+    tf::Tensor* out = nullptr;
+    tf::Status st = ctx->allocate_output(0, shape, &out);
+    if (!st.ok()) {
+      ctx->SetStatus(st);
+      return done();
+    }
+    if (result->data.size() > 0) std::memcpy(Out(out), result->data.data(), result->data.size());
+    done();
+  });
+}
+
 // ---------------------------------------------------------------------------------------------
 
 REGISTER_OP("KungfuAllReduce")
@@ -142,17 +189,7 @@ REGISTER_OP("KungfuAllGather")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
     .SetIsDistributedCommunication()
-    .SetShapeFn([](InferenceContext* c) {
-      tf::shape_inference::ShapeHandle in = c->input(0), rest, out;
-      if (c->RankKnown(in) && c->Rank(in) > 0) {
-        TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
-        TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
-        c->set_output(0, out);
-      } else {
-        c->set_output(0, c->UnknownShape());
-      }
-      return tf::OkStatus();
-    });
+    .SetShapeFn(RowsOfInput);
 
 // Rows may differ per worker: the output is allocated once the counts are known.
 class AllGatherOp : public CollectiveKernel {
@@ -167,35 +204,10 @@ class AllGatherOp : public CollectiveKernel {
     auto result = std::make_shared<GatherResult>();
     tf::TensorShape row = in.shape();
     row.RemoveDim(0);
-    const int64_t row_size = row.num_elements();
     // The dimensions after the first must agree (axis 0 may differ).
     Handle h = peer->AllGather(In(in), in.NumElements(), dtype_, result,
                                WithShape(options_, in.shape(), 1));
-    h.OnComplete([ctx, done, result, row, row_size](const Status& s) {
-      if (!s.ok()) {
-        ctx->SetStatus(ToTF(s));
-        return done();
-      }
-      int64_t total = 0;
-      for (uint64_t c : result->counts) {
-        if (row_size > 0 && static_cast<int64_t>(c) % row_size != 0) {
-          ctx->SetStatus(tf::errors::InvalidArgument(
-              "all_gather: workers passed tensors whose shapes differ beyond axis 0"));
-          return done();
-        }
-        total += static_cast<int64_t>(c);
-      }
-      tf::TensorShape shape = row;
-      shape.InsertDim(0, row_size > 0 ? total / row_size : 0);
-      tf::Tensor* out = nullptr;
-      tf::Status st = ctx->allocate_output(0, shape, &out);
-      if (!st.ok()) {
-        ctx->SetStatus(st);
-        return done();
-      }
-      if (result->data.size() > 0) std::memcpy(Out(out), result->data.data(), result->data.size());
-      done();
-    });
+    FinishGathered(ctx, done, h, result, row, "all_gather");
   }
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuAllGather").Device(tf::DEVICE_CPU), AllGatherOp);
@@ -211,17 +223,7 @@ REGISTER_OP("KungfuAllToAll")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
     .SetIsDistributedCommunication()
-    .SetShapeFn([](InferenceContext* c) {
-      tf::shape_inference::ShapeHandle in = c->input(0), rest, out;
-      if (c->RankKnown(in) && c->Rank(in) > 0) {
-        TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
-        TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
-        c->set_output(0, out);
-      } else {
-        c->set_output(0, c->UnknownShape());
-      }
-      return tf::OkStatus();
-    });
+    .SetShapeFn(RowsOfInput);
 
 class AllToAllOp : public CollectiveKernel {
  public:
@@ -257,26 +259,9 @@ class AllToAllOp : public CollectiveKernel {
                     std::to_string(in.dim_size(0)));
     }
     auto result = std::make_shared<GatherResult>();
-    Handle h = AllToAll(*peer, In(in), counts, dtype_, result, o);
     // The input stays alive until the op completes: TensorFlow keeps it for the kernel.
-    h.OnComplete([ctx, done, result, row, row_size](const Status& s) {
-      if (!s.ok()) {
-        ctx->SetStatus(ToTF(s));
-        return done();
-      }
-      int64_t total = 0;
-      for (uint64_t c : result->counts) total += static_cast<int64_t>(c);
-      tf::TensorShape shape = row;
-      shape.InsertDim(0, row_size > 0 ? total / row_size : 0);
-      tf::Tensor* out = nullptr;
-      tf::Status st = ctx->allocate_output(0, shape, &out);
-      if (!st.ok()) {
-        ctx->SetStatus(st);
-        return done();
-      }
-      if (result->data.size() > 0) std::memcpy(Out(out), result->data.data(), result->data.size());
-      done();
-    });
+    FinishGathered(ctx, done, AllToAll(*peer, In(in), counts, dtype_, result, o), result, row,
+                   "all_to_all");
   }
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuAllToAll").Device(tf::DEVICE_CPU).HostMemory("splits"),
@@ -294,17 +279,7 @@ REGISTER_OP("KungfuReduceScatter")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
     .SetIsDistributedCommunication()
-    .SetShapeFn([](InferenceContext* c) {
-      tf::shape_inference::ShapeHandle in = c->input(0), rest, out;
-      if (c->RankKnown(in) && c->Rank(in) > 0) {
-        TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
-        TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(c->UnknownDim()), rest, &out));
-        c->set_output(0, out);
-      } else {
-        c->set_output(0, c->UnknownShape());
-      }
-      return tf::OkStatus();
-    });
+    .SetShapeFn(RowsOfInput);
 
 class ReduceScatterOp : public ReduceKernel {
  public:
