@@ -47,6 +47,14 @@ class ProcessSet:
         self.ranks: List[int] = ranks
         self.version: int = peer.version
 
+    @classmethod
+    def _of(cls, ranks: List[int], version: int) -> "ProcessSet":
+        """The set of `ranks` made in cluster `version` (checked when used, not here): what an
+        op built for a set records, for its gradient."""
+        ps = cls.__new__(cls)
+        ps.ranks, ps.version = sorted(int(r) for r in ranks), int(version)
+        return ps
+
     def included(self) -> bool:
         """Whether this worker is a member."""
         return _peer.get().rank in self.ranks

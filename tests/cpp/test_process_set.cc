@@ -179,6 +179,11 @@ TEST(RefusalsAndMismatchStayInTheSet) {
   CHECK(kftest::Contains(st.message(), "not a member of process set [0, 1]"));
   st = WAIT(c[0].AllReduce(&x, &y, 1, DType::kInt64, ReduceOp::kSum, InSet("ar", {0, 0})));
   CHECK(kftest::Contains(st.message(), "given twice"));
+  kungfu::OpOptions stale = InSet("ar", {0, 1});
+  stale.process_set_version = 7;  // the cluster is at version 0
+  st = WAIT(c[0].AllReduce(&x, &y, 1, DType::kInt64, ReduceOp::kSum, stale));
+  CHECK(kftest::Contains(st.message(), "made for cluster version 7"));
+  CHECK(kftest::Contains(st.message(), "make the process set again"));
   OnEveryRank(4, [&](int r) {
     std::vector<int64_t> in(r == 1 ? 3 : 2, r + 1), out(in.size(), 0);
     const std::vector<int> set = r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};

@@ -86,3 +86,44 @@ def failures_stay_in_the_set() -> dict:
         out["b"] = [kf.allreduce(np.float64(r + 1), name="g", process_set=b) for _ in range(3)]
     out["whole"] = kf.allreduce(np.float64(r + 1), name="g")
     return out
+
+
+def tf_collectives() -> dict:
+    """The TensorFlow ops with process_set=, eagerly and in a tf.function, and the gradient of
+    an allreduce in a set (it runs in the same set)."""
+    import tensorflow as tf
+
+    import kungfu as kf
+    from kungfu.tensorflow import ops
+
+    r, n = kf.rank(), kf.size()
+    out = {"rank": r}
+    for key, ranks in sets_for(n).items():
+        ps = kf.ProcessSet(ranks)
+        if not ps.included():
+            continue
+        m, root = ps.size(), ps.size() - 1
+        x = tf.constant(x_of(r))
+        res = {
+            "sum": ops.all_reduce(x, name="ar", process_set=ps),
+            "avg": ops.all_reduce(x, op="avg", name="avg", process_set=ps),
+            "group": ops.group_all_reduce([x, x[0]], name="grp", process_set=ps),
+            "bcast": ops.broadcast(x, root, name="bc", process_set=ps),
+            "allgather": ops.all_gather(x[: r % 3 + 1], name="ag", process_set=ps),
+            "alltoall": ops.all_to_all(tf.constant(a2a_of(r, m)), name="a2a", process_set=ps),
+            "rscatter": ops.reduce_scatter(x, name="rs", process_set=ps),
+            "consensus": ops.consensus(tf.constant(5), name="cs", process_set=ps),
+        }
+        ops.barrier(name="bar", process_set=ps)
+
+        @tf.function
+        def traced(t):
+            return ops.all_reduce(t, name="traced", process_set=ps)
+
+        res["traced"] = [traced(x), traced(x * 2)]
+        v = tf.Variable(x)
+        with tf.GradientTape() as tape:
+            y = tf.reduce_sum(ops.all_reduce(v * float(r + 1), name="fwd", process_set=ps))
+        res["grad"] = tape.gradient(y, v)
+        out[key] = tf.nest.map_structure(lambda t: t.numpy().tolist(), res)
+    return out

@@ -92,3 +92,35 @@ def test_a_set_is_refused_after_a_resize(tmp_path):
     assert outs[2]["first_size"] == 3 and "stale" not in outs[2]
     assert "after" not in outs[0]
     assert outs[1]["after"] == outs[2]["after"] == 2.0 + 3.0
+
+
+def test_tensorflow_ops_in_concurrent_sets(spawn):
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "KUNGFU_OP_TIMEOUT": "30s"}
+    n = 3
+    results = spawn(n, W.tf_collectives, env=env, timeout=150)
+    sets = W.sets_for(n)
+    for res in results:
+        r = res["rank"]
+        for key, ranks in sets.items():
+            if r not in ranks:
+                assert key not in res
+                continue
+            got, m = res[key], len(ranks)
+            me, root = ranks.index(r), m - 1
+            xs = [W.x_of(k) for k in ranks]
+            total = sum(xs)
+            np.testing.assert_array_equal(got["sum"], total)
+            np.testing.assert_allclose(got["avg"], total / m)
+            np.testing.assert_array_equal(got["group"][0], total)
+            np.testing.assert_array_equal(got["group"][1], total[0])
+            assert got["bcast"] == xs[root].tolist()
+            assert got["allgather"] == np.concatenate(
+                [W.x_of(k)[: k % 3 + 1] for k in ranks]).tolist()
+            assert got["alltoall"] == [[100 * k + me, i] for k in ranks for i in range(2)]
+            parts = [5 // m + (1 if j < 5 % m else 0) for j in range(m)]
+            start = sum(parts[:me])
+            assert got["rscatter"] == total[start:start + parts[me]].tolist()
+            assert got["consensus"] is True
+            assert got["traced"] == [total.tolist(), (2 * total).tolist()]
+            # d/dv sum(allreduce(v * (r + 1))) = (r + 1) x the allreduce of ones over the set
+            np.testing.assert_allclose(got["grad"], np.full((5, 2), (r + 1) * m))

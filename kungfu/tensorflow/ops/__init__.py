@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import tensorflow as tf
 
 from kungfu import _peer
+from kungfu._process_set import ProcessSet, members as _members
 from kungfu.tensorflow._oplib import lib as _lib
 from kungfu.tensorflow.ops import _fusion
 
@@ -24,17 +25,39 @@ def _check_op(op: str) -> None:
         raise ValueError(f"unknown reduce op {op!r} (choose {', '.join(_REDUCE_OPS)})")
 
 
-def _averaged(t, axis: int):
+def _set_attrs(process_set: Optional[ProcessSet], what: str) -> dict:
+    """The attrs that run an op in process_set (none for the whole cluster), after the checks of
+    kungfu/_process_set.py, made when the op is built; the runtime checks the version again when
+    it runs (a traced function that outlives a resize)."""
+    ranks = _members(process_set, what)
+    return {"process_set": ranks, "process_set_version": process_set.version} if ranks else {}
+
+
+def _set_of(op) -> Optional[ProcessSet]:
+    """The process set an op was built for (its gradient runs in the same set)."""
+    ranks = list(op.get_attr("process_set"))
+    return ProcessSet._of(ranks, op.get_attr("process_set_version")) if ranks else None
+
+
+def _size(process_set: Optional[ProcessSet]):
+    return cluster_size() if process_set is None else process_set.size()
+
+
+def _rank(process_set: Optional[ProcessSet]):
+    return rank() if process_set is None else process_set.rank()
+
+
+def _averaged(t, axis: int, process_set: Optional[ProcessSet] = None):
     """(what to sum for avg of t, how to finish the sum): floats divide by the cluster size (read
-    when the op runs); integers sum a 64-bit (x // n, x % n) pair stacked along `axis` and take
+    when the op runs) or the set's; integers sum a 64-bit (x // n, x % n) pair stacked along `axis` and take
     sum(q) + sum(r) // n, the floor of the exact mean whatever the dtype (as kf.allreduce)."""
     t = tf.convert_to_tensor(t)
     if t.dtype == tf.bool:
         raise ValueError("op 'avg' is not defined for bool")
     if t.dtype.is_floating:
-        return t, lambda s: s / tf.cast(cluster_size(), s.dtype)
+        return t, lambda s: s / tf.cast(_size(process_set), s.dtype)
     wide = tf.uint64 if t.dtype.is_unsigned else tf.int64
-    n = tf.cast(cluster_size(), wide)
+    n = tf.cast(_size(process_set), wide)
     w = tf.cast(t, wide)
     q = tf.math.floordiv(w, n)
     pairs = tf.stack([q, w - q * n], axis=axis)
@@ -100,33 +123,35 @@ def _issue(op_name: str, build: Callable[[str], Any]):
 
 
 def all_reduce(t, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
-               timeout: Optional[float] = None):
+               timeout: Optional[float] = None, process_set: Optional[ProcessSet] = None):
     """Reduces t over all workers with op (sum, avg, min, max, prod); every worker gets the
     result. t must have the same shape and dtype everywhere. avg of integers is the floor of the
     exact mean. tf.IndexedSlices (sparse gradients) are allgathered: sum or avg only."""
     _check_op(op)
     if isinstance(t, tf.IndexedSlices):
-        return _sparse_all_reduce(t, op, name, timeout)
+        return _sparse_all_reduce(t, op, name, timeout, process_set)
+    attrs = _set_attrs(process_set, "all_reduce")
     name = _name(name, t, "all_reduce")
     reduce = lambda x, average: _issue(name, lambda n: _lib.kungfu_all_reduce(  # noqa: E731
         x, op="sum" if average else op, average=average, op_name=n,
-        strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout)))
+        strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout), **attrs))
     if op != "avg":
         return reduce(t, False)
-    summed, finish = _averaged(t, axis=0)
+    summed, finish = _averaged(t, axis=0, process_set=process_set)
     return finish(reduce(summed, True))
 
 
-def _sparse_all_reduce(t: tf.IndexedSlices, op: str, name, timeout):
+def _sparse_all_reduce(t: tf.IndexedSlices, op: str, name, timeout, process_set=None):
     """The sum (or avg) of IndexedSlices: every worker's indices and values, gathered (rows with
     the same index add up when the slices are applied or made dense)."""
     if op not in ("sum", "avg"):
         raise ValueError(f"all_reduce of tf.IndexedSlices supports sum and avg, not {op!r}")
     name = _name(name, t.values, "all_reduce")
-    values = all_gather(t.values, name=f"{name}/values", timeout=timeout)
+    values = all_gather(t.values, name=f"{name}/values", timeout=timeout, process_set=process_set)
     if op == "avg":
-        values = values / tf.cast(cluster_size(), values.dtype)
-    indices = all_gather(t.indices, name=f"{name}/indices", timeout=timeout)
+        values = values / tf.cast(_size(process_set), values.dtype)
+    indices = all_gather(t.indices, name=f"{name}/indices", timeout=timeout,
+                         process_set=process_set)
     return tf.IndexedSlices(values, indices, dense_shape=t.dense_shape)
 
 
@@ -146,7 +171,7 @@ def defuse(t: tf.Tensor, shapes: Sequence) -> List[tf.Tensor]:
 
 def group_all_reduce(ts: Sequence[tf.Tensor], op: str = "sum", name: Optional[str] = None,
                      bucket_bytes: Optional[int] = None, strategy: Optional[str] = None,
-                     timeout: Optional[float] = None):
+                     timeout: Optional[float] = None, process_set: Optional[ProcessSet] = None):
     """all_reduce of many tensors: one collective per dtype over all its tensors, reduced where
     they lie (nothing is concatenated; the runtime packs the small ones).
 
@@ -160,39 +185,46 @@ def group_all_reduce(ts: Sequence[tf.Tensor], op: str = "sum", name: Optional[st
     if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or bucket_bytes <= 0):
         raise ValueError(f"bucket_bytes must be a positive integer or None, got {bucket_bytes!r}")
     _peer.get()
+    attrs = _set_attrs(process_set, "group_all_reduce")
     average = op == "avg"
     finishes = None
     if average:
-        ts, finishes = zip(*(_averaged(t, axis=0) for t in ts))
+        ts, finishes = zip(*(_averaged(t, axis=0, process_set=process_set) for t in ts))
     out = _fusion.grouped_apply(
         ts, name or "group", bucket_bytes,
         lambda group, n: _issue(n, lambda n: _lib.kungfu_group_all_reduce(
             group, op="sum" if average else op, average=average, op_name=n,
-            strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout))))
+            strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout), **attrs)))
     return [f(s) for f, s in zip(finishes, out)] if average else out
 
 
 def broadcast(t, root: int = 0, name: Optional[str] = None, strategy: Optional[str] = None,
-              timeout: Optional[float] = None):
+              timeout: Optional[float] = None, process_set: Optional[ProcessSet] = None):
     """root's t on every worker (same shape and dtype everywhere)."""
+    attrs = _set_attrs(process_set, "broadcast")
     return _issue(_name(name, t, "broadcast"), lambda n: _lib.kungfu_broadcast(
-        t, root=int(root), op_name=n, strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout)))
+        t, root=int(root), op_name=n, strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout),
+        **attrs))
 
 
-def all_gather(t, name: Optional[str] = None, timeout: Optional[float] = None):
+def all_gather(t, name: Optional[str] = None, timeout: Optional[float] = None,
+               process_set: Optional[ProcessSet] = None):
     """Every worker's t concatenated along axis 0, in rank order (axis-0 sizes may differ)."""
+    attrs = _set_attrs(process_set, "all_gather")
     return _issue(_name(name, t, "all_gather"), lambda n: _lib.kungfu_all_gather(
-        t, op_name=n, timeout_ms=_timeout_ms(timeout)))
+        t, op_name=n, timeout_ms=_timeout_ms(timeout), **attrs))
 
 
-def all_to_all(t, splits=None, name: Optional[str] = None, timeout: Optional[float] = None):
+def all_to_all(t, splits=None, name: Optional[str] = None, timeout: Optional[float] = None,
+               process_set: Optional[ProcessSet] = None):
     """Worker r sends splits[j] rows of t to worker j (equal parts when None; then the rows must
     divide evenly) and gets the rows every worker sent it, in rank order. Dimensions after the
     first must agree everywhere; splits may differ per worker."""
+    attrs = _set_attrs(process_set, "all_to_all")
     t = tf.convert_to_tensor(t)
     if splits is None:
         rows = tf.shape(t, out_type=tf.int64)[0]
-        n = tf.cast(cluster_size(), tf.int64)
+        n = tf.cast(_size(process_set), tf.int64)
         check = tf.debugging.assert_equal(
             rows % n, tf.constant(0, tf.int64),
             message="all_to_all: the rows of t do not split evenly among the workers; pass splits=")
@@ -200,35 +232,40 @@ def all_to_all(t, splits=None, name: Optional[str] = None, timeout: Optional[flo
             splits = tf.fill(tf.reshape(n, [1]), rows // n)
     splits = tf.cast(splits, tf.int64)
     return _issue(_name(name, t, "all_to_all"), lambda n: _lib.kungfu_all_to_all(
-        t, splits, op_name=n, timeout_ms=_timeout_ms(timeout)))
+        t, splits, op_name=n, timeout_ms=_timeout_ms(timeout), **attrs))
 
 
 def reduce_scatter(t, op: str = "sum", name: Optional[str] = None,
-                   timeout: Optional[float] = None):
+                   timeout: Optional[float] = None, process_set: Optional[ProcessSet] = None):
     """t reduced over all workers with op (sum, avg, min, max, prod) and split along axis 0:
     worker r gets part r, the first (rows % size) workers one row more. t must have the same
     shape and dtype everywhere."""
     _check_op(op)
+    attrs = _set_attrs(process_set, "reduce_scatter")
     name = _name(name, t, "reduce_scatter")
     reduce = lambda x, average: _issue(name, lambda n: _lib.kungfu_reduce_scatter(  # noqa: E731
         x, op="sum" if average else op, average=average, op_name=n,
-        timeout_ms=_timeout_ms(timeout)))
+        timeout_ms=_timeout_ms(timeout), **attrs))
     if op != "avg":
         return reduce(t, False)
-    summed, finish = _averaged(t, axis=1)  # pairs row by row: rows split as t's do
+    summed, finish = _averaged(t, axis=1, process_set=process_set)  # pairs row by row: rows split as t's do
     return finish(reduce(summed, True))
 
 
-def barrier(name: str = "kungfu::tf-barrier", timeout: Optional[float] = None):
-    """An op that completes once every worker has run it."""
+def barrier(name: str = "kungfu::tf-barrier", timeout: Optional[float] = None,
+            process_set: Optional[ProcessSet] = None):
+    """An op that completes once every worker (of process_set, if given) has run it."""
     _peer.get()
-    return _lib.kungfu_barrier(op_name=name, timeout_ms=_timeout_ms(timeout))
+    attrs = _set_attrs(process_set, "barrier")
+    return _lib.kungfu_barrier(op_name=name, timeout_ms=_timeout_ms(timeout), **attrs)
 
 
-def consensus(t, name: Optional[str] = None, timeout: Optional[float] = None):
+def consensus(t, name: Optional[str] = None, timeout: Optional[float] = None,
+              process_set: Optional[ProcessSet] = None):
     """A bool scalar: True on every worker iff every worker passed the same bytes."""
+    attrs = _set_attrs(process_set, "consensus")
     return _lib.kungfu_consensus(t, op_name=_name(name, t, "consensus"),
-                                 timeout_ms=_timeout_ms(timeout))
+                                 timeout_ms=_timeout_ms(timeout), **attrs)
 
 
 def peer_info():
@@ -345,50 +382,51 @@ def _summable(op, what: str) -> None:
 @tf.RegisterGradient("KungfuAllReduce")
 def _all_reduce_grad(op, grad):
     _summable(op, "all_reduce")
-    return all_reduce(grad, op="sum", name=_grad_name(op))
+    return all_reduce(grad, op="sum", name=_grad_name(op), process_set=_set_of(op))
 
 
 @tf.RegisterGradient("KungfuGroupAllReduce")
 def _group_all_reduce_grad(op, *grads):
     _summable(op, "group_all_reduce")
     grads = [tf.zeros_like(x) if g is None else g for x, g in zip(op.inputs, grads)]
-    return group_all_reduce(grads, op="sum", name=_grad_name(op))
+    return group_all_reduce(grads, op="sum", name=_grad_name(op), process_set=_set_of(op))
 
 
 @tf.RegisterGradient("KungfuBroadcast")
 def _broadcast_grad(op, grad):
-    summed = all_reduce(grad, op="sum", name=_grad_name(op))
-    return tf.where(tf.equal(rank(), op.get_attr("root")), summed, tf.zeros_like(summed))
+    ps = _set_of(op)
+    summed = all_reduce(grad, op="sum", name=_grad_name(op), process_set=ps)
+    return tf.where(tf.equal(_rank(ps), op.get_attr("root")), summed, tf.zeros_like(summed))
 
 
-def _rows_before(rows, name: str):
+def _rows_before(rows, name: str, ps: Optional[ProcessSet] = None):
     """(this worker's first row, its row count) in a concatenation of every worker's rows."""
-    counts = all_gather(tf.reshape(tf.cast(rows, tf.int64), [1]), name=name)
-    me = rank()
+    counts = all_gather(tf.reshape(tf.cast(rows, tf.int64), [1]), name=name, process_set=ps)
+    me = _rank(ps)
     return tf.reduce_sum(counts[:me]), counts[me]
 
 
 @tf.RegisterGradient("KungfuAllGather")
 def _all_gather_grad(op, grad):
-    name = _grad_name(op)
-    summed = all_reduce(grad, op="sum", name=name)
-    start, rows = _rows_before(tf.shape(op.inputs[0])[0], f"{name}/rows")
+    name, ps = _grad_name(op), _set_of(op)
+    summed = all_reduce(grad, op="sum", name=name, process_set=ps)
+    start, rows = _rows_before(tf.shape(op.inputs[0])[0], f"{name}/rows", ps)
     return summed[start:start + rows]
 
 
 @tf.RegisterGradient("KungfuAllToAll")
 def _all_to_all_grad(op, grad):
-    name = _grad_name(op)
+    name, ps = _grad_name(op), _set_of(op)
     # received[j]: the rows worker j sent this one = worker j's splits[me].
-    every = all_gather(tf.reshape(op.inputs[1], [1, -1]), name=f"{name}/splits")
-    received = every[:, rank()]
-    return all_to_all(grad, splits=received, name=name), None
+    every = all_gather(tf.reshape(op.inputs[1], [1, -1]), name=f"{name}/splits", process_set=ps)
+    received = every[:, _rank(ps)]
+    return all_to_all(grad, splits=received, name=name, process_set=ps), None
 
 
 @tf.RegisterGradient("KungfuReduceScatter")
 def _reduce_scatter_grad(op, grad):
     _summable(op, "reduce_scatter")
-    return all_gather(grad, name=_grad_name(op))
+    return all_gather(grad, name=_grad_name(op), process_set=_set_of(op))
 
 
 from kungfu.tensorflow.ops._adapt import (  # noqa: E402  KungFu's names (docs/tensorflow.md)

@@ -121,6 +121,14 @@ class CollectiveKernel : public tf::AsyncOpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("op_name", &options_.name));
     if (c->HasAttr("strategy")) OP_REQUIRES_OK(c, c->GetAttr("strategy", &options_.strategy));
     if (c->HasAttr("timeout_ms")) OP_REQUIRES_OK(c, c->GetAttr("timeout_ms", &options_.timeout_ms));
+    // A process set (kungfu/_process_set.py): its global ranks and the cluster version it was
+    // made for, which the runtime checks when the op runs.
+    if (c->HasAttr("process_set")) {
+      std::vector<int32_t> ranks;
+      OP_REQUIRES_OK(c, c->GetAttr("process_set", &ranks));
+      options_.process_set.assign(ranks.begin(), ranks.end());
+      OP_REQUIRES_OK(c, c->GetAttr("process_set_version", &options_.process_set_version));
+    }
     if (c->num_inputs() > 0) {
       OP_REQUIRES(c, ToDType(c->input_type(0), &dtype_),
                   tf::errors::InvalidArgument("unsupported dtype ", tf::DataTypeString(c->input_type(0))));

@@ -77,6 +77,8 @@ REGISTER_OP("KungfuAllReduce")
     .Attr("op: {'sum', 'min', 'max', 'prod'} = 'sum'")
     .Attr("average: bool = false")
     .Attr("op_name: string")
+    .Attr("process_set: list(int) = []")
+    .Attr("process_set_version: int = -1")
     .Attr("strategy: int = -1")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
@@ -122,6 +124,8 @@ REGISTER_OP("KungfuGroupAllReduce")
     .Attr("op: {'sum', 'min', 'max', 'prod'} = 'sum'")
     .Attr("average: bool = false")
     .Attr("op_name: string")
+    .Attr("process_set: list(int) = []")
+    .Attr("process_set_version: int = -1")
     .Attr("strategy: int = -1")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
@@ -158,6 +162,8 @@ REGISTER_OP("KungfuBroadcast")
     .Attr("T: " KF_TF_TYPES)
     .Attr("root: int = 0")
     .Attr("op_name: string")
+    .Attr("process_set: list(int) = []")
+    .Attr("process_set_version: int = -1")
     .Attr("strategy: int = -1")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
@@ -186,6 +192,8 @@ REGISTER_OP("KungfuAllGather")
     .Output("output: T")
     .Attr("T: " KF_TF_TYPES)
     .Attr("op_name: string")
+    .Attr("process_set: list(int) = []")
+    .Attr("process_set_version: int = -1")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
     .SetIsDistributedCommunication()
@@ -220,6 +228,8 @@ REGISTER_OP("KungfuAllToAll")
     .Output("output: T")
     .Attr("T: " KF_TF_TYPES)
     .Attr("op_name: string")
+    .Attr("process_set: list(int) = []")
+    .Attr("process_set_version: int = -1")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
     .SetIsDistributedCommunication()
@@ -239,8 +249,8 @@ class AllToAllOp : public CollectiveKernel {
       Finish(ctx, done, FailParts(*peer, "alltoall", o, InvalidArgument("all_to_all: " + why)));
     };
     if (in.dims() == 0) return reject("needs a tensor of rank >= 1, got a scalar");
-    if (splits.dims() != 1 || splits.NumElements() != peer->size()) {
-      return reject("splits must be a vector of " + std::to_string(peer->size()) +
+    if (splits.dims() != 1 || splits.NumElements() != peer->SizeIn(options_)) {
+      return reject("splits must be a vector of " + std::to_string(peer->SizeIn(options_)) +
                     " row counts, got shape " + splits.shape().DebugString());
     }
     tf::TensorShape row = in.shape();
@@ -276,6 +286,8 @@ REGISTER_OP("KungfuReduceScatter")
     .Attr("op: {'sum', 'min', 'max', 'prod'} = 'sum'")
     .Attr("average: bool = false")
     .Attr("op_name: string")
+    .Attr("process_set: list(int) = []")
+    .Attr("process_set_version: int = -1")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
     .SetIsDistributedCommunication()
@@ -293,14 +305,14 @@ class ReduceScatterOp : public ReduceKernel {
       return Finish(ctx, done, FailParts(*peer, "reducescatter", o, InvalidArgument(
                                              "reduce_scatter: needs a tensor of rank >= 1")));
     }
-    const int n = peer->size();
+    const int n = peer->SizeIn(options_);
     const int64_t rows = in.dim_size(0);
     const int64_t row_size = in.NumElements() / std::max<int64_t>(rows, 1);
     std::vector<uint64_t> counts;
     int64_t mine = 0;
     for (int j = 0; j < n; ++j) {
       const int64_t part = rows / n + (j < rows % n ? 1 : 0);
-      if (j == peer->rank()) mine = part;
+      if (j == peer->RankIn(options_)) mine = part;
       counts.push_back(static_cast<uint64_t>(part * row_size));
     }
     tf::TensorShape shape = in.shape();
@@ -314,6 +326,8 @@ REGISTER_KERNEL_BUILDER(Name("KungfuReduceScatter").Device(tf::DEVICE_CPU), Redu
 
 REGISTER_OP("KungfuBarrier")
     .Attr("op_name: string")
+    .Attr("process_set: list(int) = []")
+    .Attr("process_set_version: int = -1")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
     .SetIsDistributedCommunication();
@@ -334,6 +348,8 @@ REGISTER_OP("KungfuConsensus")
     .Output("agreed: bool")
     .Attr("T: " KF_TF_TYPES)
     .Attr("op_name: string")
+    .Attr("process_set: list(int) = []")
+    .Attr("process_set_version: int = -1")
     .Attr("timeout_ms: int = -1")
     .SetIsStateful()
     .SetIsDistributedCommunication()

@@ -541,7 +541,7 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
   }
   std::shared_ptr<Session> session;
   std::string prefix;
-  Status in_set = SessionFor(options.process_set, &session, &prefix);
+  Status in_set = SessionFor(options, &session, &prefix);
   if (!in_set.ok()) {  // at once, and on this peer only: nothing was numbered or sent
     h.Complete(in_set.WithContext(std::string(kind) + " '" + ctx.name + "'"));
     return h;
@@ -622,12 +622,21 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
 }
 
 
-Status Peer::SessionFor(const std::vector<int>& members, std::shared_ptr<Session>* session,
+Status Peer::SessionFor(const OpOptions& options, std::shared_ptr<Session>* session,
                         std::string* prefix) {
+  const std::vector<int>& members = options.process_set;
   prefix->clear();
   if (members.empty()) {
     *session = session_;
     return Status::OK();
+  }
+  if (options.process_set_version >= 0 &&
+      static_cast<uint64_t>(options.process_set_version) != version()) {
+    return InvalidArgument(ProcessSetName(members) + " was made for cluster version " +
+                           std::to_string(options.process_set_version) +
+                           ", and the cluster is now at version " + std::to_string(version()) +
+                           " (a resize or a recovery changed who the ranks are): make the "
+                           "process set again");
   }
   KF_RETURN_IF_ERROR(ValidateProcessSet(members, size()));
   if (!std::binary_search(members.begin(), members.end(), rank_)) {

@@ -126,6 +126,9 @@ struct OpOptions {
   // this one among them; ranks and roots are then the set's, and the result is as if the set were
   // the whole cluster. Empty: every peer. Allreduces of a set are not fused.
   std::vector<int> process_set;
+  // The cluster version the set was made for (-1: any): a set used in another version is refused
+  // (its ranks may name other peers after a resize or a recovery).
+  int64_t process_set_version = -1;
 };
 
 // One buffer of a multi-buffer allreduce (send may equal recv: in place).
@@ -242,7 +245,7 @@ class Peer {
   // The session that runs operations of `members` (session_ when empty; a set's is made at its
   // first use and kept), and the prefix of their names; InvalidArgument for a set that is malformed
   // or does not include this peer.
-  Status SessionFor(const std::vector<int>& members, std::shared_ptr<Session>* session,
+  Status SessionFor(const OpOptions& options, std::shared_ptr<Session>* session,
                     std::string* prefix);
   void AcceptLoop();
   int Admit(const std::string& src, const std::string& dst, uint64_t version, int* claimed,
