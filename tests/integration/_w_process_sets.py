@@ -127,3 +127,17 @@ def tf_collectives() -> dict:
         res["grad"] = tape.gradient(y, v)
         out[key] = tf.nest.map_structure(lambda t: t.numpy().tolist(), res)
     return out
+
+
+def members_made_different_sets() -> dict:
+    """Rank 0 makes [0, 1], ranks 1 and 2 make [0, 1, 2]: the first use fails on all three."""
+    import kungfu as kf
+    from kungfu import errors
+
+    r = kf.rank()
+    ps = kf.ProcessSet([0, 1] if r == 0 else [0, 1, 2])
+    try:
+        kf.allreduce(np.float64(1), process_set=ps)
+        return {"rank": r, "error": None}
+    except errors.KungFuError as e:
+        return {"rank": r, "error": f"{type(e).__name__}: {e}"}

@@ -124,3 +124,13 @@ def test_tensorflow_ops_in_concurrent_sets(spawn):
             assert got["traced"] == [total.tolist(), (2 * total).tolist()]
             # d/dv sum(allreduce(v * (r + 1))) = (r + 1) x the allreduce of ones over the set
             np.testing.assert_allclose(got["grad"], np.full((5, 2), (r + 1) * m))
+
+
+def test_members_that_made_different_sets_fail(spawn):
+    results = spawn(3, W.members_made_different_sets,
+                    env={"KUNGFU_OP_TIMEOUT": "30s"}, timeout=90)
+    for res in results:
+        err = res["error"]
+        assert err is not None and "InvalidArgumentError" in err, res
+        assert "different names" in err, err
+        assert "kungfu::set[0,1,2]/kungfu::process-set" in err, err
