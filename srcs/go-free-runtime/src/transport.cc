@@ -258,9 +258,16 @@ std::string RendezvousTransport::SlotId(int src, const MsgKey& key) const {
 namespace {
 Status Disagreement(const std::string& src, const OpSig& theirs, const std::string& self,
                     const OpSig& mine, const std::string& name) {
-  return InvalidArgument("peers called different operations under one name '" + name + "': " +
-                         src + " called " + theirs.ToString() + ", " + self + " called " +
-                         mine.ToString());
+  // The same call but for the digest: the tensors' shapes (or sizes) differ, which the digest
+  // alone would not say.
+  OpSig same = theirs;
+  same.digest = mine.digest;
+  const std::string what = same == mine ? "peers disagree on the shape of the tensors under one "
+                                          "name '"
+                                        : "peers disagree: they called different operations under "
+                                          "one name '";
+  return InvalidArgument(what + name + "': " + src + " called " + theirs.ToString() + ", " +
+                         self + " called " + mine.ToString());
 }
 }  // namespace
 
