@@ -17,6 +17,7 @@ import pytest
 
 from kungfu import store as st
 from kungfu._ports import free_ports
+from kungfu.store._etcd import _b64
 
 from etcd_server import ETCD, Etcd, _post  # noqa: E402 - tests/, on the path (conftest.py)
 
@@ -190,8 +191,8 @@ def test_unreachable_etcd():
 
 def test_garbage_written_straight_into_etcd_is_a_store_error(etcd, client):
     # The probe: `{not json` put at kungfu/cluster/config around kungfu crashed the launcher.
-    _post(etcd.client_url + "/v3/kv/put", {"key": st._b64(client.prefix + st.CONFIG_KEY),
-                                           "value": st._b64("{not json")})
+    _post(etcd.client_url + "/v3/kv/put", {"key": _b64(client.prefix + st.CONFIG_KEY),
+                                           "value": _b64("{not json")})
     with pytest.raises(st.StoreError, match="no valid configuration"):
         client.config()
 
