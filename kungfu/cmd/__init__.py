@@ -4,17 +4,50 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
+from kungfu import __version__
+from kungfu._hosts import UsageError
+from kungfu._launch import flags, output, plan
+from kungfu._launch.elastic import ElasticLauncher
+from kungfu._launch.launcher import Launcher
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of kungfu-run; returns (and, as a script, exits with) the job's exit code."""
     try:
-        from kungfu import _launcher
-
-        return _launcher.run(sys.argv[1:] if argv is None else argv)
+        return run(sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt:
         # Interrupted before the workers' signal handling was in place.
         sys.stderr.write("kungfu-run: interrupted\n")
         return 130
+
+
+def run(argv: Sequence[str]) -> int:
+    """Checks the command line and plans the job, then runs this host's part of it: with -w
+    the elastic launcher, else the static one."""
+    try:
+        opts = flags.parse_args(argv)
+        if opts.help:
+            sys.stdout.write(flags.HELP)
+            sys.stdout.flush()
+            return 0
+        if opts.version:
+            sys.stdout.write(f"{flags.PROG} (kungfu) {__version__}\n")
+            sys.stdout.flush()
+            return 0
+        output.configure_logging(opts, output._Output(output._binary(sys.stderr)))
+        job = plan.prepare(opts)
+    except UsageError as e:
+        sys.stderr.write(f"{flags.PROG}: {e}\n")
+        sys.stderr.flush()
+        return flags.EXIT_USAGE
+    if opts.elastic:
+        return ElasticLauncher(opts, job.peers, job.mine, job.hosts, job.here).run()
+    if not job.mine:
+        output.logger.info(f"none of the {opts.np} workers is placed on "
+                           f"{', '.join(sorted(job.here))} (the hosts before it in -H take them "
+                           f"all); nothing to run here")
+        return 0
+    return Launcher(opts, job.peers, job.mine).run()
 
 
 __all__ = ["main"]

@@ -6,6 +6,7 @@ code 2 and the one-line message; the rest call the parsing functions directly.
 from __future__ import annotations
 
 import os
+import queue
 import secrets
 import subprocess
 import sys
@@ -17,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from kungfu import _env
-from kungfu import _launcher as L
+from kungfu import _hosts
+from kungfu._launch import flags, plan, processes
+from kungfu._launch.launcher import Launcher
 
 REPO = Path(__file__).resolve().parents[2]
 STRONG_TOKEN = secrets.token_hex(32)
@@ -38,16 +41,16 @@ def launcher(*args: str, timeout: float = 30, env_extra=None) -> subprocess.Comp
 
 
 def test_parse_hosts_slots_default_to_one():
-    hosts = L.parse_hosts("10.0.0.1:2,node-b,node-c.example.org:4")
+    hosts = _hosts.parse_hosts("10.0.0.1:2,node-b,node-c.example.org:4")
     assert hosts == [
-        L.HostSpec("10.0.0.1", 2),
-        L.HostSpec("node-b", 1),
-        L.HostSpec("node-c.example.org", 4),
+        _hosts.HostSpec("10.0.0.1", 2),
+        _hosts.HostSpec("node-b", 1),
+        _hosts.HostSpec("node-c.example.org", 4),
     ]
 
 
 def test_parse_hosts_allows_spaces_around_entries():
-    assert L.parse_hosts(" a:1 , b:3") == [L.HostSpec("a", 1), L.HostSpec("b", 3)]
+    assert _hosts.parse_hosts(" a:1 , b:3") == [_hosts.HostSpec("a", 1), _hosts.HostSpec("b", 3)]
 
 
 @pytest.mark.parametrize(
@@ -56,8 +59,8 @@ def test_parse_hosts_allows_spaces_around_entries():
      "a:1,a:2", ":3"],
 )
 def test_parse_hosts_rejects(text):
-    with pytest.raises(L.UsageError):
-        L.parse_hosts(text)
+    with pytest.raises(_hosts.UsageError):
+        _hosts.parse_hosts(text)
 
 
 # --- peer list and ports ---------------------------------------------------------------------
@@ -68,8 +71,8 @@ def specs(workers):
 
 
 def test_plan_is_host_major_in_h_order():
-    hosts = L.parse_hosts("10.0.0.2:2,10.0.0.1:3")
-    workers = L.plan_workers(5, hosts, (7000, 7010))
+    hosts = _hosts.parse_hosts("10.0.0.2:2,10.0.0.1:3")
+    workers = _hosts.plan_workers(5, hosts, (7000, 7010))
     assert specs(workers) == [
         "10.0.0.2:7000", "10.0.0.2:7001",
         "10.0.0.1:7000", "10.0.0.1:7001", "10.0.0.1:7002",
@@ -79,24 +82,24 @@ def test_plan_is_host_major_in_h_order():
 
 
 def test_plan_stops_at_np_and_leaves_later_hosts_empty():
-    hosts = L.parse_hosts("a:4,b:4,c:4")
-    workers = L.plan_workers(6, hosts, (10000, 11000))
+    hosts = _hosts.parse_hosts("a:4,b:4,c:4")
+    workers = _hosts.plan_workers(6, hosts, (10000, 11000))
     assert specs(workers) == ["a:10000", "a:10001", "a:10002", "a:10003", "b:10000", "b:10001"]
 
 
 def test_plan_np_equal_to_slots_uses_every_slot():
-    workers = L.plan_workers(3, L.parse_hosts("h1,h2,h3"), (5000, 5000))
+    workers = _hosts.plan_workers(3, _hosts.parse_hosts("h1,h2,h3"), (5000, 5000))
     assert specs(workers) == ["h1:5000", "h2:5000", "h3:5000"]
 
 
 def test_plan_rejects_more_workers_than_slots():
-    with pytest.raises(L.UsageError, match="more than the 3 slots"):
-        L.plan_workers(4, L.parse_hosts("a:1,b:2"), (10000, 11000))
+    with pytest.raises(_hosts.UsageError, match="more than the 3 slots"):
+        _hosts.plan_workers(4, _hosts.parse_hosts("a:1,b:2"), (10000, 11000))
 
 
 def test_plan_rejects_port_range_smaller_than_slots():
-    with pytest.raises(L.UsageError, match="2 ports"):
-        L.plan_workers(1, L.parse_hosts("a:3"), (9000, 9001))
+    with pytest.raises(_hosts.UsageError, match="2 ports"):
+        _hosts.plan_workers(1, _hosts.parse_hosts("a:3"), (9000, 9001))
 
 
 @pytest.mark.parametrize(
@@ -104,19 +107,19 @@ def test_plan_rejects_port_range_smaller_than_slots():
     [("10000-11000", (10000, 11000)), ("5-5", (5, 5)), (" 1 - 65535 ", (1, 65535))],
 )
 def test_port_range(text, expected):
-    assert L.parse_port_range(text) == expected
+    assert _hosts.parse_port_range(text) == expected
 
 
 @pytest.mark.parametrize("text", ["", "10000", "10-5", "0-10", "1-65536", "a-b", "1-2-3", "-5"])
 def test_port_range_rejects(text):
-    with pytest.raises(L.UsageError):
-        L.parse_port_range(text)
+    with pytest.raises(_hosts.UsageError):
+        _hosts.parse_port_range(text)
 
 
 def test_default_plan_is_local_with_default_ports():
-    opts = L.parse_args(["-np", "3", "prog"])
-    hosts = [L.HostSpec("127.0.0.1", opts.np)]
-    assert specs(L.plan_workers(opts.np, hosts, opts.port_range)) == [
+    opts = flags.parse_args(["-np", "3", "prog"])
+    hosts = [_hosts.HostSpec("127.0.0.1", opts.np)]
+    assert specs(_hosts.plan_workers(opts.np, hosts, opts.port_range)) == [
         "127.0.0.1:10000", "127.0.0.1:10001", "127.0.0.1:10002",
     ]
 
@@ -139,28 +142,28 @@ def test_parse_duration_rejects(text):
         _env.parse_duration(text)
 
 
-@pytest.mark.parametrize("name", L.STRATEGIES)
+@pytest.mark.parametrize("name", flags.STRATEGIES)
 def test_strategy_names_case_insensitive(name):
-    assert L.parse_strategy(name.lower()) == name
-    assert L.parse_strategy(name.title()) == name
+    assert flags.parse_strategy(name.lower()) == name
+    assert flags.parse_strategy(name.title()) == name
 
 
 def test_strategy_names_match_the_runtime():
     """The launcher's static list is exactly the set of names the native runtime accepts."""
     code = (
-        "from kungfu import _kungfu, _launcher\n"
+        "from kungfu import _kungfu\nfrom kungfu._launch import flags\n"
         "names = set()\n"
         "for i in range(64):\n"
         "    n = _kungfu.strategy_name(i)\n"
         "    if n != 'UNKNOWN':\n"
         "        assert _kungfu.parse_strategy(n) == i\n"
         "        names.add(n)\n"
-        "for n in _launcher.STRATEGIES:\n"
+        "for n in flags.STRATEGIES:\n"
         "    _kungfu.parse_strategy(n)\n"
         "try:\n"
         "    _kungfu.parse_strategy('NOT_A_STRATEGY')\n"
         "except ValueError:\n"
-        "    print(sorted(names) == sorted(_launcher.STRATEGIES), sorted(names))\n"
+        "    print(sorted(names) == sorted(flags.STRATEGIES), sorted(names))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -173,22 +176,22 @@ def test_strategy_names_match_the_runtime():
 
 
 def test_command_starts_at_first_non_flag():
-    opts = L.parse_args(["-np", "2", "python", "train.py", "-np", "7", "--lr=0.1"])
+    opts = flags.parse_args(["-np", "2", "python", "train.py", "-np", "7", "--lr=0.1"])
     assert opts.np == 2
     assert opts.command == ["python", "train.py", "-np", "7", "--lr=0.1"]
 
 
 def test_double_dash_ends_flags():
-    opts = L.parse_args(["-q", "--", "-weird-program", "x"])
+    opts = flags.parse_args(["-q", "--", "-weird-program", "x"])
     assert opts.quiet
     assert opts.command == ["-weird-program", "x"]
 
 
 def test_single_double_dash_and_equals_forms():
-    a = L.parse_args(["-np", "4", "-H", "a:2,b:2", "-self", "a", "-strategy", "ring",
+    a = flags.parse_args(["-np", "4", "-H", "a:2,b:2", "-self", "a", "-strategy", "ring",
                       "-port-range", "100-200", "-logdir", "d", "-timeout", "1m", "-q",
                       "-timeline", "t", "cmd"])
-    b = L.parse_args(["--np=4", "--H=a:2,b:2", "--self=a", "--strategy=RING",
+    b = flags.parse_args(["--np=4", "--H=a:2,b:2", "--self=a", "--strategy=RING",
                       "--port-range", "100-200", "--logdir=d", "--timeout", "60s", "--q",
                       "--timeline=t", "cmd"])
     for o in (a, b):
@@ -198,49 +201,49 @@ def test_single_double_dash_and_equals_forms():
 
 
 def test_defaults():
-    o = L.parse_args(["cmd"])
+    o = flags.parse_args(["cmd"])
     assert (o.np, o.hosts, o.self_host, o.nic, o.port_range, o.strategy, o.logdir, o.quiet,
             o.timeout) == (1, None, None, None, (10000, 11000), "AUTO", None, False, None)
 
 
 def test_later_flag_wins():
-    assert L.parse_args(["-np", "2", "-np", "3", "cmd"]).np == 3
+    assert flags.parse_args(["-np", "2", "-np", "3", "cmd"]).np == 3
 
 
 # --- which hosts are local -------------------------------------------------------------------
 
 
 def test_local_hosts_single_host_is_this_one():
-    opts = L.parse_args(["-H", "10.1.2.3:4", "cmd"])
-    assert L.local_hosts(opts, L.parse_hosts(opts.hosts)) == ["10.1.2.3"]
+    opts = flags.parse_args(["-H", "10.1.2.3:4", "cmd"])
+    assert plan.local_hosts(opts, _hosts.parse_hosts(opts.hosts)) == ["10.1.2.3"]
 
 
 def test_local_hosts_all_loopback_runs_everything_here():
-    opts = L.parse_args(["-H", "127.0.0.1:2,127.0.0.2:2,localhost", "cmd"])
-    assert L.local_hosts(opts, L.parse_hosts(opts.hosts)) == ["127.0.0.1", "127.0.0.2",
+    opts = flags.parse_args(["-H", "127.0.0.1:2,127.0.0.2:2,localhost", "cmd"])
+    assert plan.local_hosts(opts, _hosts.parse_hosts(opts.hosts)) == ["127.0.0.1", "127.0.0.2",
                                                              "localhost"]
 
 
 def test_local_hosts_self_picks_one():
-    opts = L.parse_args(["-H", "10.0.0.1:2,10.0.0.2:2", "-self", "10.0.0.2", "cmd"])
-    assert L.local_hosts(opts, L.parse_hosts(opts.hosts)) == ["10.0.0.2"]
+    opts = flags.parse_args(["-H", "10.0.0.1:2,10.0.0.2:2", "-self", "10.0.0.2", "cmd"])
+    assert plan.local_hosts(opts, _hosts.parse_hosts(opts.hosts)) == ["10.0.0.2"]
 
 
 def test_local_hosts_self_matches_a_host_name_by_address():
-    opts = L.parse_args(["-H", "10.0.0.9:2,localhost:2", "-self", "127.0.0.1", "cmd"])
-    assert L.local_hosts(opts, L.parse_hosts(opts.hosts)) == ["localhost"]
+    opts = flags.parse_args(["-H", "10.0.0.9:2,localhost:2", "-self", "127.0.0.1", "cmd"])
+    assert plan.local_hosts(opts, _hosts.parse_hosts(opts.hosts)) == ["localhost"]
 
 
 def test_local_hosts_nic_loopback():
-    assert L.nic_ipv4("lo") == "127.0.0.1"
-    opts = L.parse_args(["-H", "10.0.0.1:2,127.0.0.1:2", "-nic", "lo", "cmd"])
-    assert L.local_hosts(opts, L.parse_hosts(opts.hosts)) == ["127.0.0.1"]
+    assert plan.nic_ipv4("lo") == "127.0.0.1"
+    opts = flags.parse_args(["-H", "10.0.0.1:2,127.0.0.1:2", "-nic", "lo", "cmd"])
+    assert plan.local_hosts(opts, _hosts.parse_hosts(opts.hosts)) == ["127.0.0.1"]
 
 
 def test_local_hosts_several_hosts_need_self():
-    opts = L.parse_args(["-H", "10.0.0.1,10.0.0.2", "cmd"])
-    with pytest.raises(L.UsageError, match="-self"):
-        L.local_hosts(opts, L.parse_hosts(opts.hosts))
+    opts = flags.parse_args(["-H", "10.0.0.1,10.0.0.2", "cmd"])
+    with pytest.raises(_hosts.UsageError, match="-self"):
+        plan.local_hosts(opts, _hosts.parse_hosts(opts.hosts))
 
 
 # --- the command line as a user sees it ------------------------------------------------------
@@ -304,7 +307,7 @@ def test_help(flag):
               "-timeout", "-timeline"]:
         assert f"\n  {f} " in text, f
     for fact in ["10000-11000", "127.0.0.1:N", "AUTO", "124", "rank-r.log", "kungfu-run -np 4",
-                 "default 1", *L.STRATEGIES]:
+                 "default 1", *flags.STRATEGIES]:
         assert fact in text, fact
 
 
@@ -393,7 +396,7 @@ def test_token_strength_is_length_times_alphabet(token, bits):
 
 def test_importing_the_launcher_loads_neither_tensorflow_nor_the_runtime():
     code = (
-        "import sys, kungfu, kungfu.cmd, kungfu._launcher\n"
+        "import sys, kungfu, kungfu.cmd\n"
         "bad = [m for m in sys.modules if m.startswith('tensorflow') or m == 'kungfu._kungfu']\n"
         "print(bad)\n"
     )
@@ -404,9 +407,9 @@ def test_importing_the_launcher_loads_neither_tensorflow_nor_the_runtime():
 
 
 def test_elastic_flags():
-    o = L.parse_args(["-w", "-np", "2", "-builtin-config-port", "9100", "python", "t.py"])
+    o = flags.parse_args(["-w", "-np", "2", "-builtin-config-port", "9100", "python", "t.py"])
     assert o.elastic and o.builtin_config_port == 9100 and o.config_server is None
-    o = L.parse_args(["-w", "-config-server", "etcd://10.0.0.1:2379", "python", "t.py"])
+    o = flags.parse_args(["-w", "-config-server", "etcd://10.0.0.1:2379", "python", "t.py"])
     assert o.elastic and o.config_server == "etcd://10.0.0.1:2379"
 
 
@@ -420,15 +423,15 @@ def test_elastic_flags():
     (["-w", "-config-server", "ftp://a:1", "python"], "http://HOST:P, etcd://HOST:P or etcds://HOST:P"),
 ])
 def test_elastic_flags_rejected(argv, message):
-    with pytest.raises(L.UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        L.parse_args(argv)
+    with pytest.raises(_hosts.UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        flags.parse_args(argv)
 
 
 def test_the_earliest_failure_is_blamed_whatever_order_exits_are_reported_in():
     # Rank 0 died of the PeerFailedError that rank 1's exit caused, and its exit was reported
     # first: the launcher must still blame rank 1 (exits carry the time each was reaped).
-    opts = L.parse_args(["-np", "2", "true"])
-    launcher = L.Launcher(opts, [], [])
+    opts = flags.parse_args(["-np", "2", "true"])
+    launcher = Launcher(opts, [], [])
     rank0 = ("exit", 0, 3, 10.05)
     launcher.events.put(("exit", 1, 1, 10.00))
     launcher.events.put(("signal", 15))
@@ -440,8 +443,8 @@ def test_the_earliest_failure_is_blamed_whatever_order_exits_are_reported_in():
 def test_the_worker_that_noted_its_exit_first_is_blamed_even_if_it_exits_later():
     # Rank 0 failed and noted its exit at 9.0 (before its goodbye), but finishes exiting only
     # after rank 1, which its goodbye took down, was reaped at 10.0; beyond the blame window.
-    opts = L.parse_args(["-np", "2", "true"])
-    launcher = L.Launcher(opts, [], [])
+    opts = flags.parse_args(["-np", "2", "true"])
+    launcher = Launcher(opts, [], [])
     launcher.running = {r: types.SimpleNamespace(proc=types.SimpleNamespace(pid=100 + r),
                                                  returncode=None) for r in (0, 1)}
     launcher._exit_noted = {100: 9.0}
@@ -454,14 +457,14 @@ def test_the_worker_that_noted_its_exit_first_is_blamed_even_if_it_exits_later()
     launcher._exit_noted = {100: 10.2}
     t0 = time.monotonic()
     assert launcher._first_failure(("exit", 1, 1, 10.0)) == ("exit", 1, 1, 10.0)
-    assert time.monotonic() - t0 < L.EXITING_WAIT
+    assert time.monotonic() - t0 < processes.EXITING_WAIT
 
 
 def test_a_death_by_signal_wins_over_notes_just_before_its_reap():
     # Rank 1 was SIGKILLed: no note; ranks 0 and 2 failed of it and noted their exits at 9.97
     # and 9.98, before the launcher reaped rank 1 at 10.0 (probe 1b: a survivor was blamed).
-    opts = L.parse_args(["-np", "3", "true"])
-    launcher = L.Launcher(opts, [], [])
+    opts = flags.parse_args(["-np", "3", "true"])
+    launcher = Launcher(opts, [], [])
     launcher.running = {r: types.SimpleNamespace(proc=types.SimpleNamespace(pid=100 + r),
                                                  returncode=None) for r in (0, 1, 2)}
     launcher._exit_noted = {100: 9.97, 102: 9.98}
@@ -470,19 +473,19 @@ def test_a_death_by_signal_wins_over_notes_just_before_its_reap():
     launcher.events.put(("exit", 2, 3, 10.02))
     assert launcher._first_failure(("exit", 0, 3, 9.99)) == killed
     # A failure noted longer than SIGNAL_SLACK before the reap came first.
-    launcher._exit_noted = {100: 10.0 - L.SIGNAL_SLACK - 0.1}
-    launcher.events = L.queue.SimpleQueue()
+    launcher._exit_noted = {100: 10.0 - processes.SIGNAL_SLACK - 0.1}
+    launcher.events = queue.SimpleQueue()
     launcher.events.put(killed)
     assert launcher._first_failure(("exit", 0, 3, 10.0)) == ("exit", 0, 3, 10.0)
 
 
 def test_failure_flags_of_elastic_jobs():
-    opts = L.parse_args(["-w", "-builtin-config-port", "9", "-min-np", "2", "-max-restarts", "0",
+    opts = flags.parse_args(["-w", "-builtin-config-port", "9", "-min-np", "2", "-max-restarts", "0",
                          "-replace=false", "-host-cooldown", "1m30s", "prog"])
     assert (opts.min_np, opts.max_restarts, opts.replace, opts.host_cooldown) == (2, 0, False, 90)
-    opts = L.parse_args(["-w", "-builtin-config-port", "9", "-host-cooldown", "0", "prog"])
+    opts = flags.parse_args(["-w", "-builtin-config-port", "9", "-host-cooldown", "0", "prog"])
     assert opts.host_cooldown == 0
-    opts = L.parse_args(["-w", "-builtin-config-port", "9", "prog"])
+    opts = flags.parse_args(["-w", "-builtin-config-port", "9", "prog"])
     assert (opts.min_np, opts.max_restarts, opts.replace) == (None, None, None)  # env defaults
     assert opts.host_cooldown is None  # the launcher's default
 
@@ -496,33 +499,33 @@ def test_failure_flags_of_elastic_jobs():
     (["-host-cooldown", "soon"], "-host-cooldown: "),
 ])
 def test_failure_flags_reject(args, message):
-    with pytest.raises(L.UsageError, match=message):
-        L.parse_args(["-w", "-builtin-config-port", "9", *args, "prog"])
+    with pytest.raises(_hosts.UsageError, match=message):
+        flags.parse_args(["-w", "-builtin-config-port", "9", *args, "prog"])
 
 
 def test_failure_flags_need_an_elastic_job():
     for flag in (["-min-np", "2"], ["-max-restarts", "1"], ["-replace"],
                  ["-host-cooldown", "5s"]):
-        with pytest.raises(L.UsageError, match="for elastic jobs"):
-            L.parse_args(["-np", "2", *flag, "prog"])
+        with pytest.raises(_hosts.UsageError, match="for elastic jobs"):
+            flags.parse_args(["-np", "2", *flag, "prog"])
 
 
 def test_verbose_and_gpu_flags():
-    assert not L.parse_args(["python", "t.py"]).verbose
-    assert L.parse_args(["-v", "python", "t.py"]).verbose
-    assert not L.parse_args(["-v=false", "python", "t.py"]).verbose
-    assert L.parse_args(["python", "t.py"]).gpu_per_worker
-    assert not L.parse_args(["-gpu-per-worker=false", "python", "t.py"]).gpu_per_worker
-    assert not L.parse_args(["--gpu-per-worker=0", "python", "t.py"]).gpu_per_worker
-    with pytest.raises(L.UsageError, match="only one of -q and -v"):
-        L.parse_args(["-q", "-v", "python", "t.py"])
-    with pytest.raises(L.UsageError, match="gpu-per-worker"):
-        L.parse_args(["-gpu-per-worker=maybe", "python", "t.py"])
+    assert not flags.parse_args(["python", "t.py"]).verbose
+    assert flags.parse_args(["-v", "python", "t.py"]).verbose
+    assert not flags.parse_args(["-v=false", "python", "t.py"]).verbose
+    assert flags.parse_args(["python", "t.py"]).gpu_per_worker
+    assert not flags.parse_args(["-gpu-per-worker=false", "python", "t.py"]).gpu_per_worker
+    assert not flags.parse_args(["--gpu-per-worker=0", "python", "t.py"]).gpu_per_worker
+    with pytest.raises(_hosts.UsageError, match="only one of -q and -v"):
+        flags.parse_args(["-q", "-v", "python", "t.py"])
+    with pytest.raises(_hosts.UsageError, match="gpu-per-worker"):
+        flags.parse_args(["-gpu-per-worker=maybe", "python", "t.py"])
 
 
 def test_help_documents_verbose_and_gpu_flags():
-    assert "\n  -v " in L.HELP and '"kungfu.run"' in L.HELP
-    assert "-gpu-per-worker=false" in L.HELP and "KUNGFU_GPU_COUNT" in L.HELP
+    assert "\n  -v " in flags.HELP and '"kungfu.run"' in flags.HELP
+    assert "-gpu-per-worker=false" in flags.HELP and "KUNGFU_GPU_COUNT" in flags.HELP
 
 
 @pytest.mark.parametrize("slot,gpus,user,expected", [
@@ -535,14 +538,14 @@ def test_help_documents_verbose_and_gpu_flags():
     (0, 4, "", None),            # "no GPU" set by the user: kept
 ])
 def test_visible_devices(slot, gpus, user, expected):
-    assert L.visible_devices(slot, gpus, user) == expected
+    assert plan.visible_devices(slot, gpus, user) == expected
 
 
 def test_gpu_count_override():
-    assert L.gpu_count({_env.GPU_COUNT.name: "3"}) == 3
-    assert L.gpu_count({_env.GPU_COUNT.name: "0"}) == 0
+    assert plan.gpu_count({_env.GPU_COUNT.name: "3"}) == 3
+    assert plan.gpu_count({_env.GPU_COUNT.name: "0"}) == 0
     with pytest.raises(ValueError, match="KUNGFU_GPU_COUNT"):
-        L.gpu_count({_env.GPU_COUNT.name: "-1"})
+        plan.gpu_count({_env.GPU_COUNT.name: "-1"})
 
 
 def test_etcd_password_in_the_url_is_warned_about_and_never_shown(tmp_path):

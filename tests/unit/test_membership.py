@@ -149,7 +149,7 @@ def test_the_elastic_package_imports_no_framework():
     code = ("import sys, kungfu.elastic; "
             "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules, "
             "[m for m in sys.modules if m.startswith(('tensorflow', 'keras'))][:3]; "
-            "assert 'kungfu._launcher' not in sys.modules")
+            "assert 'kungfu._launch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

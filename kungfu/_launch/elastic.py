@@ -1,7 +1,7 @@
 """kungfu-run -w: an elastic job's launcher on one host.
 
 It watches the job's config store and keeps this host's workers matching the latest cluster
-version (kungfu/_elastic.py has the workers' side of a resize):
+version (kungfu/elastic/ has the workers' side of a resize):
 
 1. at start, the initial configuration (version 0: the first -np slots of -H) is proposed; a
    launcher that finds one stored already uses it;
@@ -15,7 +15,7 @@ version (kungfu/_elastic.py has the workers' side of a resize):
 A worker that exits 0, or that was left out and stopped, is expected. A joiner that fails
 before it reported ready is reported and the job goes on (its resize is abandoned). Any other
 worker that fails is written to the store as dead (dead/<peer>): the others recover without it
-(kungfu/_elastic.py) and the job goes on; the launcher lists at the end what the job survived.
+(kungfu/elastic/) and the job goes on; the launcher lists at the end what the job survived.
 The launcher exits once none of its workers runs, the latest version lists none of this host's
 workers that has not finished or died, and the job is over (see _job_over); a launcher whose
 host has no worker yet keeps watching. Its exit code is 0 if training finished, else the first
@@ -31,15 +31,11 @@ from typing import Dict, List, Optional, Sequence, Set
 
 from kungfu import _env
 from kungfu._hosts import HostSpec, Worker, _is_loopback
-from kungfu._launcher import (
-    GRACE_SECONDS,
-    Launcher,
-    Options,
-    _describe_exit,
-    _exit_code,
-    _fmt_seconds,
-    _plural,
-)
+from kungfu._launch.flags import GRACE_SECONDS, Options
+from kungfu._launch.launcher import Launcher
+from kungfu._launch.output import _fmt_seconds, _plural
+from kungfu._launch.processes import _describe_exit, _exit_code
+from kungfu._launch.resize_progress import ResizeProgress
 from kungfu.store import (
     DONE_KEY,
     RECOVERED_PREFIX,
@@ -56,21 +52,6 @@ STORE_PROGRESS = 10.0  # seconds between the lines that say it is still waiting
 DEFAULT_HOST_COOLDOWN = 60.0  # seconds; kungfu-run -host-cooldown
 FAILURE_MERGE = 5.0  # seconds: a host's failures this close are one (a host lost at once)
 FAILURE_WINDOW = 600.0  # seconds: two failures of a host this close make it cool down
-PROGRESS_POLL = 0.5  # seconds between the store reads that follow a pending resize
-
-
-class _Resize:
-    """A version that adds workers, followed through the store until the cluster switches to
-    it: what this launcher can measure, from the moment it saw the version (its polls are
-    PROGRESS_POLL apart, so every time is that coarse)."""
-
-    def __init__(self, version: int, joiners: Set[str], seen: float):
-        self.version = version
-        self.joiners = joiners
-        self.seen = seen  # when this launcher first read the version
-        self.ready: Set[str] = set()
-        self.all_ready: Optional[float] = None
-        self.next_poll = seen
 
 
 class ElasticLauncher(Launcher):
@@ -103,7 +84,7 @@ class ElasticLauncher(Launcher):
         self.store = None  # the config store's client, once open
         self.seen = -1  # the latest cluster version seen
         self.done = False  # training finished (see _conclude)
-        self.resize: Optional[_Resize] = None  # the pending resize followed for progress lines
+        self.progress = ResizeProgress(self.info, self._store_trouble)  # lines of a resize
 
     def _store_trouble(self, e: Optional[Exception]) -> None:
         """Reports a store error once per change of message, and the recovery; not every poll."""
@@ -374,14 +355,14 @@ class ElasticLauncher(Launcher):
             # Every poll, not only on a new version: a peer whose old worker was still leaving
             # when its version came is started once that one is gone.
             if cfg.version > self.seen:
-                self._new_version(self.latest, cfg, now)
+                self.progress.new_version(store, self.latest, cfg, now)
             self.seen, self.latest = cfg.version, cfg
             code = self._apply(store, cfg)
             if code is not None:
                 self._stop(code, signal.SIGTERM, now)
                 return
-        if self.resize is not None and now >= self.resize.next_poll:
-            self._follow_resize(store, now)
+        if self.latest is not None:
+            self.progress.poll(store, self.latest, now)
         for key, when in list(self.leaving.items()):
             run = self.running[key]
             if run.returncode is None and now >= when and key not in self.stopped:
@@ -393,49 +374,6 @@ class ElasticLauncher(Launcher):
                     self._failed(run, "stopped answering", 1)
             elif run.returncode is None and now >= when + GRACE_SECONDS:
                 run.proc.kill()  # a stopped (SIGSTOP) process ignores SIGTERM
-
-    # progress of a resize -------------------------------------------------------------------
-    # The launcher sees three moments of a resize in the store (kungfu/elastic/_protocol.py):
-    # the new version, each joiner's ready/<v>/<peer> key, and switched/<v>. The training pause
-    # of the existing workers (the switch and the state broadcast) happens inside the workers;
-    # the timeline shows it, the launcher cannot.
-
-    def _new_version(self, old: Optional[ClusterConfig], cfg: ClusterConfig, now: float) -> None:
-        if self.resize is not None:
-            self._follow_resize(self.store, now)  # it may have switched since the last read
-        if self.resize is not None:
-            self.info(f"version {self.resize.version}: not switched to; version {cfg.version} "
-                      f"replaced it (resize abandoned) after {now - self.resize.seen:.1f}s")
-            self.resize = None
-        if old is None or cfg.version == 0:
-            return
-        joiners = set(cfg.peers) - set(old.peers)
-        if joiners:
-            self.resize = _Resize(cfg.version, joiners, now)
-            self.info(f"version {cfg.version}: {len(old.peers)} -> {len(cfg.peers)} workers; "
-                      f"waiting for {_plural(len(joiners), 'joiner')} to start and be ready")
-
-    def _follow_resize(self, store, now: float) -> None:
-        r = self.resize
-        r.next_poll = now + PROGRESS_POLL
-        try:
-            ready = set(store.ready_peers(r.version)) & r.joiners
-            switched = store.switched(r.version)
-        except StoreError as e:
-            self._store_trouble(e)
-            return
-        if ready - r.ready:
-            r.ready |= ready
-            self.info(f"version {r.version}: {len(r.ready)} of {len(r.joiners)} joiners ready "
-                      f"after {now - r.seen:.1f}s")
-            if r.ready == r.joiners:
-                r.all_ready = now
-        if switched:
-            after = "" if r.all_ready is None else \
-                f", {now - r.all_ready:.1f}s after the last joiner was ready"
-            self.info(f"version {r.version}: switched to {len(self.latest.peers)} workers "
-                      f"{now - r.seen:.1f}s after the version was written{after}")
-            self.resize = None
 
     def _over(self) -> bool:
         if self._alive():

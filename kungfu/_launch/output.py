@@ -1,0 +1,104 @@
+"""What kungfu-run prints: the workers' lines with their rank in front, and its own lines
+through the logger "kungfu.run"; both share a stream's lock so that no line is cut by another."""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, BinaryIO, Optional, Sequence
+
+from kungfu._hosts import Worker
+
+if TYPE_CHECKING:
+    from kungfu._launch.flags import Options
+
+PROG = "kungfu-run"
+
+
+class _Output:
+    """Serializes prefixed lines onto one of the launcher's streams; ignores a closed reader."""
+
+    def __init__(self, stream: BinaryIO):
+        self.stream = stream
+        self.lock = threading.Lock()
+        self.broken = False
+
+    def write(self, data: bytes) -> None:
+        with self.lock:
+            if self.broken:
+                return
+            try:
+                self.stream.write(data)
+                self.stream.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                self.broken = True
+
+
+def _binary(stream) -> BinaryIO:
+    return getattr(stream, "buffer", stream)
+
+
+def copy_lines(rank: int, pipe: BinaryIO, sink: _Output, log: Optional[BinaryIO],
+               log_lock: threading.Lock) -> None:
+    """Copies a worker's pipe to `sink` line by line with "[rank] " in front, and to its -logdir
+    file `log` as it is, until the pipe ends."""
+    prefix = f"[{rank}] ".encode()
+    for line in iter(pipe.readline, b""):
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        sink.write(prefix + line)
+        if log is not None:
+            with log_lock:
+                try:
+                    log.write(line)
+                    log.flush()
+                except (OSError, ValueError):
+                    pass
+    pipe.close()
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _ranks(workers: Sequence[Worker]) -> str:
+    ranks = [w.rank for w in workers]
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _fmt_seconds(s: float) -> str:
+    return f"{s:g}s"
+
+
+# kungfu-run's own lines (never the workers' output) go through this logger: INFO by default,
+# WARNING with -q, DEBUG with -v. Errors are logged at ERROR and so survive -q.
+logger = logging.getLogger("kungfu.run")
+
+
+class _LogHandler(logging.Handler):
+    """Writes records as "kungfu-run: message" lines on an _Output, whose lock keeps them whole
+    among the workers' lines."""
+
+    def __init__(self, sink: "_Output"):
+        super().__init__()
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.sink.write(f"{PROG}: {record.getMessage()}\n".encode())
+        except Exception:
+            self.handleError(record)
+
+
+def configure_logging(opts: "Options", sink: "_Output") -> None:
+    """Points the launcher's logger at `sink` (replacing an earlier sink) at the level that
+    -q / -v ask for."""
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+    logger.addHandler(_LogHandler(sink))
+    logger.setLevel(logging.WARNING if opts.quiet else logging.DEBUG if opts.verbose
+                    else logging.INFO)
+    logger.propagate = False
