@@ -10,23 +10,15 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from kungfu import _peer
+from kungfu import _native, _peer
 from kungfu._process_set import ProcessSet, members as _members
 from kungfu.errors import InvalidArgumentError, OpTimeoutError, raise_for_status
 
-
-
-@functools.lru_cache(maxsize=None)
-def _table(which: str) -> dict:
-    """The runtime's own tables (one source): dtype name -> code, reduce op name -> code."""
-    from kungfu import _kungfu
-
-    return getattr(_kungfu, which)()
 _NO_TIMEOUT = -1
 
 
 def _dtype_code(dtype: np.dtype) -> int:
-    codes = _table("dtype_codes")
+    codes = _native.table("dtype_codes")
     code = codes.get(np.dtype(dtype).name)
     if code is None:
         raise InvalidArgumentError(
@@ -38,10 +30,8 @@ def _dtype_code(dtype: np.dtype) -> int:
 def _strategy_code(strategy: Optional[str]) -> int:
     if strategy is None:
         return -1
-    from kungfu import _kungfu
-
     try:
-        return _kungfu.parse_strategy(str(strategy))
+        return _native.strategy_code(strategy)
     except ValueError as e:
         raise InvalidArgumentError(str(e)) from None
 
@@ -232,7 +222,7 @@ def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Op
                     process_set: Optional[ProcessSet] = None) -> Handle:
     ranks = _members(process_set, "allreduce")
     with _takes_part("allreduce", name, timeout, ranks):
-        ops = _table("reduce_ops")
+        ops = _native.table("reduce_ops")
         if op not in ops and op != "avg":
             raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, avg, min, max, prod)")
         inp = _Input(x)
@@ -284,7 +274,7 @@ def reduce_async(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
                  process_set: Optional[ProcessSet] = None) -> Handle:
     ranks = _members(process_set, "reduce")
     with _takes_part("reduce", name, timeout, ranks):
-        ops = _table("reduce_ops")
+        ops = _native.table("reduce_ops")
         if op not in ops:
             raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, min, max, prod)")
         inp = _Input(x)
@@ -443,7 +433,7 @@ def reducescatter_async(x, op: str = "sum", name: Optional[str] = None,
                         process_set: Optional[ProcessSet] = None) -> Handle:
     ranks = _members(process_set, "reducescatter")
     with _takes_part("reducescatter", name, timeout, ranks):
-        ops = _table("reduce_ops")
+        ops = _native.table("reduce_ops")
         if op not in ops and op != "avg":
             raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, avg, min, max, prod)")
         inp = _Input(x)

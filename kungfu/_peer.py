@@ -6,9 +6,9 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
-from kungfu import _env
+from kungfu import _env, _native, _watchdog, timeline
 from kungfu.errors import raise_for_status
 
 
@@ -63,22 +63,28 @@ _lock = threading.Lock()
 _peer = None
 _detached = False
 _member: Optional[Identity] = None  # this worker in the last cluster it was a member of
+_before_join: Optional[Callable[[], None]] = None  # see on_join
+
+
+def on_join(fn: Callable[[], None]) -> None:
+    """`fn` runs before a joiner of an elastic job first connects (kungfu/elastic reports it
+    ready in the store: the core knows nothing of the store)."""
+    global _before_join
+    _before_join = fn
 
 
 def _create(self_spec: Optional[str], peers: List[str], version: int):
-    from kungfu import _kungfu, _watchdog, timeline
-
     _watchdog.start_from_env()
     # Before the peer: the timeline's exit handler then runs after the peer's stop (atexit
     # runs handlers last in, first out) and takes the peer's last events.
     record = timeline.enabled()
 
     multi = len(peers) > 1
-    peer = _kungfu.Peer(
+    peer = _native.lib().Peer(
         self_id=self_spec if multi else "127.0.0.1:1",
         peers=peers if multi else [],
         version=version,
-        strategy=_kungfu.parse_strategy(_env.ALLREDUCE_STRATEGY.get()),
+        strategy=_native.strategy_code(_env.ALLREDUCE_STRATEGY.get()),
         op_timeout_ms=int(_env.OP_TIMEOUT.get() * 1000),
         peer_timeout_ms=int(_env.PEER_TIMEOUT.get() * 1000),
         mismatch_grace_ms=int(_env.MISMATCH_GRACE.get() * 1000),
@@ -99,16 +105,12 @@ def _create(self_spec: Optional[str], peers: List[str], version: int):
 
 
 def _stop_at_exit(peer) -> None:
-    from kungfu import _watchdog
-
     _watchdog.note_exit()  # before the goodbye that fails the peers' waits on this worker
     peer.stop()
 
 
 def _stop(peer) -> None:
     """Stops a peer that is being replaced, keeping its timeline events."""
-    from kungfu import timeline
-
     peer.stop()
     timeline._detach(peer)
 
@@ -121,12 +123,10 @@ def get():
     with _lock:
         if _peer is None:
             ident = identity_from_env()
-            if _env.ELASTIC_JOINING.get():
+            if _env.ELASTIC_JOINING.get() and _before_join is not None:
                 # A joiner connects at its version once it said it is ready: the others switch
                 # to that version when every joiner is.
-                from kungfu.elastic import _protocol
-
-                _protocol.context().report_ready()
+                _before_join()
             _peer = _create(ident.self_spec, ident.peers, ident.version)
     return _peer
 

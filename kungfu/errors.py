@@ -52,9 +52,9 @@ _names = None
 def _class_of(code: int):
     global _names
     if _names is None:
-        from kungfu import _kungfu
+        from kungfu import _native
 
-        _names = _kungfu.status_codes()
+        _names = _native.table("status_codes")
     return _BY_NAME.get(_names.get(code), InternalError)
 
 

@@ -1,4 +1,10 @@
-"""Elastic membership, framework-neutral: resize and recovery as one state machine.
+"""Elastic training, framework-neutral: the decision round, and resize and recovery as one
+state machine.
+
+- `_round.py`: the `Round` a trainer drives at its step boundaries: policies' hooks run,
+  their decisions recorded, agreed and applied (a registry of actions); `_actions.py`: the
+  actions (kf.set_tree, kf.set_batch_size, kf.resize, ...); `_state.py`: the TrainingState that
+  policies read.
 
 - `_protocol.py`: the steps in the config store (propose, wait for joiners, switch, abandon,
   recover) and this worker's view of the job (`context()`).
@@ -10,6 +16,17 @@
 kf.Hook (kungfu/tensorflow/_hook.py) is the TensorFlow trainer; kungfu/tensorflow/_variables.py
 its binding. Nothing here imports a framework or the launcher.
 """
+from kungfu.elastic._actions import (  # noqa: F401
+    check_batch_size,
+    check_batch_sizes,
+    check_learning_rate,
+    resize,
+    set_batch_size,
+    set_batch_sizes,
+    set_learning_rate,
+    set_strategy,
+    set_tree,
+)
 from kungfu.elastic._checkpoint import CheckpointError, check_writable  # noqa: F401
 from kungfu.elastic._membership import (  # noqa: F401
     Commit,
@@ -17,7 +34,7 @@ from kungfu.elastic._membership import (  # noqa: F401
     State,
     Trainer,
     Variables,
-    first_line,
+    runtime_message,
     mismatch,
 )
 from kungfu.elastic._protocol import (  # noqa: F401
@@ -27,6 +44,7 @@ from kungfu.elastic._protocol import (  # noqa: F401
     ResizeError,
     context,
     detached,
-    resize,
     resize_now,
 )
+from kungfu.elastic._round import HOOKS, Round, call_hook, in_round  # noqa: F401
+from kungfu.elastic._state import TrainingState  # noqa: F401

@@ -37,11 +37,11 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from kungfu import _env, _peer, timeline
+from kungfu import _collective, _env, _peer, timeline
 from kungfu.elastic import _checkpoint
 from kungfu.elastic._checkpoint import CheckpointError
 from kungfu.elastic._protocol import ExpelledError, broadcast_blob, context
-from kungfu.policy import TrainingState, _actions
+from kungfu.elastic._state import TrainingState
 from kungfu.store import ClusterConfig, StoreError
 
 
@@ -110,8 +110,9 @@ class Variables(abc.ABC):
 
 
 class Trainer(abc.ABC):
-    """What the machine reads and replaces in the trainer that drives it: `state`
-    (TrainingState), `policies`, `data` (ElasticData or None), `epochs_total`."""
+    """What the machine and the decision round (kungfu/elastic/_round.py) read and replace in
+    the trainer that drives them: `state` (TrainingState), `policies`, `data` (ElasticData or
+    None), `epochs_total`; and what they ask of it (the framework's side of the actions)."""
 
     state: TrainingState
     policies: list
@@ -125,6 +126,24 @@ class Trainer(abc.ABC):
     @abc.abstractmethod
     def on_detached(self) -> None:
         """This worker is no longer a member: stop training."""
+
+    # The framework's side of the actions a trainer can apply (kungfu/elastic/_round.py); a
+    # trainer that cannot refuses, and the agreement fails the same way on every worker.
+
+    def set_batch_size(self, b: int) -> None:
+        """An agreed kf.set_batch_size: this worker's batch from the next step on."""
+        raise RuntimeError(f"{type(self).__name__} cannot apply kf.set_batch_size")
+
+    def set_batch_sizes(self, sizes: List[int]) -> None:
+        """An agreed kf.set_batch_sizes: every worker's part of the global batch."""
+        raise RuntimeError(f"{type(self).__name__} cannot apply kf.set_batch_sizes")
+
+    def set_learning_rate(self, lr: float) -> None:
+        """An agreed kf.set_learning_rate."""
+        raise RuntimeError(f"{type(self).__name__} cannot apply kf.set_learning_rate")
+
+    def check_resize(self, n: int, leave: Sequence[str]) -> None:
+        """Raises if this trainer cannot go on in a cluster of n workers without `leave`."""
 
 
 def mismatch(ours: list, theirs: list, here: str = "this joiner", there: str = "rank 0") -> str:
@@ -140,7 +159,7 @@ def mismatch(ours: list, theirs: list, here: str = "this joiner", there: str = "
     return ""
 
 
-def first_line(e: BaseException) -> str:
+def runtime_message(e: BaseException) -> str:
     """The runtime's message: a TensorFlow op error puts it after its traceback, before the
     "[[{{node ...}}]]" line."""
     lines = [ln.strip() for ln in getattr(e, "message", str(e)).splitlines()]
@@ -196,21 +215,22 @@ class Membership:
 
     # -- resize: the decisions of a round --------------------------------------------------
 
-    def before_agree(self) -> None:
-        """In a decision round, before the agreement: rank 0 records what the protocol needs
-        decided (switch to or abandon a pending resize; a replacement after a recovery)."""
+    def before_agree(self, decisions: dict) -> None:
+        """In a decision round (kungfu/elastic/_round.py), before the agreement: rank 0 records
+        in the round's `decisions` what the protocol needs decided (switch to or abandon a
+        pending resize; a replacement after a recovery; a cluster asked for from outside)."""
         if _peer.identity().rank != 0:
             return
-        self._check_pending()
-        self._request_replacement()
-        self._take_request()
+        self._check_pending(decisions)
+        self._request_replacement(decisions)
+        self._take_request(decisions)
 
-    def _take_request(self) -> None:
+    def _take_request(self, decisions: dict) -> None:
         """Rank 0, no resize in progress and none decided this round: the cluster asked for
         from outside the job, if any, becomes this round's resize (checked at most every
         REQUEST_POLL seconds: a store read)."""
         ctx, now = context(), time.monotonic()
-        if (not ctx.enabled or ctx.pending is not None or _actions.recorded("resize")
+        if (not ctx.enabled or ctx.pending is not None or "resize" in decisions
                 or now < self._request_check):
             return
         self._request_check = now + REQUEST_POLL
@@ -220,10 +240,10 @@ class Membership:
             warnings.warn(f"kungfu: cannot read the config store: {e}")
             return
         if new is not None:
-            _actions._record("resize", {"size": len(new.peers), "leave": [],
-                                        "request": new.to_json()})
+            decisions["resize"] = {"size": len(new.peers), "leave": [],
+                                   "request": new.to_json()}
 
-    def _request_replacement(self) -> None:
+    def _request_replacement(self, decisions: dict) -> None:
         """Rank 0, after a recovery with replacement on: asks for a resize back to the size
         before the failure, once slots are free for it (the hosts of the lost workers may cool
         down; checked at most once a second), unless a policy asks for a resize itself."""
@@ -232,7 +252,7 @@ class Membership:
             self.replace_to = None
             return
         now = time.monotonic()
-        if ctx.pending is not None or _actions.recorded("resize") or now < self._replace_check:
+        if ctx.pending is not None or "resize" in decisions or now < self._replace_check:
             return
         self._replace_check = now + 1.0
         try:
@@ -240,9 +260,9 @@ class Membership:
         except StoreError:
             grows = False
         if grows:
-            _actions._record("resize", n)
+            decisions["resize"] = n
 
-    def _check_pending(self) -> None:
+    def _check_pending(self, decisions: dict) -> None:
         ctx = context()
         if ctx.pending is None:
             return
@@ -251,7 +271,7 @@ class Membership:
             return  # never after an epoch's last step: a joiner's first epoch would be empty
         decision = ctx.pending_decision()
         if decision is not None:
-            _actions._record("elastic", decision)
+            decisions["elastic"] = decision
 
     def apply_resize(self, n: int, leave: Sequence[str] = (),
                      request: Optional[str] = None) -> None:
@@ -323,8 +343,6 @@ class Membership:
         and policy state (small, broadcast first: it tells the joiners that the variables are
         published, and what they are, so that a joiner whose variables differ fails, and
         everyone with it, before any transfer)."""
-        from kungfu import _collective
-
         t, binding = self.trainer, self.variables
         rank = _peer.identity().rank
         prefix = f"kungfu/elastic/{context().current.version}"
@@ -435,7 +453,7 @@ class Membership:
         kinds = [c.kind for c in self.commits]
         self._enter(State.RECOVERING)
         try:
-            rec = context().recover(self.commits[-1].seq, first_line(error))
+            rec = context().recover(self.commits[-1].seq, runtime_message(error))
         except ExpelledError as e:
             self._enter(State.DETACHED)
             raise e from error
@@ -450,7 +468,7 @@ class Membership:
         # Times (time.time()) for benchmarks/recovery_latency.py; the trainer adds
         # "step_done_at" when a step was first trained again.
         record = {"version": rec.failed, "lost": rec.lost, "size": len(rec.config.peers),
-                  "step": self.trainer.state.step, "cause": first_line(error),
+                  "step": self.trainer.state.step, "cause": runtime_message(error),
                   "failed_at": failed_at, "agreed_at": rec.agreed_at,
                   "rebuilt_at": rec.rebuilt_at, "restored_at": time.time()}
         self.recoveries.append(record)

@@ -20,7 +20,8 @@ Protocol (cluster version v -> v+1), steps as in DESIGN.md:
 
 Without a trainer (a custom loop with no kf.Hook), kf.resize(n) runs steps 1-4 at once, as a
 collective that every worker calls with the same n (resize_now); a joiner reports ready when it
-first connects (report_ready, from kungfu._peer.get), and the program syncs its own state.
+first connects (report_ready, run by kungfu._peer.get through _peer.on_join), and the
+program syncs its own state.
 
 Recovery (a peer of version v died or hangs; Elastic.recover, driven by Membership.recover):
 1. Every worker commits its training state in memory at each step boundary (Membership.commit) and
@@ -54,7 +55,7 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
-from kungfu import _env, _peer, errors
+from kungfu import _collective, _env, _peer, errors
 from kungfu._hosts import parse_hosts, parse_port_range, plan_workers
 from kungfu.store import DONE_KEY, ClusterConfig, Store, StoreError, connect
 
@@ -423,11 +424,14 @@ class Elastic:
                 delay = min(delay * 2, 2.0)
 
 
+# A joiner reports ready just before it first connects, whoever connects it: the trainer
+# (Membership.join) or a program's first collective.
+_peer.on_join(lambda: context().report_ready())
+
+
 def broadcast_blob(blob: bytes, name: str, timeout: Optional[float] = None) -> bytes:
     """rank 0's bytes on every worker (timeout: of the wait for rank 0; default
     KUNGFU_OP_TIMEOUT)."""
-    from kungfu import _collective
-
     rank = _peer.identity().rank
     n = int(_collective.broadcast(np.array([len(blob)], np.int64), name=f"{name}/length",
                                   timeout=timeout)[0])
@@ -443,32 +447,6 @@ def context() -> Elastic:
     if _context is None:
         _context = Elastic()
     return _context
-
-
-def resize(n: int, leave: Sequence[int] = ()) -> bool:
-    """Asks for a cluster of n workers. Returns whether the cluster changes (False: n is the
-    current size already and no worker leaves). Bad sizes raise ResizeError (a ValueError) at
-    once. `leave`: ranks that leave; new workers take their places (with n = size, the
-    workers in `leave` are replaced: the new ones join before those leave).
-
-    From a policy hook run by kf.Hook, the decision is agreed, then applied once the new
-    workers are ready, without stopping training. In a program with no kf.Hook (a custom
-    loop), it is a collective: every worker calls it with the same n at the same point, and it
-    returns once the cluster has changed (or the resize was given up: False); see resize_now."""
-    from kungfu.policy import _actions
-
-    ctx = context()
-    n = ctx.check_size(n)
-    gone = ctx.check_leave(leave)
-    if not _actions.in_round():
-        if ctx.driver is not None:
-            raise RuntimeError("kf.resize while kf.Hook trains is applied by the Hook: call it "
-                               "from a policy hook (kf.BasePolicy)")
-        return resize_now(n, leave=leave)
-    if n == _peer.identity().size and not gone and ctx.pending is None:
-        return False
-    _actions._record("resize", {"size": n, "leave": gone} if gone else n)
-    return True
 
 
 def resize_now(n: int, agreed: bool = False, leave: Sequence[int] = (),
@@ -488,8 +466,6 @@ def resize_now(n: int, agreed: bool = False, leave: Sequence[int] = (),
     me = _peer.identity()
     prefix = f"kungfu/elastic/{ctx.current.version}/resize"
     if not agreed:
-        from kungfu import _collective
-
         if not _collective.consensus(json.dumps([n, gone]), name=f"{prefix}/size"):
             raise ResizeError(f"kf.resize outside kf.Hook is a collective: every worker must ask "
                               f"for the same size and leavers (this one asked for {n}"

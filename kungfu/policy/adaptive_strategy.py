@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from kungfu.policy import BasePolicy, TrainingState
-from kungfu.policy._actions import current_strategy, set_strategy, strategy_stats
+from kungfu._collective import allreduce
+from kungfu._strategy import current_strategy, strategy_stats
+from kungfu.elastic import TrainingState, set_strategy
+from kungfu.policy._base import BasePolicy
 
 DEFAULT_CANDIDATES = ("BINARY_TREE_STAR", "RING", "HIERARCHICAL", "STAR", "TREE", "CLIQUE")
 
@@ -90,8 +92,6 @@ class AdaptiveStrategyPolicy(BasePolicy):
         self._mark = None  # the new strategy's window starts once it is installed
 
     def after_step(self, state: TrainingState) -> None:
-        import kungfu as kf
-
         self.steps_in_phase += 1
         if self._mark is None:  # the first step on the new strategy is done: start counting
             self._start_window()
@@ -101,7 +101,7 @@ class AdaptiveStrategyPolicy(BasePolicy):
             if self.steps_in_phase < self.trial_steps:
                 return
             name = self.candidates[self.trial]
-            rate = float(kf.allreduce(self._window_rate(), "avg"))
+            rate = float(allreduce(self._window_rate(), "avg"))
             self.trials[name] = rate
             self.history.append((state.step, name, rate))
             self.trial += 1
@@ -118,11 +118,12 @@ class AdaptiveStrategyPolicy(BasePolicy):
             return
         mine = self._window_rate()
         self._start_window()
-        rate = float(kf.allreduce(mine, "avg"))
+        rate = float(allreduce(mine, "avg"))
         self.history.append((state.step, self.best, rate))
-        votes = int(kf.allreduce(int(self.degraded(mine)), "sum"))
-        if 2 * votes > kf.size():
-            self._begin_explore(state.step, f"throughput dropped ({votes} of {kf.size()} votes)")
+        votes = int(allreduce(int(self.degraded(mine)), "sum"))
+        if 2 * votes > state.cluster_size:
+            self._begin_explore(state.step, f"throughput dropped ({votes} of "
+                                            f"{state.cluster_size} votes)")
 
     def degraded(self, rate: float) -> bool:
         """Whether `rate` (this worker's last window) is below drop_ratio x reference."""

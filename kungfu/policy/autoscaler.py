@@ -24,7 +24,9 @@ from __future__ import annotations
 import time
 from typing import List, Optional
 
-from kungfu.policy import BasePolicy, TrainingState
+from kungfu._collective import allreduce
+from kungfu.elastic import TrainingState, resize
+from kungfu.policy._base import BasePolicy
 
 
 class ScalingAutoscaler(BasePolicy):
@@ -47,23 +49,11 @@ class ScalingAutoscaler(BasePolicy):
         self.size: Optional[int] = None
         self.trace: List[dict] = []  # every decision: step, k, rate, s
 
-    def _limit(self) -> int:
-        if self.max_size is not None:
-            return self.max_size
-        from kungfu import elastic
-
-        ctx = elastic.context()
-        return ctx.max_size() if ctx.enabled else 1
-
     def after_step(self, state: TrainingState) -> None:
-        import kungfu as kf
-
         if self.phase == "settled":
             return
         if self.phase == "probe" and state.cluster_size == self.base["k"]:
-            from kungfu import elastic
-
-            if elastic.context().pending is None:  # the probe could not start: stay
+            if not state.resize_pending:  # the probe could not start: stay
                 self.trace.append({"step": state.step, "k": self.base["k"], "settled": True,
                                    "why": "no worker could be added"})
                 self.phase = "settled"
@@ -82,7 +72,7 @@ class ScalingAutoscaler(BasePolicy):
         # The job's throughput over the window, by the clock (the steps and everything between
         # them); every worker decides from the same number, the mean of the workers' measures.
         mine = (state.samples_seen - self.mark[1]) / max(now - self.mark[0], 1e-9)
-        rate = float(kf.allreduce(mine, "avg", name="kungfu/autoscaler/rate"))
+        rate = float(allreduce(mine, "avg", name="kungfu/autoscaler/rate"))
         self.mark = None
         k = state.cluster_size
         if self.phase == "measure":
@@ -98,16 +88,15 @@ class ScalingAutoscaler(BasePolicy):
             self._probe(state, k, rate)
         else:
             self.trace.append({"step": state.step, "k": k0, "settled": True})
-            kf.resize(k0)
+            resize(k0)
             self.phase = "settled"
 
     def _probe(self, state: TrainingState, k: int, rate: float) -> None:
-        import kungfu as kf
-
-        target = min(k + self.step, self._limit())
+        limit = state.max_size if self.max_size is None else self.max_size
+        target = min(k + self.step, limit)
         self.trace.append({"step": state.step, "k": k, "rate": rate, "probe": target})
         if target <= k:
             self.phase = "settled"
             return
-        kf.resize(target)
+        resize(target)
         self.phase = "probe"

@@ -26,8 +26,8 @@ from typing import List, Optional
 
 import numpy as np
 
-from kungfu.policy import BasePolicy, TrainingState
-from kungfu.policy._actions import set_batch_sizes
+from kungfu.elastic import TrainingState, set_batch_sizes
+from kungfu.policy._base import BasePolicy
 
 PREDICTORS = ("last", "ewma", "narx")
 

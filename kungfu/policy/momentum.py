@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from kungfu.policy import BasePolicy, TrainingState
-from kungfu.policy._actions import set_learning_rate
+from kungfu.elastic import TrainingState, set_learning_rate
+from kungfu.policy._base import BasePolicy
 
 
 class MomentumCompensation(BasePolicy):

@@ -10,13 +10,9 @@ from __future__ import annotations
 import math
 from typing import List, Optional
 
-from kungfu.policy import BasePolicy, TrainingState
-from kungfu.policy._actions import (
-    linear_scaled_lr,
-    set_batch_size,
-    set_learning_rate,
-    sqrt_scaled_lr,
-)
+from kungfu.elastic import TrainingState, set_batch_size, set_learning_rate
+from kungfu.policy._base import BasePolicy
+from kungfu.policy._rules import linear_scaled_lr, sqrt_scaled_lr
 
 LR_RULES = ("sqrt", "linear", None)
 
@@ -39,9 +35,7 @@ class GNSBatchGrowth(BasePolicy):
         self.decisions: List[dict] = []  # step, gns, the new local batch and learning rate
 
     def _check(self, state: TrainingState) -> None:
-        import kungfu as kf
-
-        gns = kf.grad_noise_scale()
+        gns = state.metrics.get("gns", math.nan)
         b = state.local_batch_size
         if b is None or not math.isfinite(gns) or b * self.factor > self.max_batch:
             return
@@ -86,13 +80,11 @@ class AdaScale(BasePolicy):
         self.progress = 0.0
 
     def after_step(self, state: TrainingState) -> None:
-        import kungfu as kf
-
         self.progress += self.gain  # the step just trained ran with this gain
         big = state.global_batch_size
         if big is None:
             return
-        trace, g2 = kf.grad_noise_stats()
+        trace, g2 = state.metrics.get("grad_noise_stats", (math.nan, math.nan))
         if big <= self.base_batch or not (math.isfinite(trace) and math.isfinite(g2)) \
                 or g2 <= 0 or trace < 0:
             gain = 1.0

@@ -14,7 +14,8 @@ from __future__ import annotations
 import statistics
 from typing import List, Optional
 
-from kungfu.policy import BasePolicy, TrainingState
+from kungfu.elastic import TrainingState, resize
+from kungfu.policy._base import BasePolicy
 
 
 class StragglerReplacement(BasePolicy):
@@ -45,11 +46,8 @@ class StragglerReplacement(BasePolicy):
         self.below = [b + 1 if r < self.threshold else 0 for b, r in zip(self.below, self.ratios)]
 
     def after_step(self, state: TrainingState) -> None:
-        import kungfu as kf
-        from kungfu import elastic
-
         if self.waiting:
-            if elastic.context().pending is not None:
+            if state.resize_pending:
                 return
             self.waiting = False  # switched (or given up): measure the new cluster afresh
             self.ratios = None
@@ -66,5 +64,5 @@ class StragglerReplacement(BasePolicy):
         if self.below[worst] >= self.patience:
             self.replaced.append({"step": state.step, "rank": worst,
                                   "ratio": self.ratios[worst]})
-            kf.resize(state.cluster_size, leave=[worst])
+            resize(state.cluster_size, leave=[worst])
             self.waiting = True

@@ -3,38 +3,38 @@ from __future__ import annotations
 
 import numpy as np
 
-import kungfu as _kf
+from kungfu import _collective, _peer, elastic as _elastic
+from kungfu.elastic._protocol import broadcast_blob
+from kungfu.store import ClusterConfig, StoreError
 
 
 def current_rank() -> int:
-    return _kf.rank()
+    return _peer.identity().rank
 
 
 def current_cluster_size() -> int:
-    return _kf.size()
+    return _peer.identity().size
 
 
 def current_local_rank() -> int:
-    return _kf.local_rank()
+    return _peer.identity().local_rank
 
 
 def current_local_size() -> int:
-    return _kf.local_size()
+    return _peer.identity().local_size
 
 
 def run_barrier() -> None:
-    _kf.barrier()
+    _collective.barrier()
 
 
 def all_reduce_int_max(x: int) -> int:
     """The maximum of an integer over all workers."""
-    return int(_kf.allreduce(np.int64(x), op="max"))
+    return int(_collective.allreduce(np.int64(x), op="max"))
 
 
 def detached() -> bool:
     """Whether a resize removed this worker from the cluster."""
-    from kungfu import elastic as _elastic
-
     return _elastic.detached()
 
 
@@ -50,16 +50,13 @@ def resize(n=None):
     to the size given to propose_new_size (the lowest proposing rank's), else to the cluster
     PUT into the config store from outside the job (KungFu's resize_cluster_from_url;
     docs/elastic.md); nothing changes when there is neither."""
-    from kungfu import elastic as _elastic
-    from kungfu.policy import _actions
-
     global _proposed
     if n is not None:
         return _elastic.resize(n), _elastic.detached()
-    if _actions.in_round():
+    if _elastic.in_round():
         raise TypeError("resize() needs the new size inside a policy hook: resize(n)")
     mine, _proposed = _proposed, None
-    sizes = _kf.allgather(np.array([-1 if mine is None else mine], np.int64),
+    sizes = _collective.allgather(np.array([-1 if mine is None else mine], np.int64),
                           name="kungfu/python/proposed-size")
     wanted = [int(s) for s in sizes if s >= 0]
     if wanted:
@@ -75,15 +72,11 @@ def resize(n=None):
 def _outside_request():
     """The cluster asked for from outside the job (a PUT to the config store), as every worker
     learns it from rank 0; None when there is none (or the job is not elastic)."""
-    from kungfu import elastic as _elastic
-    from kungfu.elastic._protocol import broadcast_blob
-    from kungfu.store import ClusterConfig, StoreError
-
     ctx = _elastic.context()
     if not ctx.enabled:
         return None
     blob = b""
-    if _kf.rank() == 0:
+    if _peer.identity().rank == 0:
         try:
             new = ctx.take_request()
         except StoreError as e:  # the others wait in the broadcast: go on without
@@ -100,11 +93,8 @@ def propose_new_size(n: int) -> None:
     """KungFu's proposal of a cluster size. In a policy hook run by kf.Hook it is kf.resize(n);
     in a custom loop it is applied by the next resize() without an argument, which every
     worker calls at the same point."""
-    from kungfu import elastic as _elastic
-    from kungfu.policy import _actions
-
     global _proposed
-    if _actions.in_round():
+    if _elastic.in_round():
         _elastic.resize(n)
         return
     _proposed = _elastic.context().check_size(n)

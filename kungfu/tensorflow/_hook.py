@@ -12,10 +12,11 @@
         hook.after_epoch()
     hook.after_train()
 
-Decisions recorded by the policies (kungfu/policy/_actions.py) are agreed and applied on every
-worker at the end of before_train, of every after_step, of after_epoch and of after_train, so a
-decision takes effect from the next step; one taken in before_epoch or before_step takes effect
-after that step. Per step:
+Decisions recorded by the policies are agreed and applied by the Hook's decision round
+(kungfu/elastic/_round.py; the Hook is its trainer and applies batch size and learning rate) on
+every worker at the end of before_train, of every after_step, of after_epoch and of
+after_train, so a decision takes effect from the next step; one taken in before_epoch or
+before_step takes effect after that step. Per step:
 1. before the step the policies' `before_step` run; in model.fit the data (if given) is then
    released to make this step's batch (tf.data reads ahead; this keeps it from making a batch
    before the decisions that shape it were applied);
@@ -58,14 +59,14 @@ import warnings
 from typing import List, Optional
 
 import keras
-import tensorflow as tf
 
-from kungfu import _peer, elastic as _elastic, errors, timeline
-from kungfu.elastic import Membership
-from kungfu.policy import HOOKS, BasePolicy, TrainingState, _actions, call_hook
-from kungfu.tensorflow._monitor import monitor_logs
+from kungfu import _peer, elastic as _elastic, timeline
+from kungfu.elastic import Membership, Round, TrainingState
+from kungfu.policy import BasePolicy
+from kungfu.tensorflow._monitor import monitor_logs, monitor_metrics
 from kungfu.tensorflow._variables import KerasVariables
-from kungfu.tensorflow.callbacks import RankZeroOutput, combine_while_training
+from kungfu.tensorflow.callbacks import RECOVERABLE, RankZeroOutput, combine_while_training
+from kungfu.tensorflow.initializer import broadcast_variables, model_built, prepare_fit
 
 
 def _lower_priority() -> None:
@@ -81,12 +82,6 @@ def _lower_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, tid, 19)
         except OSError:
             pass
-
-
-# Failures the survivors recover from: a peer died or stopped answering (in a TensorFlow op or in a
-# collective of the Hook's own). Anything else (peers that disagree, bad input) is raised.
-RECOVERABLE = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
-               errors.PeerFailedError, errors.OpTimeoutError)
 
 
 def _samples_counted(model) -> float:
@@ -158,6 +153,8 @@ class Hook(keras.callbacks.Callback):
         self.membership = Membership(self, KerasVariables(self))
         self.membership.checkpoint = checkpoint
         self.membership.checkpoint_every = checkpoint_every
+        # The policies' decisions: recorded, agreed and applied (kungfu/elastic/_round.py).
+        self.round = Round(self, self.membership, name)
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -169,31 +166,20 @@ class Hook(keras.callbacks.Callback):
         return None if model is None else model.optimizer
 
     def _run(self, hook: str) -> None:
-        assert hook in HOOKS
-        if not _actions.in_round():
-            _actions.open_round()
-        for p in self.policies:
-            call_hook(p, hook, self.state)
+        self.state.metrics.update(monitor_metrics(self.optimizer))
+        self.round.run(hook)
 
     def _agree_and_apply(self) -> None:
-        self.membership.before_agree()
-        decisions = _actions.close_round()
-        # One name for every round: the k-th round of a worker meets the k-th of the others
-        # (the runtime numbers successive uses of a name; a new cluster version starts over).
-        winners, reports = _actions.agree(decisions, f"{self._name}/agree", self._report)
+        reports = self.round.agree(self._report)
         self._report = None
         if all(r is not None for r in reports):  # every worker's, in rank order
             self.state.metrics["compute_times"] = [r["compute_time"] for r in reports]
             self.state.metrics["part_sizes"] = [r["part_size"] for r in reports]
-        _actions.open_round()
-        for kind in _actions.KINDS:
-            if kind in winners:
-                getattr(self, "_apply_" + kind)(winners[kind])
 
-    def _apply_strategy(self, decision) -> None:
-        _actions.apply_strategy(decision)
+    # What the decision round and the membership machine need of their trainer
+    # (kungfu.elastic.Trainer).
 
-    def _apply_batch_size(self, b: int) -> None:
+    def set_batch_size(self, b: int) -> None:
         if self.data is not None:
             self.data.set_batch_size(b)
         elif getattr(self, "model", None) is not None:
@@ -205,14 +191,14 @@ class Hook(keras.callbacks.Callback):
             monitor.set_batch_size(b)
         self.refresh_sizes()
 
-    def _apply_batch_sizes(self, sizes: list) -> None:
+    def set_batch_sizes(self, sizes: list) -> None:
         if self.data is None:
             raise RuntimeError("kf.set_batch_sizes needs kungfu's data: pass "
                                "data=kf.ElasticData(...) to kf.Hook and train on its batches")
         self.data.set_batch_sizes(sizes)
         self.refresh_sizes()
 
-    def _apply_learning_rate(self, lr: float) -> None:
+    def set_learning_rate(self, lr: float) -> None:
         opt = self.optimizer
         if opt is None:
             raise RuntimeError("kf.set_learning_rate needs an optimizer: pass optimizer= to "
@@ -224,31 +210,18 @@ class Hook(keras.callbacks.Callback):
                                f"(a schedule?): {e}") from e
         self.state.learning_rate = lr
 
-    # -- elasticity (kungfu/elastic: the membership state machine) ------------------------------
-
-    def _apply_resize(self, decision) -> None:
-        import kungfu as kf
-
-        n, leave = (decision, []) if isinstance(decision, int) else (decision["size"],
-                                                                      decision["leave"])
-        if (self.model is not None and self.data is None and n > kf.size() - len(leave)
+    def check_resize(self, n: int, leave) -> None:
+        if (self.model is not None and self.data is None
+                and n > _peer.identity().size - len(leave)
                 and _elastic.context().pending is None):
             raise RuntimeError("growing the cluster in model.fit needs kungfu's data: pass "
                                "data=kf.ElasticData(...) to kf.Hook (joiners continue from its "
                                "sample offset)")
-        self.membership.apply_resize(n, leave, None if isinstance(decision, int)
-                                     else decision.get("request"))
-
-    def _apply_elastic(self, decision: dict) -> None:
-        self.membership.apply_elastic(decision)
-
-    # What the membership machine needs of its trainer (kungfu.elastic.Trainer).
 
     def refresh_sizes(self) -> None:
-        import kungfu as kf
-
         s = self.state
-        s.rank, s.cluster_size = kf.rank(), kf.size()
+        me = _peer.identity()
+        s.rank, s.cluster_size = me.rank, me.size
         d = self.data
         if d is not None:
             if d.batch_sizes is not None and len(d.batch_sizes) != s.cluster_size:
@@ -258,7 +231,6 @@ class Hook(keras.callbacks.Callback):
             s.global_batch_size = sum(s.batch_sizes)
         elif s.local_batch_size is not None:
             s.global_batch_size = s.local_batch_size * s.cluster_size
-        _actions.note_training(s.global_batch_size, s.cluster_size)
         opt = self.optimizer
         if opt is not None:
             try:
@@ -479,12 +451,9 @@ class Hook(keras.callbacks.Callback):
         """model.fit: every worker starts from rank 0's model and optimizer state (a custom
         loop's Hook does not know the model: call kf.broadcast_variables there). A model built
         by its first step takes rank 0's state after that step."""
-        import kungfu as kf
-        from kungfu.tensorflow.initializer import broadcast_variables, model_built
-
         model = getattr(self, "model", None)
         self._equal_after_step = False
-        if kf.size() == 1 or model is None:
+        if _peer.identity().size == 1 or model is None:
             return
         if not model_built(model):  # it creates its variables in its first step: after that
             self._equal_after_step = True
@@ -601,7 +570,7 @@ class Hook(keras.callbacks.Callback):
             self._recover(e)  # rolled back to the last commit: end training again
             self.after_train()
             return
-        _actions.close_round()
+        self.round.close()
         self.membership.finish()
 
     # -- Keras ----------------------------------------------------------------------------------
@@ -609,8 +578,6 @@ class Hook(keras.callbacks.Callback):
     _epochs_begun = 0
 
     def on_train_begin(self, logs=None):
-        from kungfu.tensorflow.initializer import prepare_fit
-
         spe = getattr(self.model, "steps_per_execution", 1)
         if self.data is not None and int(keras.ops.convert_to_numpy(spe)) != 1:
             raise ValueError("kf.Hook with kungfu data needs steps_per_execution=1")
@@ -669,8 +636,6 @@ class Hook(keras.callbacks.Callback):
         if self.detached and self.exit_on_detach:
             # A resize removed this worker: it leaves the job with exit code 0, now (an
             # interpreter shutdown could wait on tf.data's threads).
-            import sys
-
             timeline.close()  # no exit handlers run: its trace file ends here
             sys.stdout.flush()
             sys.stderr.flush()

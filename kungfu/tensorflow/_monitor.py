@@ -198,7 +198,11 @@ def grad_noise_stats() -> Tuple[float, float]:
     """(tr(S), |G|^2): the smoothed estimates behind the gradient noise scale (its ratio): the
     trace of the per-sample gradient covariance and the squared norm of the true gradient, the
     same on every worker (NaN before the first estimate). AdaScale's gain is built from them."""
-    state = latest(GNS).gns_state.numpy()
+    return _noise_stats(latest(GNS))
+
+
+def _noise_stats(monitor: GradientMonitor) -> Tuple[float, float]:
+    state = monitor.gns_state.numpy()
     if state[2] < 1:
         return math.nan, math.nan
     return float(state[0]), float(state[1])
@@ -241,3 +245,13 @@ def monitor_logs(optimizer) -> dict:
     if monitor is None:
         return {}
     return {LOG_KEYS[m]: monitor.value(m) for m in monitor.monitors}
+
+
+def monitor_metrics(optimizer) -> dict:
+    """What a policy's TrainingState.metrics gets of the monitor: the log keys' estimates, and
+    "grad_noise_stats" = (tr(S), |G|^2) where the noise scale is monitored."""
+    out = monitor_logs(optimizer)
+    monitor: Optional[GradientMonitor] = getattr(optimizer, "kungfu_monitor", None)
+    if monitor is not None and GNS in monitor.monitors:
+        out["grad_noise_stats"] = _noise_stats(monitor)
+    return out

@@ -5,7 +5,7 @@ import os
 
 import tensorflow as tf
 
-import kungfu
+from kungfu import _peer
 
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIB = os.path.join(_HERE, "libkungfu_tensorflow_ops.so")
@@ -35,10 +35,8 @@ def _load():
     # Ops find the process's peer through the runtime library, which this shares with the
     # Python module: make sure that peer exists before any op runs. (A worker joining an elastic
     # job connects later, when kf.Hook syncs it.)
-    from kungfu import _peer
-
     if not _peer.joining():
-        kungfu.init()
+        _peer.get()
     return tf.load_op_library(_LIB)
 
 

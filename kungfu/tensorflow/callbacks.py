@@ -31,14 +31,20 @@ import warnings
 
 import keras
 import numpy as np
+import tensorflow as tf
+
+from kungfu import _collective, _peer, errors
+from kungfu.elastic import check_learning_rate
+
+# Failures the survivors recover from: a peer died or stopped answering (in a TensorFlow op or in a
+# collective of kf.Hook's own). Anything else (peers that disagree, bad input) is raised.
+RECOVERABLE = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+               errors.PeerFailedError, errors.OpTimeoutError)
 
 
 def _combined(model, read):
     """`read()` (Keras's metric results) with the model's metric states summed over the
     workers; the local states are put back after."""
-    from kungfu import _collective, _peer
-    from kungfu.tensorflow._hook import RECOVERABLE
-
     if _peer.identity().size == 1:
         return read()
     variables = [v for m in model.metrics for v in m.variables]
@@ -152,7 +158,6 @@ class RankZeroOutput:
 
     def refresh(self) -> None:
         """Progress output on if this worker is rank 0 (and it was on before start())."""
-        from kungfu import _peer
         from keras.src.utils import io_utils
 
         if self._interactive and _peer.identity().rank == 0:
@@ -173,8 +178,6 @@ class RankZeroOutput:
     @staticmethod
     def _on_rank_zero(write):
         def on_rank_zero(filepath, *args, overwrite=True, **kwargs):
-            from kungfu import _peer
-
             if _peer.identity().rank != 0:
                 return None
             if not isinstance(filepath, (str, os.PathLike)) or (
@@ -209,8 +212,6 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     def __init__(self, initial_lr: float, warmup_epochs: float = 5, steps_per_epoch=None,
                  verbose: int = 0):
         super().__init__()
-        from kungfu.policy._actions import check_learning_rate
-
         self.initial_lr = check_learning_rate(initial_lr)
         if (isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, (int, float))
                 or not warmup_epochs > 0):
@@ -233,8 +234,6 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
-        from kungfu import _peer
-
         if self._done:
             return
         if self._epoch >= self.warmup_epochs:

@@ -38,7 +38,8 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from kungfu.policy._actions import check_batch_size
+from kungfu import _env, _peer
+from kungfu.elastic import check_batch_size
 
 RELEASE_TIMEOUT = 600.0  # seconds a batch waits for the Hook to release its step
 
@@ -122,8 +123,6 @@ def _emulated_compute():
     """(seconds per sample, [(from batch, factor)] of this worker, jitter) from
     KUNGFU_SAMPLE_TIME, KUNGFU_SLOWDOWN and KUNGFU_SAMPLE_JITTER (kungfu/_env.py), or None: no
     emulated compute."""
-    from kungfu import _env, _peer
-
     seconds = _env.SAMPLE_TIME.get()
     if seconds <= 0:
         return None
@@ -348,9 +347,8 @@ class ElasticData:
     def commit(self) -> int:
         """Moves past the step just trained (called by the Hook in model.fit, by the generator
         itself otherwise): returns the step's samples over all workers."""
-        import kungfu as kf
-
-        idx, weight, length = self.part(self.offset, kf.rank(), kf.size())
+        me = _peer.identity()
+        idx, weight, length = self.part(self.offset, me.rank, me.size)
         self.offset += length
         self.last_length = length
         if self.record:
@@ -395,9 +393,8 @@ class ElasticData:
     def step_batch(self):
         """This worker's (x, y, sample_weight) batch of the step at the current position (kf.Hook
         redoes a step with it after a failure); leaves the position alone."""
-        import kungfu as kf
-
-        idx, weight, _ = self.part(self.offset, kf.rank(), kf.size())
+        me = _peer.identity()
+        idx, weight, _ = self.part(self.offset, me.rank, me.size)
         batch = (*self._fetch(idx), np.full(len(idx), weight, dtype=np.float32))
         if self._emulated is not None:
             seconds, factors, jitter = self._emulated
@@ -600,8 +597,6 @@ def shard(data, rank=None, size=None):
     (worker r takes samples r, r + size, ...); the last len % size (fewer than size) are left
     out. For exact epochs without leaving any out, and batch sizes that change, use
     kf.ElasticData."""
-    from kungfu import _peer
-
     me = _peer.identity()
     rank = me.rank if rank is None else rank
     size = me.size if size is None else size

@@ -5,20 +5,27 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kungfu.policy import LoadBalancing, MomentumCompensation, TrainingState, _actions
+from types import SimpleNamespace
+
+from kungfu.elastic import Round
+from kungfu.policy import LoadBalancing, MomentumCompensation, TrainingState
 from kungfu.policy.load_balancing import split
+
+
+def decide(policy, state, hook="after_step"):
+    """A policy's hook in an open decision round, as kf.Hook runs it; the decisions recorded."""
+    r = Round(SimpleNamespace(state=state, policies=[policy]), None, "test")
+    r.open()
+    try:
+        getattr(policy, hook)(state)
+    finally:
+        decisions = r.close()
+    return decisions
 
 
 def run_round(policy, state):
     """One step boundary as kf.Hook runs it: the policy's after_step, then the decisions."""
-    _actions.note_training(state.global_batch_size, state.cluster_size)
-    _actions.open_round()
-    try:
-        policy.after_step(state)
-    finally:
-        decisions = _actions.close_round()
-        _actions.note_training(None, None)
-    return decisions
+    return decide(policy, state)
 
 
 def balance(policy, cost, steps, batch=32, jitter=0.0, seed=0):
@@ -121,11 +128,10 @@ def test_bad_policy_arguments_are_refused():
 def test_the_autoscaler_grows_while_workers_pay_then_walks_back(monkeypatch):
     """Throughput 100 k samples/s up to k = 2, then 220 flat: s(1->2) = 1, s(2->3) = 0.2,
     s(3->4) = 0; with S = 0.1 it probes 2, 3 and 4 and settles at 3 (the oracle's k)."""
-    import kungfu
     from kungfu.policy import ScalingAutoscaler
 
     asked = []
-    monkeypatch.setattr(kungfu, "resize", lambda n: asked.append(n) or True)
+    monkeypatch.setattr("kungfu.policy.autoscaler.resize", lambda n: asked.append(n) or True)
     clock = {"t": 0.0}
     monkeypatch.setattr("kungfu.policy.autoscaler.time.monotonic", lambda: clock["t"])
     policy = ScalingAutoscaler(threshold=0.1, window=4, settle=2, max_size=4)
@@ -148,10 +154,9 @@ def test_the_autoscaler_grows_while_workers_pay_then_walks_back(monkeypatch):
 
 
 def test_the_autoscaler_settles_when_no_worker_can_be_added(monkeypatch):
-    import kungfu
     from kungfu.policy import ScalingAutoscaler
 
-    monkeypatch.setattr(kungfu, "resize", lambda n: True)  # asked, but nothing changes
+    monkeypatch.setattr("kungfu.policy.autoscaler.resize", lambda n: True)  # nothing changes
     policy = ScalingAutoscaler(window=2, settle=0, max_size=4)
     state = TrainingState(cluster_size=2)
     for step in range(1, 10):
@@ -165,13 +170,10 @@ def straggle(policy, factors, steps, monkeypatch, jitter=0.0, seed=0, switch_aft
     """4 workers with equal parts whose compute time per sample is factors(step)[r] (x 1 +-
     jitter); a replacement asked for takes effect `switch_after` steps later with a worker of
     factor 1 in the leaver's place. Returns the replacements asked for (step, rank)."""
-    import kungfu
-    from kungfu import elastic
-
     asked = []
-    monkeypatch.setattr(kungfu, "resize", lambda n, leave=(): asked.append((n, list(leave))))
+    monkeypatch.setattr("kungfu.policy.stragglers.resize",
+                        lambda n, leave=(): asked.append((n, list(leave))))
     pending = {"until": None}
-    monkeypatch.setattr(elastic.context(), "pending", None)
     rng = np.random.default_rng(seed)
     replaced = {}
     state = TrainingState(cluster_size=4)
@@ -183,14 +185,14 @@ def straggle(policy, factors, steps, monkeypatch, jitter=0.0, seed=0, switch_aft
         state.metrics["part_sizes"] = [32] * 4
         state.metrics["compute_times"] = [0.001 * 32 * x * e for x, e in zip(f, noise)]
         if pending["until"] == step:
-            elastic.context().pending, pending["until"] = None, None
+            state.resize_pending, pending["until"] = False, None
         policy.after_step(state)
         if asked:
             (n, [rank]) = asked.pop()
             assert n == 4
             out.append((step, rank))
             replaced[rank] = 1.0  # the new worker, once switched (a few steps on)
-            elastic.context().pending = "waiting"
+            state.resize_pending = True
             pending["until"] = step + switch_after
     return out
 
@@ -222,50 +224,43 @@ def test_no_straggler_and_ten_percent_jitter_replace_no_one(monkeypatch):
         assert got == []
 
 
-def test_gns_batch_growth_doubles_while_the_noise_scale_exceeds_the_batch(monkeypatch):
-    import kungfu
+def test_gns_batch_growth_doubles_while_the_noise_scale_exceeds_the_batch():
     from kungfu.policy import GNSBatchGrowth
 
-    gns = {"value": 300.0}
-    monkeypatch.setattr(kungfu, "grad_noise_scale", lambda: gns["value"], raising=False)
     policy = GNSBatchGrowth(max_batch=64)
     state = TrainingState(local_batch_size=8, global_batch_size=32, cluster_size=4,
                           learning_rate=0.1)
+    gns = state.metrics
+    gns["gns"] = 300.0
     seen = []
     for epoch in range(6):
-        _actions.open_round()
-        policy.after_epoch(state)
-        got = _actions.close_round()
+        got = decide(policy, state, "after_epoch")
         if "batch_size" in got:
             state.local_batch_size = got["batch_size"]
             state.global_batch_size = 4 * got["batch_size"]
             state.learning_rate = got["learning_rate"]
         seen.append((state.local_batch_size, round(state.learning_rate, 4)))
         if epoch == 1:
-            gns["value"] = 40.0  # below the next global batch (64): no growth...
+            gns["gns"] = 40.0  # below the next global batch (64): no growth...
         if epoch == 3:
-            gns["value"] = float("nan")  # ...nor without an estimate
+            gns["gns"] = float("nan")  # ...nor without an estimate
     assert seen[:2] == [(16, 0.1414), (32, 0.2)]
     assert seen[2:] == [(32, 0.2)] * 4
-    gns["value"] = 1e6
-    _actions.open_round()
-    GNSBatchGrowth(max_batch=32).after_epoch(state)  # 64 > max_batch: stays
-    assert _actions.close_round() == {}
+    gns["gns"] = 1e6
+    assert decide(GNSBatchGrowth(max_batch=32), state, "after_epoch") == {}  # 64 > max_batch
 
 
-def test_adascale_gain_is_between_1_and_the_scale(monkeypatch):
-    import kungfu
+def test_adascale_gain_is_between_1_and_the_scale():
     from kungfu.policy import AdaScale
 
-    stats = {"v": (float("nan"), float("nan"))}
-    monkeypatch.setattr(kungfu, "grad_noise_stats", lambda: stats["v"], raising=False)
     policy = AdaScale(base_batch=32, base_lr=0.1)
     state = TrainingState(global_batch_size=128)
+    stats = {}
 
     def lr():
-        _actions.open_round()
-        policy.after_step(state)
-        return _actions.close_round()["learning_rate"]
+        if "v" in stats:
+            state.metrics["grad_noise_stats"] = stats["v"]
+        return decide(policy, state)["learning_rate"]
 
     assert lr() == pytest.approx(0.1)  # no estimate yet: gain 1
     stats["v"] = (3200.0, 1.0)  # noise dominates: gain = (100 + 1) / (25 + 1) ~ 3.88 of 4

@@ -3,12 +3,14 @@ split, and the emulated compute of experiments (KUNGFU_SAMPLE_TIME, KUNGFU_SLOWD
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+import kungfu as kf
 from kungfu import _env
-from kungfu.policy import _actions
+from kungfu.elastic import Round, TrainingState
 
 tf = pytest.importorskip("tensorflow")
 
@@ -53,18 +55,22 @@ def test_every_sample_once_per_epoch_with_an_uneven_split(sizes):
 
 
 def test_a_split_is_checked_against_the_cluster_and_the_global_batch():
-    _actions.note_training(12, 3)
+    state = TrainingState(cluster_size=3, global_batch_size=12)
+    r = Round(SimpleNamespace(state=state, policies=[]), None, "test")
+    r.open()
     try:
-        assert _actions.check_batch_sizes((2, 4, 6)) == [2, 4, 6]
+        kf.set_batch_sizes((2, 4, 6))
+        assert r.decisions == {"batch_sizes": [2, 4, 6]}
         for bad, why in [([4, 8], "3 workers"), ([2, 4, 7], "sum to 13"),
                          ([0, 6, 6], "positive integer"), ([-2, 8, 6], "positive integer"),
                          ([2.5, 4, 5.5], "positive integer"), ("246", "one size per worker")]:
             with pytest.raises(ValueError, match=why):
-                _actions.check_batch_sizes(bad)
-        with pytest.raises(RuntimeError, match="kf.Hook"):
-            _actions.set_batch_sizes([4, 4, 4])  # outside a policy hook
+                kf.set_batch_sizes(bad)
     finally:
-        _actions.note_training(None, None)
+        r.close()
+    assert r.decisions == {}
+    with pytest.raises(RuntimeError, match="kf.Hook"):
+        kf.set_batch_sizes([4, 4, 4])  # outside a policy hook
 
 
 def test_slowdown_parses_and_refuses_by_name():

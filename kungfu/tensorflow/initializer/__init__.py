@@ -15,7 +15,7 @@ from typing import Iterable
 import keras
 import tensorflow as tf
 
-import kungfu
+from kungfu import _peer
 from kungfu.tensorflow.optimizers import _fusion
 
 DEFAULT_BUCKET_BYTES = 16 << 20
@@ -44,7 +44,7 @@ def broadcast_variables(variables: Iterable, root: int = 0, name: str = "kungfu/
     """
     if isinstance(root, bool) or not isinstance(root, int):
         raise TypeError(f"root must be an int, got {type(root).__name__}")
-    size = kungfu.size()
+    size = _peer.identity().size
     if not 0 <= root < size:
         raise ValueError(f"root {root} is not a rank of this cluster of {size} workers")
     variables = _flatten(variables)
@@ -153,7 +153,7 @@ def prepare_fit(model) -> None:
         return
     if not isinstance(opt, Optimizer):
         own_step = getattr(type(model), "train_step", None) is not keras.Model.train_step
-        if kungfu.size() > 1 and not own_step:
+        if _peer.identity().size > 1 and not own_step:
             warnings.warn(
                 f"kungfu: the model's optimizer is a plain {type(opt).__name__}, not a kungfu "
                 "distributed optimizer: each worker trains on its own. Wrap it with "

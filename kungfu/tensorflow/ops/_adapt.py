@@ -19,6 +19,10 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from kungfu import python as _kp
+from kungfu.elastic import set_tree as _set_tree
+from kungfu.tensorflow.ops._collectives import all_reduce, request_variable
+
 
 def _eager_only(what: str) -> None:
     if not tf.executing_eagerly():
@@ -38,8 +42,6 @@ def set_tree(tree, name: Optional[str] = None):
     or trees that differ fail on every worker with ValueError. Returns True (a bool tensor).
     KungFu's idiom set_tree(broadcast(tree)) works as it is."""
     _eager_only("set_tree")
-    from kungfu.policy import set_tree as _set_tree
-
     tree = np.asarray(_value(tree))
     if tree.ndim != 1 or not np.issubdtype(tree.dtype, np.integer):
         raise ValueError(f"set_tree: a tree is a 1-D integer array of fathers, got {tree!r}")
@@ -54,8 +56,6 @@ def resize(n=None):
     kf.ResizeError saying so, and nothing changes. Outside a kf.Hook it is a collective that
     every worker calls at the same point; from a policy hook, the Hook applies it."""
     _eager_only("resize")
-    from kungfu import python as _kp
-
     changed, detached = _kp.resize(None if n is None else int(_value(n)))
     return tf.constant(bool(changed)), tf.constant(bool(detached))
 
@@ -76,16 +76,12 @@ def monitored_all_reduce(t, tree=None, op: str = "sum", name: Optional[str] = No
         raise NotImplementedError(
             "monitored_all_reduce(tree=...): a tree per call is not supported (KungFu deprecated "
             "it); install one with kungfu.tensorflow.ops.set_tree(tree) (or kf.set_tree)")
-    from kungfu.tensorflow.ops import all_reduce
-
     return all_reduce(t, op=op, name=name)
 
 
 def request_variable_with_template(target, template, version=None, name: Optional[str] = None,
                                    timeout: Optional[float] = None):
     """KungFu's request_variable_with_template: request_variable shaped like `template`."""
-    from kungfu.tensorflow.ops import request_variable
-
     return request_variable(target, version=version, name=name, like=template, timeout=timeout)
 
 

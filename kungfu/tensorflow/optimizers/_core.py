@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import keras
 import tensorflow as tf
 
+from kungfu._collective import _strategy_code
 from kungfu.tensorflow import _monitor, ops
 from kungfu.tensorflow.optimizers._fusion import mean_over_workers as _mean_over_workers
 
@@ -182,7 +183,7 @@ class Optimizer:
                 value = int(value)
         elif key == "strategy":
             if value is not None:
-                ops._strategy(value)  # raises on an unknown strategy name
+                _strategy_code(value)  # raises on an unknown strategy name
         elif key == "monitor":
             value = _monitor.normalize(value)
         elif key == "monitor_interval":
