@@ -5,13 +5,15 @@ strategy) is declared here, where -help states it.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import sys
 import textwrap
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from kungfu import _env
+from kungfu import _env, _native
 from kungfu._hosts import UsageError, parse_port_range
 from kungfu._launch.output import PROG, logger
 
@@ -22,19 +24,6 @@ EXIT_NOT_FOUND = 127
 
 DEFAULT_PORT_RANGE = (10000, 11000)
 DEFAULT_STRATEGY = "AUTO"
-STRATEGIES = (
-    "STAR",
-    "RING",
-    "TREE",
-    "BINARY_TREE",
-    "BINARY_TREE_STAR",
-    "MULTI_BINARY_TREE_STAR",
-    "CLIQUE",
-    "DIRECT",
-    "HIERARCHICAL",
-    "MULTI_STAR",
-    "AUTO",
-)
 # After SIGTERM, how long a worker may take to exit before it gets SIGKILL.
 GRACE_SECONDS = 5.0
 
@@ -68,7 +57,7 @@ class Options:
     host_cooldown: Optional[float] = None  # -w: seconds a host that failed twice gets no worker
 
 
-HELP = """\
+_HELP = """\
 usage: kungfu-run [flags] [--] command [args...]
 
 Starts the workers of a kungfu job that run on this host. Run one kungfu-run per host, each with
@@ -162,17 +151,34 @@ failed (128+k for a worker killed by signal k); 124 on -timeout; 2 for a bad com
 Examples:
   kungfu-run -np 4 python train.py --epochs 3
   kungfu-run -np 8 -H 10.0.0.1:4,10.0.0.2:4 -nic eth0 -logdir logs -- python train.py
-""".format(
-    ports="{}-{}".format(*DEFAULT_PORT_RANGE),
-    strategies=textwrap.fill(", ".join(STRATEGIES), width=96, initial_indent=" " * 22,
-                             subsequent_indent=" " * 22),
-    strategy=DEFAULT_STRATEGY,
-    identity=", ".join(
-        [_env.SELF_SPEC.name, _env.INIT_PEERS.name, _env.INIT_CLUSTER_VERSION.name,
-         _env.ALLREDUCE_STRATEGY.name]
-    ),
-    grace=GRACE_SECONDS,
-)
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def strategy_names() -> Tuple[str, ...]:
+    """The runtime's strategy names (its one table, through kungfu._native), the default last:
+    it chooses among the others. The runtime names a code past its last strategy UNKNOWN. Only
+    -help and -strategy load the native module; a launcher that is given neither never does."""
+    native = _native.lib()
+    names = itertools.takewhile(lambda name: name != "UNKNOWN",
+                                (native.strategy_name(k) for k in itertools.count()))
+    return tuple(sorted(names, key=lambda name: name == DEFAULT_STRATEGY))
+
+
+def help_text() -> str:
+    """What -help prints."""
+    return _HELP.format(
+        ports="{}-{}".format(*DEFAULT_PORT_RANGE),
+        strategies=textwrap.fill(", ".join(strategy_names()), width=96,
+                                 initial_indent=" " * 22, subsequent_indent=" " * 22),
+        strategy=DEFAULT_STRATEGY,
+        identity=", ".join(
+            [_env.SELF_SPEC.name, _env.INIT_PEERS.name, _env.INIT_CLUSTER_VERSION.name,
+             _env.ALLREDUCE_STRATEGY.name]
+        ),
+        grace=GRACE_SECONDS,
+    )
+
 
 _VALUE_FLAGS = {
     "np": "np",
@@ -221,8 +227,9 @@ def _parse_np(text: str, flag: str = "np") -> int:
 
 def parse_strategy(text: str) -> str:
     name = text.strip().upper()
-    if name not in STRATEGIES:
-        raise UsageError(f"unknown -strategy {text!r} (choose one of {', '.join(STRATEGIES)})")
+    names = strategy_names()
+    if name not in names:
+        raise UsageError(f"unknown -strategy {text!r} (choose one of {', '.join(names)})")
     return name
 
 

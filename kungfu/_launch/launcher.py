@@ -7,8 +7,8 @@ the KUNGFU_* environment variables (kungfu._env.worker_env), prefixes every line
 print with their rank, forwards SIGINT/SIGTERM, and stops the job when a worker fails or the
 time limit passes. Elastic mode (-w, kungfu/_launch/elastic.py) extends the same loop.
 
-The launcher uses only the standard library and kungfu._env: it never loads the native runtime
-or TensorFlow.
+The launcher never loads TensorFlow, nor the native runtime but to read the strategies' names
+(kungfu/_launch/flags.py: for -help and -strategy).
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def run(argv: Sequence[str]) -> int:
     try:
         opts = flags.parse_args(argv)
         if opts.help:
-            sys.stdout.write(flags.HELP)
+            sys.stdout.write(flags.help_text())
             sys.stdout.flush()
             return 0
         if opts.version:

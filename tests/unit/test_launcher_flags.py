@@ -142,14 +142,14 @@ def test_parse_duration_rejects(text):
         _env.parse_duration(text)
 
 
-@pytest.mark.parametrize("name", flags.STRATEGIES)
+@pytest.mark.parametrize("name", flags.strategy_names())
 def test_strategy_names_case_insensitive(name):
     assert flags.parse_strategy(name.lower()) == name
     assert flags.parse_strategy(name.title()) == name
 
 
 def test_strategy_names_match_the_runtime():
-    """The launcher's static list is exactly the set of names the native runtime accepts."""
+    """The launcher's list is exactly the set of names the native runtime accepts."""
     code = (
         "from kungfu import _kungfu\nfrom kungfu._launch import flags\n"
         "names = set()\n"
@@ -158,12 +158,12 @@ def test_strategy_names_match_the_runtime():
         "    if n != 'UNKNOWN':\n"
         "        assert _kungfu.parse_strategy(n) == i\n"
         "        names.add(n)\n"
-        "for n in flags.STRATEGIES:\n"
+        "for n in flags.strategy_names():\n"
         "    _kungfu.parse_strategy(n)\n"
         "try:\n"
         "    _kungfu.parse_strategy('NOT_A_STRATEGY')\n"
         "except ValueError:\n"
-        "    print(sorted(names) == sorted(flags.STRATEGIES), sorted(names))\n"
+        "    print(sorted(names) == sorted(flags.strategy_names()), sorted(names))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -189,11 +189,11 @@ def test_double_dash_ends_flags():
 
 def test_single_double_dash_and_equals_forms():
     a = flags.parse_args(["-np", "4", "-H", "a:2,b:2", "-self", "a", "-strategy", "ring",
-                      "-port-range", "100-200", "-logdir", "d", "-timeout", "1m", "-q",
-                      "-timeline", "t", "cmd"])
+                          "-port-range", "100-200", "-logdir", "d", "-timeout", "1m", "-q",
+                          "-timeline", "t", "cmd"])
     b = flags.parse_args(["--np=4", "--H=a:2,b:2", "--self=a", "--strategy=RING",
-                      "--port-range", "100-200", "--logdir=d", "--timeout", "60s", "--q",
-                      "--timeline=t", "cmd"])
+                          "--port-range", "100-200", "--logdir=d", "--timeout", "60s", "--q",
+                          "--timeline=t", "cmd"])
     for o in (a, b):
         assert (o.np, o.hosts, o.self_host, o.strategy, o.port_range, o.logdir, o.timeout,
                 o.quiet, o.timeline, o.command) == (4, "a:2,b:2", "a", "RING", (100, 200), "d",
@@ -307,7 +307,7 @@ def test_help(flag):
               "-timeout", "-timeline"]:
         assert f"\n  {f} " in text, f
     for fact in ["10000-11000", "127.0.0.1:N", "AUTO", "124", "rank-r.log", "kungfu-run -np 4",
-                 "default 1", *flags.STRATEGIES]:
+                 "default 1", *flags.strategy_names()]:
         assert fact in text, fact
 
 
@@ -480,8 +480,8 @@ def test_a_death_by_signal_wins_over_notes_just_before_its_reap():
 
 
 def test_failure_flags_of_elastic_jobs():
-    opts = flags.parse_args(["-w", "-builtin-config-port", "9", "-min-np", "2", "-max-restarts", "0",
-                         "-replace=false", "-host-cooldown", "1m30s", "prog"])
+    opts = flags.parse_args(["-w", "-builtin-config-port", "9", "-min-np", "2", "-max-restarts",
+                             "0", "-replace=false", "-host-cooldown", "1m30s", "prog"])
     assert (opts.min_np, opts.max_restarts, opts.replace, opts.host_cooldown) == (2, 0, False, 90)
     opts = flags.parse_args(["-w", "-builtin-config-port", "9", "-host-cooldown", "0", "prog"])
     assert opts.host_cooldown == 0
@@ -524,8 +524,9 @@ def test_verbose_and_gpu_flags():
 
 
 def test_help_documents_verbose_and_gpu_flags():
-    assert "\n  -v " in flags.HELP and '"kungfu.run"' in flags.HELP
-    assert "-gpu-per-worker=false" in flags.HELP and "KUNGFU_GPU_COUNT" in flags.HELP
+    text = flags.help_text()
+    assert "\n  -v " in text and '"kungfu.run"' in text
+    assert "-gpu-per-worker=false" in text and "KUNGFU_GPU_COUNT" in text
 
 
 @pytest.mark.parametrize("slot,gpus,user,expected", [
