@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import List, Sequence
 
 from kungfu import _peer, _strategy
@@ -114,8 +115,17 @@ def resize(n: int, leave: Sequence[int] = ()) -> bool:
     From a policy hook run by kf.Hook, the decision is agreed, then applied once the new
     workers are ready, without stopping training. In a program with no kf.Hook (a custom
     loop), it is a collective: every worker calls it with the same n at the same point, and it
-    returns once the cluster has changed (or the resize was given up: False); see resize_now."""
+    returns once the cluster has changed (or the resize was given up: False); see resize_now.
+
+    In a policy hook, a size the job cannot have (more workers than its slots, or any other
+    size in a job that is not elastic) is refused: a warning says why, it returns False and
+    training goes on, so a policy that probes for more workers never ends the job."""
     ctx = context()
+    if _round.current() is not None and isinstance(n, int) and not isinstance(n, bool) \
+            and n >= 1 and ctx.unavailable(n):
+        warnings.warn(f"kungfu: kf.resize({n}) refused: {ctx.unavailable(n)}; training goes on "
+                      f"with {_peer.identity().size} workers")
+        return False
     n = ctx.check_size(n)
     gone = ctx.check_leave(leave)
     if _round.current() is None:

@@ -196,3 +196,38 @@ def seed_form_policy():
         hook.after_epoch()
     hook.after_train()
     return policy.calls
+
+
+def talk_gns_policy(steps: int):
+    """The KungFu talk's GNS policy, as printed but for a starting `prev`: after every step it
+    averages the noise scale and asks for one worker more while it grows, in a job that is not
+    elastic (so every ask is beyond the job's slots). Returns the warnings, the sizes asked for,
+    and the final weights' digest."""
+    import warnings
+
+    kf, tf, keras = _setup()
+    asked = []
+
+    class GNSPolicy(kf.BasePolicy):
+        def __init__(self):
+            self.prev = 0.0
+
+        def after_step(self):
+            gns = kf.grad_noise_scale()
+            avg = kf.allreduce(gns, "avg")
+            if avg > self.prev:
+                asked.append(kf.size() + 1)
+                asked.append(kf.resize(kf.size() + 1))
+            self.prev = avg
+
+    rng = np.random.default_rng(kf.rank())
+    x = rng.normal(size=(8 * steps, 4)).astype(np.float32)
+    y = (x.sum(axis=1, keepdims=True) + rng.normal(size=(8 * steps, 1))).astype(np.float32)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=kf.Optimizer(keras.optimizers.SGD(0.01), monitor=["gns"]),
+                  loss="mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[kf.Hook(GNSPolicy())])
+    return {"warnings": [str(w.message) for w in caught if "kf.resize" in str(w.message)],
+            "asked": asked, "size": kf.size(), "weights": _digest(model.get_weights())}

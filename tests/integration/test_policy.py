@@ -134,3 +134,19 @@ def test_policy_hooks_without_the_state_argument(spawn):
     for calls in spawn(2, w.seed_form_policy, env=ENV, timeout=90):
         # 12 samples, 3 per worker per step at np=2: 2 steps per epoch, 2 epochs.
         assert calls == {"before_epoch": 2, "after_step": 4, "after_epoch": 1 + 2}
+
+
+@pytest.mark.timeout(200)
+def test_a_policy_asking_for_more_workers_than_slots_is_refused_and_training_goes_on(spawn):
+    """The talk's GNS policy under a plain (not elastic) kungfu-run: every kf.resize(size + 1)
+    returns False with a warning that says why; training ends normally with the same weights."""
+    results = spawn(2, w.talk_gns_policy, 6, env=ENV, timeout=150)
+    digests = {r["weights"] for r in results}
+    assert len(digests) == 1
+    for r in results:
+        assert r["size"] == 2
+        asks = r["asked"]
+        assert asks and asks[0::2] == [3] * (len(asks) // 2) and not any(asks[1::2])
+        assert len(r["warnings"]) == len(asks) // 2
+        assert "kf.resize(3) refused: kf.resize needs an elastic job" in r["warnings"][0]
+        assert "training goes on with 2 workers" in r["warnings"][0]
