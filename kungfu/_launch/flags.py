@@ -13,7 +13,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from kungfu import _env, _native
+from kungfu import _env, _native, store
 from kungfu._hosts import UsageError, parse_port_range
 from kungfu._launch.output import PROG, logger
 
@@ -359,8 +359,6 @@ def check_store_credentials(opts: Options) -> None:
     """Reads -config-server-credentials (or KUNGFU_ETCD_CREDENTIALS) once, so that a bad file is
     a usage error here rather than every worker's; warns, once, when the -config-server URL
     holds a password: kungfu-run's command line is readable by every local user."""
-    from kungfu import store
-
     if opts.config_server_credentials is not None:
         opts.config_server_credentials = os.path.abspath(opts.config_server_credentials)
     try:

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import List, Optional
 
+from kungfu import timeline
 from kungfu._hosts import Worker
 from kungfu._launch.flags import EXIT_TIMEOUT, GRACE_SECONDS, Options
 from kungfu._launch.output import _fmt_seconds, _plural, _ranks
@@ -67,8 +68,6 @@ class Launcher(Processes):
 
     def _merge_timeline(self, since: float) -> None:
         """Joins the trace files this job's workers wrote here into DIR/timeline.json."""
-        from kungfu import timeline
-
         try:
             out, files = timeline.merge(self.opts.timeline, since=since)
         except OSError as e:

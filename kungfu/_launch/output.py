@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, BinaryIO, Optional, Sequence
+from typing import BinaryIO, Optional, Sequence
 
 from kungfu._hosts import Worker
-
-if TYPE_CHECKING:
-    from kungfu._launch.flags import Options
 
 PROG = "kungfu-run"
 
@@ -93,12 +90,12 @@ class _LogHandler(logging.Handler):
             self.handleError(record)
 
 
-def configure_logging(opts: "Options", sink: "_Output") -> None:
+def configure_logging(sink: _Output, quiet: bool, verbose: bool) -> None:
     """Points the launcher's logger at `sink` (replacing an earlier sink) at the level that
-    -q / -v ask for."""
+    -q (`quiet`) / -v (`verbose`) ask for."""
     for h in list(logger.handlers):
         logger.removeHandler(h)
     logger.addHandler(_LogHandler(sink))
-    logger.setLevel(logging.WARNING if opts.quiet else logging.DEBUG if opts.verbose
+    logger.setLevel(logging.WARNING if quiet else logging.DEBUG if verbose
                     else logging.INFO)
     logger.propagate = False

@@ -27,6 +27,7 @@ from kungfu._hosts import (
 )
 from kungfu._launch.flags import DEFAULT_PORT_RANGE, Options, check_store_credentials
 from kungfu._launch.output import _plural, _ranks, logger
+from kungfu._ports import free_port_block
 
 
 @dataclass
@@ -206,8 +207,6 @@ def _free_default_ports(opts: Options, hosts: Sequence[HostSpec]) -> Optional[st
     taken = _taken(hosts, opts.port_range)
     if not taken:
         return None
-    from kungfu._ports import free_port_block
-
     slots = max(h.slots for h in hosts)
     try:
         base = free_port_block(slots, [h.host for h in hosts])

@@ -118,7 +118,7 @@ class Processes:
         self._exit_notes = os.pipe()
         self._exit_noted: Dict[int, float] = {}
         self._notes_reader: Optional[threading.Thread] = None
-        configure_logging(opts, self.err)
+        configure_logging(self.err, opts.quiet, opts.verbose)
         self.gpus = gpu_count() if opts.gpu_per_worker else 0
         self.user_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
         if opts.gpu_per_worker and (self.gpus or self.user_devices is not None):

@@ -34,7 +34,8 @@ def run(argv: Sequence[str]) -> int:
             sys.stdout.write(f"{flags.PROG} (kungfu) {__version__}\n")
             sys.stdout.flush()
             return 0
-        output.configure_logging(opts, output._Output(output._binary(sys.stderr)))
+        output.configure_logging(output._Output(output._binary(sys.stderr)), opts.quiet,
+                                 opts.verbose)
         job = plan.prepare(opts)
     except UsageError as e:
         sys.stderr.write(f"{flags.PROG}: {e}\n")

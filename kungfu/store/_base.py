@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from kungfu._hosts import UsageError, parse_hosts, parse_port_range, plan_workers
+
 CONFIG_KEY = "cluster/config"
 READY_PREFIX = "cluster/ready/"
 FAILED_PREFIX = "cluster/failed/"  # a launcher's word that a joiner died before the switch
@@ -215,8 +217,6 @@ class Store:
         boundary (kf.Hook) or in kungfu.python.resize() (a custom loop) and resizes through the
         usual protocol. Raises RequestRefused (its `status`: 400 bad request, 409 conflict with
         the job's state) naming the problem; nothing is stored then."""
-        from kungfu._hosts import UsageError, parse_hosts, parse_port_range, plan_workers
-
         try:
             new = ClusterConfig(0 if version is None else version, peers)
         except ValueError as e:

@@ -6,10 +6,12 @@
 thread."""
 from __future__ import annotations
 
+import argparse
 import collections
 import hmac
 import io
 import json
+import signal
 import socket
 import threading
 import time
@@ -399,9 +401,6 @@ class ConfigServer:
 
 def server_main(argv=None) -> int:
     """kungfu-config-server: the builtin config store as a standalone process."""
-    import argparse
-    import signal
-
     p = argparse.ArgumentParser(
         prog="kungfu-config-server",
         description="Serve an elastic kungfu job's config store over HTTP (what kungfu-run "
