@@ -30,6 +30,7 @@ from kungfu._collective import (
     reducescatter_async,
 )
 from kungfu._process_set import ProcessSet
+from kungfu._version import __version__  # noqa: F401
 
 from kungfu.elastic import ResizeError, detached, resize
 from kungfu.policy import (
@@ -43,8 +44,6 @@ from kungfu.policy import (
     set_tree,
     sqrt_scaled_lr,
 )
-
-__version__ = "0.1.0"
 
 
 def _identity():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-from kungfu import __version__
+from kungfu._version import __version__
 from kungfu._hosts import UsageError
 from kungfu._launch import flags, output, plan
 from kungfu._launch.elastic import ElasticLauncher
