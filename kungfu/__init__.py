@@ -84,6 +84,7 @@ def init() -> None:
 _TENSORFLOW_NAMES = {
     "Optimizer": "kungfu.tensorflow",
     "Compression": "kungfu.tensorflow",
+    "DistributedGradientTape": "kungfu.tensorflow",
     "SyncBatchNormalization": "kungfu.tensorflow",
     "load_model": "kungfu.tensorflow",
     "BroadcastGlobalVariablesCallback": "kungfu.tensorflow",

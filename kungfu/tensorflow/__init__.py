@@ -15,6 +15,7 @@ from kungfu.tensorflow.callbacks import (  # noqa: F401
     MetricAverageCallback,
     combine_metrics,
 )
+from kungfu.tensorflow.gradient_tape import DistributedGradientTape  # noqa: F401
 from kungfu.tensorflow.data import ElasticData, RecordFiles, shard  # noqa: F401
 from kungfu.tensorflow._monitor import (  # noqa: F401
     grad_noise_scale,
@@ -33,6 +34,7 @@ __all__ = [
     "ops",
     "Optimizer",
     "Compression",
+    "DistributedGradientTape",
     "SyncBatchNormalization",
     "load_model",
     "BroadcastGlobalVariablesCallback",

@@ -30,6 +30,8 @@ import tensorflow as tf
 
 from kungfu._collective import _strategy_code
 from kungfu.tensorflow import _monitor, ops
+from kungfu.tensorflow.optimizers._fusion import Averaged
+from kungfu.tensorflow.optimizers._fusion import average_gradients as _average_gradients
 from kungfu.tensorflow.optimizers._fusion import mean_over_workers as _mean_over_workers
 
 DEFAULT_BUCKET_BYTES = None  # one allreduce per dtype over all its tensors (ops.group_all_reduce)
@@ -167,48 +169,50 @@ class Optimizer:
                 f"unknown option(s) {unknown} for algorithm {self._kf_algorithm!r} "
                 f"(accepted: {sorted(self._kf_accepts)}){hint}")
         for k, v in options.items():
-            setattr(self, "_kf_" + k, self._kf_validate(k, v))
+            setattr(self, "_kf_" + k, validate_option(k, v))
 
     def _kf_configured(self):
         """Called once the options are set."""
 
-    def _kf_validate(self, key, value):
-        if key == "op_prefix":
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"op_prefix must be a non-empty string, got {value!r}")
-        elif key == "bucket_bytes":
-            if value is not None:
-                if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-                    raise ValueError(f"bucket_bytes must be a positive integer or None, got {value!r}")
-                value = int(value)
-        elif key == "strategy":
-            if value is not None:
-                _strategy_code(value)  # raises on an unknown strategy name
-        elif key == "monitor":
-            value = _monitor.normalize(value)
-        elif key == "monitor_interval":
-            value = _monitor.check_interval(value)
-        elif key == "monitor_decay":
-            value = _monitor.check_decay(value)
-        elif key == "batch_size":
-            value = None if value is None else _monitor.check_batch_size(value)
-        elif key == "compression":
-            name = getattr(value, "name", value)  # also an object named like Horovod's
-            if name is None or name == "none":
-                value = None
-            elif name == "fp16":
-                value = "fp16"
-            else:
-                raise ValueError(f"compression must be None, 'none' or 'fp16', got {value!r}")
-        elif key == "sparse_as_dense":
-            if not isinstance(value, bool):
-                raise ValueError(f"sparse_as_dense must be True or False, got {value!r}")
-        elif key == "alpha":
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-                    0.0 < float(value) <= 1.0) or math.isnan(float(value)):
-                raise ValueError(f"alpha must be a number in (0, 1], got {value!r}")
-            value = float(value)
-        return value
+
+def validate_option(key: str, value):
+    """An option of kf.Optimizer (or kf.DistributedGradientTape), checked and normalized."""
+    if key == "op_prefix":
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"op_prefix must be a non-empty string, got {value!r}")
+    elif key == "bucket_bytes":
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+                raise ValueError(f"bucket_bytes must be a positive integer or None, got {value!r}")
+            value = int(value)
+    elif key == "strategy":
+        if value is not None:
+            _strategy_code(value)  # raises on an unknown strategy name
+    elif key == "monitor":
+        value = _monitor.normalize(value)
+    elif key == "monitor_interval":
+        value = _monitor.check_interval(value)
+    elif key == "monitor_decay":
+        value = _monitor.check_decay(value)
+    elif key == "batch_size":
+        value = None if value is None else _monitor.check_batch_size(value)
+    elif key == "compression":
+        name = getattr(value, "name", value)  # also an object named like Horovod's
+        if name is None or name == "none":
+            value = None
+        elif name == "fp16":
+            value = "fp16"
+        else:
+            raise ValueError(f"compression must be None, 'none' or 'fp16', got {value!r}")
+    elif key == "sparse_as_dense":
+        if not isinstance(value, bool):
+            raise ValueError(f"sparse_as_dense must be True or False, got {value!r}")
+    elif key == "alpha":
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+                0.0 < float(value) <= 1.0) or math.isnan(float(value)):
+            raise ValueError(f"alpha must be a number in (0, 1], got {value!r}")
+        value = float(value)
+    return value
 
 
 _MONITOR_OPTIONS = ("monitor", "monitor_interval", "monitor_decay", "batch_size")
@@ -252,35 +256,33 @@ class _SynchronousSGD(Optimizer):
         """The gradient monitor (None without monitor=...)."""
         return self.__dict__.get("_kf_gradient_monitor")
 
+    def _kf_average(self, grads) -> Averaged:
+        """The gradients averaged over the workers; records the wait (kungfu_allreduce_wait)."""
+        stamps = []
+
+        def ready(local):
+            with tf.control_dependencies(local):
+                stamps.append(tf.timestamp())
+
+        averaged = _average_gradients(grads, self._kf_prefix(), self._kf_bucket_bytes,
+                                      self._kf_strategy, self._kf_compression,
+                                      self._kf_sparse_as_dense, before=ready)
+        with tf.control_dependencies(averaged.averaged):
+            self.__dict__["_kf_wait"].assign(tf.timestamp() - stamps[0])
+        return averaged
+
     def apply(self, grads, trainable_variables=None):
         self._kf_check_context()
-        grads = list(grads)
-        present = [i for i, g in enumerate(grads) if g is not None]
-        sparse = [] if self._kf_sparse_as_dense else [
-            i for i in present if isinstance(grads[i], tf.IndexedSlices)]
-        present = [i for i in present if i not in sparse]
-        # IndexedSlices (embedding gradients) become dense tensors unless sparse_as_dense=False:
-        # workers touch different rows, and a dense sum is what every worker can agree on in size.
-        dense = [tf.convert_to_tensor(grads[i]) for i in present]
-        with tf.control_dependencies(dense):
-            ready = tf.timestamp()
-        averaged = _mean_over_workers(dense, f"{self._kf_prefix()}/grads",
-                                      self._kf_bucket_bytes, self._kf_strategy,
-                                      self._kf_compression)
-        for i in sparse:
-            grads[i] = ops.all_reduce(grads[i], op="avg", name=f"{self._kf_prefix()}/sparse/{i}")
-        with tf.control_dependencies(averaged):
-            self.__dict__["_kf_wait"].assign(tf.timestamp() - ready)
-        for i, g in zip(present, averaged):
-            grads[i] = g
+        averaged = self._kf_average(grads)
         monitor = self.kungfu_monitor
         step = None
         if monitor is not None:
             self._kf_build_if_needed(trainable_variables)
             step = _value(self._iterations)
-        result = super().apply(grads, trainable_variables)
-        if monitor is not None and dense:
-            monitor.update(dense, averaged, step, f"{self._kf_prefix()}/monitor")
+        result = super().apply(averaged.grads, trainable_variables)
+        if monitor is not None and averaged.local:
+            monitor.update(averaged.local, averaged.averaged, step,
+                           f"{self._kf_prefix()}/monitor")
         return result
 
 

@@ -1,7 +1,7 @@
 """Collectives over many tensors for the optimizers and initializers (see ops._fusion)."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import tensorflow as tf
 
@@ -34,3 +34,38 @@ def mean_over_workers(tensors: Sequence, prefix: str, bucket_bytes: Optional[int
 def broadcast(tensors: Sequence, root: int, prefix: str, bucket_bytes: int) -> List[tf.Tensor]:
     return fused_apply(tensors, prefix, bucket_bytes,
                        lambda t, name: ops.broadcast(t, root=root, name=name))
+
+
+class Averaged(NamedTuple):
+    """Gradients averaged over the workers, for one step."""
+    grads: list  # the gradients as given, each replaced by its average (None stays None)
+    local: List[tf.Tensor]  # the dense local gradients that were averaged together
+    averaged: List[tf.Tensor]  # their averages (what the gradient monitor compares)
+
+
+def average_gradients(grads: Sequence, prefix: str, bucket_bytes: Optional[int] = None,
+                      strategy=None, compression: Optional[str] = None,
+                      sparse_as_dense: bool = True,
+                      before: Optional[Callable[[List[tf.Tensor]], object]] = None) -> Averaged:
+    """The average over all workers of each gradient, as kf.Optimizer's sync-sgd applies it.
+
+    IndexedSlices (embedding gradients) become dense tensors unless sparse_as_dense is False:
+    workers touch different rows, and a dense sum is what every worker can agree on in size.
+    Sparse ones are allgathered, the rows of every worker (exactly the dense result once
+    applied). Dense ones go in one group allreduce (mean_over_workers, with compression).
+    `before(local)` runs on the dense local gradients before they are sent (in eager mode the
+    order of the calls is the order of the work)."""
+    grads = list(grads)
+    present = [i for i, g in enumerate(grads) if g is not None]
+    sparse = [] if sparse_as_dense else [
+        i for i in present if isinstance(grads[i], tf.IndexedSlices)]
+    present = [i for i in present if i not in sparse]
+    local = [tf.convert_to_tensor(grads[i]) for i in present]
+    if before is not None:
+        before(local)
+    averaged = mean_over_workers(local, f"{prefix}/grads", bucket_bytes, strategy, compression)
+    for i in sparse:
+        grads[i] = ops.all_reduce(grads[i], op="avg", name=f"{prefix}/sparse/{i}")
+    for i, g in zip(present, averaged):
+        grads[i] = g
+    return Averaged(grads, local, averaged)

@@ -1,0 +1,35 @@
+"""The Horovod names users reach for, with real workers at np 2: DistributedGradientTape,
+kf.Optimizer(..., backward_passes_per_step=k), and mixed precision (Keras's LossScaleOptimizer
+around kf.Optimizer or inside it) when one worker's gradients overflow first."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")
+
+import _w_horovod_names as W  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "KUNGFU_OP_TIMEOUT": "30s"}
+
+
+def test_distributed_gradient_tape(spawn):
+    outs = spawn(2, W.tape_checks, env=ENV, timeout=120)
+    for o in outs:
+        expected = [np.array(e) for e in o["expected"]]
+        # gradient() is the average of every worker's local gradients, wrapped before or after
+        # recording, eager or traced, in the structure of the sources.
+        for got, want in zip(o["after"], expected):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(o["traced"], expected[0], rtol=1e-5, atol=1e-6)
+        assert o["unused"] is True
+        np.testing.assert_allclose(o["fp16"], expected[0], rtol=1e-2, atol=1e-3)
+        assert o["sparse_kind"] == ["EagerTensor", "IndexedSlices"]
+        assert o["sparse_equal"] is True
+        compression, not_a_tape = o["bad"]
+        assert compression[0] == "ValueError" and "compression" in compression[1]
+        assert not_a_tape == ["TypeError", "DistributedGradientTape wraps a tf.GradientTape, "
+                                           "got str"]
+    assert outs[0]["expected"] == outs[1]["expected"]
+    assert outs[0]["digest"] == outs[1]["digest"]
