@@ -91,6 +91,14 @@ def _samples_counted(model) -> float:
     return 0.0 if count is None else float(keras.ops.convert_to_numpy(count))
 
 
+def _batch_of(data) -> int:
+    """The number of samples in a batch as Keras counts them for its loss tracker: the rows of
+    the first input. Read from the data, not from the tracker: a train_step written as Keras's
+    guide writes it counts one per step (`update_state(loss)`)."""
+    first = next(t for t in keras.tree.flatten(data) if t is not None)
+    return int(first.shape[0])
+
+
 def _numbers(logs) -> dict:
     """Keras's logs of a step as numbers ({} for what a custom loop's step returned)."""
     if not isinstance(logs, dict):
@@ -352,11 +360,8 @@ class Hook(keras.callbacks.Callback):
             monitor = getattr(self.optimizer, "kungfu_monitor", None)
             learn_monitor = monitor is not None and not monitor.batch_known
             if learn_monitor or self.state.local_batch_size is None:
-                # Keras counts the samples of the epoch in its loss tracker: the first step's
-                # are this worker's batch size, which the noise scale and policies need.
-                before = _samples_counted(model)
-                logs = inner(*args, **kwargs)
-                batch = _samples_counted(model) - before
+                # This worker's batch size, which the noise scale and policies need.
+                logs, batch = self._measured_step(inner, args, kwargs)
                 if batch > 0:
                     if learn_monitor:
                         monitor.set_batch_size(batch)
@@ -373,6 +378,20 @@ class Hook(keras.callbacks.Callback):
 
         train_function.kungfu_guarded = fn
         return train_function
+
+    def _measured_step(self, train_fn, args, kwargs):
+        """Runs Keras's train function once; returns its logs and the batch it trained on. With
+        one step per call (Keras's default) the batch is taken from the iterator here and the
+        function trains on it (Keras's functions take a list of batches as well); with more,
+        from the samples its loss tracker counted over the call's steps."""
+        model = self.model
+        spe = int(keras.ops.convert_to_numpy(getattr(model, "steps_per_execution", 1)))
+        if spe == 1 and len(args) == 1 and not kwargs:
+            data = next(args[0])
+            return train_fn([data]), _batch_of(data)
+        before = _samples_counted(model)
+        logs = train_fn(*args, **kwargs)
+        return logs, (_samples_counted(model) - before) / spe
 
     def _step_logs(self) -> dict:
         """The cluster's numbers for a step's logs: size, global batch, and the last step's

@@ -1,0 +1,63 @@
+"""Worker bodies for test_keras_habits_2.py: Keras habits under kf.Hook (a custom train_step
+as the Keras guide writes it, BackupAndRestore, CSVLogger, TensorBoard, the progress bar after a
+resume), real processes."""
+from __future__ import annotations
+
+import numpy as np
+
+from _w_tf_optim import _digest, _setup
+
+
+def _guide_model(keras, tf):
+    """A model whose train_step is written as Keras's "customizing fit()" guide writes it: the
+    loss tracker counts one per step (`update_state(loss)`), and the logs are the metrics'
+    results by name (the compiled metrics' entry is a dict)."""
+
+    class Net(keras.Model):
+        def train_step(self, data):
+            x, y = data[:2]
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            for m in self.metrics:
+                if m.name == "loss":
+                    m.update_state(loss)
+                else:
+                    m.update_state(y, y_pred)
+            return {m.name: m.result() for m in self.metrics}
+
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((8,))
+    out = keras.layers.Dense(2)(keras.layers.Dense(16, activation="relu")(inp))
+    return Net(inp, out)
+
+
+def _labelled(rank: int, n: int = 256):
+    """Rank 0's labels follow its inputs, rank 1's are noise: their own losses differ."""
+    rng = np.random.default_rng(rank)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    y = (x.sum(1) > 0).astype("int64") if rank == 0 else rng.integers(0, 2, n)
+    return x, y
+
+
+def guide_train_step():
+    """model.fit of the guide's train_step with ReduceLROnPlateau(monitor="loss"): returns the
+    batch size the Hook found, the global batch in the logs, the epoch losses, the final
+    learning rate and the weights."""
+    kf, tf, keras = _setup()
+    x, y = _labelled(kf.rank())
+    model = _guide_model(keras, tf)
+    model.compile(kf.Optimizer(keras.optimizers.SGD(0.05)),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], jit_compile=False)
+    hook = kf.Hook()
+    plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                                min_delta=0.01)
+    history = model.fit(x, y, batch_size=32, epochs=4, verbose=0, shuffle=False,
+                        callbacks=[hook, plateau]).history
+    return {"local_batch": hook.state.local_batch_size,
+            "global_batch": history["global_batch_size"], "loss": history["loss"],
+            "lr": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)),
+            "weights": _digest(model.get_weights())}
