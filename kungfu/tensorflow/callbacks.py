@@ -68,6 +68,17 @@ def _combined(model, read):
             v.assign(a)
 
 
+def _step_results(model, logs: dict) -> dict:
+    """A custom step's logs with each entry named after one of the model's metrics that the
+    step updated replaced by that metric's result: a step written as Keras's guide writes it
+    returns `{m.name: m.result() for m in self.metrics}` (the compiled metrics' entry a dict),
+    so its epoch metrics are combined as Keras's own step's are. An entry of a metric the step
+    left alone (all its states zero: it returns its own loss, say) stays the step's."""
+    updated = {m.name: m for m in model.metrics
+               if any(np.any(keras.ops.convert_to_numpy(v)) for v in m.variables)}
+    return {k: updated[k].result() if k in updated else v for k, v in logs.items()}
+
+
 def combine_metrics(model) -> None:
     """From now on, the metrics Keras reports for `model` at the end of an epoch (training and
     validation) and of `model.evaluate` are over all workers (see the module's doc), also after
@@ -110,10 +121,14 @@ def _install(model) -> None:
         # step's logs; Keras takes the metrics only from logs that hold nothing else.
         if isinstance(logs, dict):
             logs = {k: v for k, v in logs.items() if k not in HOOK_LOG_KEYS}
-        if getattr(model, "kungfu_combine", None):
-            out = _combined(model, lambda: own(logs))
-        else:
+
+        def read():
             out = own(logs)
+            # Keras passes on a custom train_step's logs as its last step left them (their
+            # keys are not its metrics'): read them again from the metrics, summed or not.
+            return _step_results(model, out) if out is logs else out
+
+        out = _combined(model, read) if getattr(model, "kungfu_combine", None) else read()
         if getattr(model, "kungfu_trained", False):  # a training epoch under kf.Hook ended
             model.kungfu_trained = False
             epoch_logs = getattr(model, "kungfu_epoch_logs", None)

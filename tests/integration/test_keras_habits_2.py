@@ -22,3 +22,10 @@ def test_the_batch_size_of_a_guide_train_step_is_its_data(guide_step):
     for r in guide_step:
         assert r["local_batch"] == 32
         assert r["global_batch"] == [64.0] * len(r["global_batch"])
+
+
+def test_the_metrics_of_a_guide_train_step_are_combined(guide_step):
+    # Rank 1's labels are noise: from its own loss ReduceLROnPlateau would decide otherwise.
+    r0, r1 = guide_step
+    assert r0["loss"] == r1["loss"]
+    assert r0["lr"] == r1["lr"] and r0["weights"] == r1["weights"]
