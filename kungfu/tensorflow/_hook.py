@@ -100,10 +100,21 @@ def _batch_of(data) -> int:
 
 
 def _numbers(logs) -> dict:
-    """Keras's logs of a step as numbers ({} for what a custom loop's step returned)."""
+    """Keras's logs of a step as numbers where they are numbers ({} for what a custom loop's
+    step returned). A custom train_step's logs may nest (the compiled metrics' entry is a dict of
+    them) or hold what is no number: those are kept as they are, a dict's numbers converted."""
     if not isinstance(logs, dict):
         return {}
-    return {k: float(keras.ops.convert_to_numpy(v)) for k, v in logs.items()}
+    out = {}
+    for k, v in logs.items():
+        if isinstance(v, dict):
+            out[k] = _numbers(v)
+            continue
+        try:
+            out[k] = float(keras.ops.convert_to_numpy(v))
+        except (TypeError, ValueError):
+            out[k] = v
+    return out
 
 
 class Hook(keras.callbacks.Callback):

@@ -61,3 +61,45 @@ def guide_train_step():
             "global_batch": history["global_batch_size"], "loss": history["loss"],
             "lr": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)),
             "weights": _digest(model.get_weights())}
+
+
+def main():
+    """Run under kungfu-run -w (test_keras_habits_2.py): the guide's train_step on
+    kf.ElasticData; the worker of rank --kill-rank kills itself (SIGKILL) after its step
+    --kill-step, before kf.Hook's agreement of that step (a callback before the Hook), so the
+    others fail in that agreement and train the step again. Each survivor writes a JSON line
+    to --out: its weights, its recoveries and the loss of its last epoch."""
+    import argparse
+    import json
+    import os
+    import signal
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--kill-step", type=int, default=3)
+    args = p.parse_args()
+    kf, tf, keras = _setup()
+    x, y = _labelled(0)
+    data = kf.ElasticData(x, y, batch_size=16, shuffle=False)
+    model = _guide_model(keras, tf)
+    model.compile(kf.Optimizer(keras.optimizers.SGD(0.05)),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], jit_compile=False)
+    hook = kf.Hook(data=data)
+    doomed = kf.rank() == args.kill_rank
+
+    def kill(batch, logs):
+        if doomed and hook.state.step + 1 == args.kill_step:  # the Hook counts it after this
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    history = model.fit(data.dataset(), epochs=2, verbose=0, callbacks=[
+        keras.callbacks.LambdaCallback(on_train_batch_end=kill), hook]).history
+    with open(os.path.join(args.out, f"{os.getpid()}.json"), "w") as f:
+        json.dump({"rank": kf.rank(), "size": kf.size(), "step": hook.state.step,
+                   "recoveries": len(hook.recoveries), "loss": history["loss"][-1],
+                   "weights": _digest(model.get_weights())}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -29,3 +29,44 @@ def test_the_metrics_of_a_guide_train_step_are_combined(guide_step):
     r0, r1 = guide_step
     assert r0["loss"] == r1["loss"]
     assert r0["lr"] == r1["lr"] and r0["weights"] == r1["weights"]
+
+
+def _elastic(tmp_path, np_: int, *args: str, timeout: float = 150):
+    """_w_keras_2.py's main under kungfu-run -w (no replacement of a lost worker); returns the
+    launcher's result and each survivor's JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import HERE, REPO_ROOT, free_port_range, free_ports
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
+    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, HERE] + [p for p in [env.get("PYTHONPATH")]
+                                                             if p])
+    env.update(ENV)
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "kungfu.cmd", "-w", "-np", str(np_), "-H", f"127.0.0.1:{np_}",
+           "-builtin-config-port", str(free_ports(1)[0]), "-port-range", free_port_range(np_),
+           "-timeout", f"{int(timeout) - 10}s", "-replace=false",
+           sys.executable, os.path.join(HERE, "_w_keras_2.py"), "--out", str(out), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT,
+                       timeout=timeout, check=False)
+    return r, [json.loads(f.read_text()) for f in sorted(out.glob("*.json"))]
+
+
+@pytest.mark.timeout(200)
+def test_a_guide_train_step_survives_a_kill_in_the_hooks_agreement(tmp_path):
+    # Rank 1 dies after its step 3, before the Hook's agreement of it: the survivor fails in
+    # that agreement, trains step 3 again and takes its logs (the compiled metrics' entry of
+    # this step's logs is a dict).
+    r, results = _elastic(tmp_path, 2, "--kill-rank", "1", "--kill-step", "3")
+    log = r.stdout[-3000:] + r.stderr[-6000:]
+    assert r.returncode == 0, log
+    assert "survived" in r.stderr, log
+    [survivor] = results
+    assert survivor["size"] == 1 and survivor["recoveries"] == 1, survivor
+    # 256 samples an epoch: 2 steps of 2 x 16, then steps of 16 alone (the failed step too),
+    # and a second epoch of 16 steps.
+    assert survivor["step"] == 2 + 12 + 16, survivor
