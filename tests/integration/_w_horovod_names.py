@@ -74,8 +74,8 @@ def tape_checks():
     for dense in (True, False):
         with tf.GradientTape() as t:
             value = tf.reduce_sum(emb(tokens) ** 2)
-        g = kf.DistributedGradientTape(t, sparse_as_dense=dense, op_prefix=f"emb/{dense}").gradient(
-            value, emb.embeddings)
+        tape = kf.DistributedGradientTape(t, sparse_as_dense=dense, op_prefix=f"emb/{dense}")
+        g = tape.gradient(value, emb.embeddings)
         results[dense] = (type(g).__name__, tf.convert_to_tensor(g).numpy())
     out["sparse_kind"] = [results[True][0], results[False][0]]
     out["sparse_equal"] = bool(np.allclose(results[True][1], results[False][1], atol=1e-6))

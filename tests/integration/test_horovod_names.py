@@ -33,3 +33,18 @@ def test_distributed_gradient_tape(spawn):
                                            "got str"]
     assert outs[0]["expected"] == outs[1]["expected"]
     assert outs[0]["digest"] == outs[1]["digest"]
+
+
+def test_backward_passes_per_step(spawn):
+    outs = spawn(2, W.accumulation_checks, env=ENV, timeout=120)
+    for o in outs:
+        # Before the k-th pass nothing is applied and nothing is sent.
+        assert all(o["before_update"]) and np.isnan(o["wait_before"])
+        # k passes of batch b: one step, the weights of one step on the k*b batch.
+        assert o["iterations"] == 1 and not np.isnan(o["wait_after"])
+        assert o["moved"] > 1e-3
+        assert o["diff"] < 1e-6, o["diff"]
+        for (kind, message), k in zip(o["bad"], ("0", "-1", "1.5")):
+            assert kind == "ValueError"
+            assert message == f"backward_passes_per_step must be a positive integer, got {k}"
+    assert outs[0]["digest"] == outs[1]["digest"]

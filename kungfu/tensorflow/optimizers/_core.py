@@ -95,6 +95,11 @@ class Optimizer:
           sparse_as_dense: True (default): IndexedSlices gradients (embeddings) are made dense
               and summed; False: they stay sparse, every worker's rows gathered (exactly the
               dense result once applied; fewer bytes when each worker touches few rows).
+          backward_passes_per_step: k (default 1): gradient accumulation, as Horovod's option
+              of this name. Each call of apply() adds the gradients of one backward pass; every
+              k-th call averages the k passes over the workers (one allreduce per k passes, of
+              dense sums) and applies the result once: the step of a k times larger batch. The
+              optimizer's iterations count the applied steps.
       "sma": synchronous model averaging. options: alpha (default 0.1), bucket_bytes, strategy.
       "pair-averaging": AD-PSGD, average with one random peer each step. options: none besides
           op_prefix.
@@ -207,6 +212,10 @@ def validate_option(key: str, value):
     elif key == "sparse_as_dense":
         if not isinstance(value, bool):
             raise ValueError(f"sparse_as_dense must be True or False, got {value!r}")
+    elif key == "backward_passes_per_step":
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"backward_passes_per_step must be a positive integer, got {value!r}")
+        value = int(value)
     elif key == "alpha":
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
                 0.0 < float(value) <= 1.0) or math.isnan(float(value)):
@@ -221,11 +230,12 @@ _MONITOR_OPTIONS = ("monitor", "monitor_interval", "monitor_decay", "batch_size"
 class _SynchronousSGD(Optimizer):
     _kf_algorithm = "sync-sgd"
     _kf_accepts = ("op_prefix", "bucket_bytes", "strategy", "compression",
-                   "sparse_as_dense") + _MONITOR_OPTIONS
+                   "sparse_as_dense", "backward_passes_per_step") + _MONITOR_OPTIONS
     _kf_bucket_bytes = DEFAULT_BUCKET_BYTES
     _kf_strategy = None
     _kf_compression = None
     _kf_sparse_as_dense = True
+    _kf_backward_passes_per_step = 1
     _kf_monitor: Tuple[str, ...] = ()
     _kf_monitor_interval = 1
     _kf_monitor_decay = _monitor.DEFAULT_DECAY
@@ -271,9 +281,51 @@ class _SynchronousSGD(Optimizer):
             self.__dict__["_kf_wait"].assign(tf.timestamp() - stamps[0])
         return averaged
 
+    def build(self, variables):
+        super().build(variables)
+        if self._kf_backward_passes_per_step > 1:
+            # The sum of the passes' gradients and the passes since the last update: plain
+            # tf.Variables kept out of the optimizer's variables (and checkpoints).
+            with tf.init_scope():
+                sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                    name="kungfu_gradient_sum") for v in variables]
+                passes = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                     name="kungfu_backward_passes")
+            object.__setattr__(self, "_kf_sums", sums)
+            object.__setattr__(self, "_kf_passes", passes)
+
     def apply(self, grads, trainable_variables=None):
         self._kf_check_context()
-        averaged = self._kf_average(grads)
+        if self._kf_backward_passes_per_step > 1:
+            return self._kf_accumulate(list(grads), trainable_variables)
+        return self._kf_apply_averaged(self._kf_average(grads), trainable_variables)
+
+    def _kf_accumulate(self, grads, trainable_variables):
+        """backward_passes_per_step = k: adds this pass's gradients to the sums; every k-th pass
+        averages sum / k over the workers (one allreduce for the k passes), applies it as one
+        step of the wrapped optimizer and clears the sums. Every worker counts the same passes,
+        so all take the same branch."""
+        self._kf_build_if_needed(trainable_variables)
+        variables = list(self._trainable_variables if trainable_variables is None
+                         else trainable_variables)
+        k = self._kf_backward_passes_per_step
+        sums = [self._kf_sums[self._get_variable_index(v)] for v in variables]
+        for total, g in zip(sums, grads):
+            if g is not None:
+                total.assign_add(tf.convert_to_tensor(g))
+        passes = self._kf_passes.assign_add(1)
+
+        def update():
+            mean = [None if g is None else tf.convert_to_tensor(total) / k
+                    for total, g in zip(sums, grads)]
+            self._kf_apply_averaged(self._kf_average(mean), variables)
+            for total in sums:
+                total.assign(tf.zeros_like(total))
+            return tf.constant(True)
+
+        return tf.cond(passes % k == 0, update, lambda: tf.constant(False))
+
+    def _kf_apply_averaged(self, averaged: Averaged, trainable_variables):
         monitor = self.kungfu_monitor
         step = None
         if monitor is not None:
