@@ -65,7 +65,8 @@ from kungfu.elastic import Membership, Round, TrainingState
 from kungfu.policy import BasePolicy
 from kungfu.tensorflow._monitor import monitor_logs, monitor_metrics
 from kungfu.tensorflow._variables import KerasVariables
-from kungfu.tensorflow.callbacks import RECOVERABLE, RankZeroOutput, combine_while_training
+from kungfu.tensorflow.callbacks import (RECOVERABLE, RankZeroOutput, combine_while_training,
+                                         let_hooks_arrange_callbacks)
 from kungfu.tensorflow.initializer import broadcast_variables, model_built, prepare_fit
 
 
@@ -168,6 +169,7 @@ class Hook(keras.callbacks.Callback):
         self._traffic = 0  # bytes the runtime allreduced so far
         self._last_bytes = 0  # ... in the last step
         self._output: Optional[RankZeroOutput] = None
+        let_hooks_arrange_callbacks()  # kungfu_arrange sees each fit's callbacks first
         # Resize, recovery, commits and the checkpoint (kungfu/elastic).
         self.membership = Membership(self, KerasVariables(self))
         self.membership.checkpoint = checkpoint
@@ -606,6 +608,12 @@ class Hook(keras.callbacks.Callback):
     # -- Keras ----------------------------------------------------------------------------------
 
     _epochs_begun = 0
+
+    def kungfu_arrange(self, callbacks: list) -> None:
+        """Keras's callback list of a model.fit, before any callback's set_model: with
+        rank_zero_output, the callbacks that write files write once (RankZeroOutput.arrange)."""
+        if self.rank_zero_output:
+            RankZeroOutput.arrange(callbacks, f"{self._name}/writers")
 
     def on_train_begin(self, logs=None):
         spe = getattr(self.model, "steps_per_execution", 1)

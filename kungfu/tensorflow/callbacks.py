@@ -21,11 +21,14 @@ keeps a maximum, say) are combined as if they were: give such a metric sum-like 
 While it trains, kf.Hook also keeps output to one worker (`RankZeroOutput`): Keras's progress
 bars and messages print on rank 0 only, and `model.save` / `model.save_weights` (what
 ModelCheckpoint and BackupAndRestore call) write on rank 0 only, atomically (a temporary file
-renamed over the target), so a reader never sees half a file. `kf.Hook(rank_zero_output=False)`
-leaves every worker's output alone.
+renamed over the target), so a reader never sees half a file. The callbacks that write files
+(CSVLogger, TensorBoard: `_WRITERS`) run on rank 0 only when every worker names the same file
+or folder (`RankZeroOutput.arrange`). `kf.Hook(rank_zero_output=False)` leaves every worker's output
+alone.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 
@@ -151,6 +154,55 @@ class MetricAverageCallback(keras.callbacks.Callback):
         combine_while_training(self.model, False)
 
 
+# Keras's callbacks that write files, the attribute naming what each writes to, and the hooks of
+# it that run on every worker: under kf.Hook, when every worker names the same file or folder,
+# the other workers run only those; a file or folder per worker stays each worker's.
+_WRITERS = ((keras.callbacks.CSVLogger, "filename", ()),
+            (keras.callbacks.TensorBoard, "log_dir", ()))
+
+
+class _Muted(keras.callbacks.Callback):
+    """`callback` as a worker other than rank 0 runs it: only the hooks `everywhere`."""
+
+    def __init__(self, callback, everywhere):
+        super().__init__()
+        self.callback = callback
+        for hook in everywhere:
+            setattr(self, hook, getattr(callback, hook))
+
+
+def _same_everywhere(paths: list, name: str) -> list:
+    """For each path (as absolute): whether every worker names the same one. Every worker
+    must call this with as many paths."""
+    digests = np.array([int.from_bytes(hashlib.sha256(os.path.abspath(os.fspath(p)).encode())
+                                       .digest()[:6], "big") for p in paths], np.float64)
+    top = _collective.allreduce(np.concatenate([digests, -digests]), "max", name=name)
+    return (top[:len(paths)] == -top[len(paths):]).tolist()
+
+
+def let_hooks_arrange_callbacks() -> None:
+    """Keras (3.x; checked with 3.15) makes a CallbackList for each model.fit and calls every
+    callback's set_model first (TensorBoard writes there already): a kf.Hook in the list gets
+    the list before that (its `kungfu_arrange`), to arrange the other callbacks
+    (RankZeroOutput.arrange). Patched once, by the first kf.Hook made."""
+    cls = keras.callbacks.CallbackList
+    own = cls.set_model
+    if getattr(own, "kungfu_arranges", False):
+        return
+
+    def set_model(self, model):
+        if not getattr(self, "kungfu_arranged", False):
+            self.kungfu_arranged = True
+            for c in list(self.callbacks):
+                arrange = getattr(c, "kungfu_arrange", None)
+                if arrange is not None:
+                    arrange(self.callbacks)
+        own(self, model)
+
+    set_model.kungfu_arranges = True
+    cls.set_model = set_model
+
+
 class RankZeroOutput:
     """Between start() and stop(): progress output, model.save and model.save_weights on rank 0
     only (see the module's doc). The rank is read at each use: after a failure rank 0 may be
@@ -189,6 +241,28 @@ class RankZeroOutput:
         if self._interactive is not None:
             (io_utils.enable_interactive_logging if self._interactive
              else io_utils.disable_interactive_logging)()
+
+    @staticmethod
+    def arrange(callbacks: list, name: str) -> None:
+        """Before model.fit sets its callbacks up: on every worker but rank 0, each of _WRITERS
+        that writes where every worker writes is replaced (in the list) by the hooks of it
+        that run everywhere. Decided once per fit (a collective), with the ranks then: a worker
+        that joins later runs none of them either. (If rank 0 is lost, these files end there.)"""
+        found = [(i, everywhere, getattr(c, attr)) for i, c in enumerate(callbacks)
+                 for kind, attr, everywhere in _WRITERS if isinstance(c, kind)]
+        if not found:
+            return
+        if _peer.joining():
+            shared = [True] * len(found)
+        else:
+            if _peer.identity().size == 1:
+                return
+            shared = _same_everywhere([path for _, _, path in found], name)
+            if _peer.identity().rank == 0:
+                return
+        for (i, everywhere, _), same in zip(found, shared):
+            if same:
+                callbacks[i] = _Muted(callbacks[i], everywhere)
 
     @staticmethod
     def _on_rank_zero(write):

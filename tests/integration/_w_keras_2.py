@@ -63,6 +63,42 @@ def guide_train_step():
             "weights": _digest(model.get_weights())}
 
 
+def _small_model(keras, kf):
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    model.compile(kf.Optimizer(keras.optimizers.SGD(0.1)),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
+    return model
+
+
+def csv_and_tensorboard(folder: str):
+    """model.fit for 2 epochs with a CSVLogger (append=True) and a TensorBoard that every
+    worker points at the same file and folder, and a CSVLogger of this worker's own. Returns,
+    after every worker's fit ended, the rows of each CSV file and the event files of the
+    shared TensorBoard folder."""
+    import csv
+    import os
+
+    kf, tf, keras = _setup()
+    x, y = _labelled(0, 128)
+    model = _small_model(keras, kf)
+    shared = os.path.join(folder, "log.csv")
+    own = os.path.join(folder, f"log{kf.rank()}.csv")
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.CSVLogger(shared, append=True),
+        keras.callbacks.TensorBoard(os.path.join(folder, "tb")), kf.Hook(),
+        keras.callbacks.CSVLogger(own)])
+    kf.barrier()
+
+    def rows(path):
+        with open(path) as f:
+            return list(csv.reader(f))
+
+    return {"shared": rows(shared), "own": rows(own),
+            "events": sorted(os.listdir(os.path.join(folder, "tb", "train")))}
+
+
 def main():
     """Run under kungfu-run -w (test_keras_habits_2.py): the guide's train_step on
     kf.ElasticData; the worker of rank --kill-rank kills itself (SIGKILL) after its step

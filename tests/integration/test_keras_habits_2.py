@@ -70,3 +70,13 @@ def test_a_guide_train_step_survives_a_kill_in_the_hooks_agreement(tmp_path):
     # 256 samples an epoch: 2 steps of 2 x 16, then steps of 16 alone (the failed step too),
     # and a second epoch of 16 steps.
     assert survivor["step"] == 2 + 12 + 16, survivor
+
+
+def test_csv_logger_and_tensorboard_write_once(spawn, tmp_path):
+    r0, r1 = spawn(2, w.csv_and_tensorboard, str(tmp_path), env=ENV, timeout=150)
+    assert r0["shared"] == r1["shared"] and r0["events"] == r1["events"]
+    # One header and a row per epoch (two ranks appending gave four rows), one event file.
+    assert [row[0] for row in r0["shared"]] == ["epoch", "0", "1"], r0["shared"]
+    assert len(r0["events"]) == 1, r0["events"]
+    # A file per worker stays each worker's.
+    assert [row[0] for row in r0["own"]] == ["epoch", "0", "1"], r0["own"]
