@@ -22,8 +22,9 @@ While it trains, kf.Hook also keeps output to one worker (`RankZeroOutput`): Ker
 bars and messages print on rank 0 only, and `model.save` / `model.save_weights` (what
 ModelCheckpoint and BackupAndRestore call) write on rank 0 only, atomically (a temporary file
 renamed over the target), so a reader never sees half a file. The callbacks that write files
-(CSVLogger, TensorBoard: `_WRITERS`) run on rank 0 only when every worker names the same file
-or folder (`RankZeroOutput.arrange`). `kf.Hook(rank_zero_output=False)` leaves every worker's output
+(CSVLogger, TensorBoard, BackupAndRestore: `_WRITERS`) run on rank 0 only when every worker
+names the same file or folder (`RankZeroOutput.arrange`); BackupAndRestore still restores every
+worker from rank 0's backup. `kf.Hook(rank_zero_output=False)` leaves every worker's output
 alone.
 """
 from __future__ import annotations
@@ -156,9 +157,11 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 # Keras's callbacks that write files, the attribute naming what each writes to, and the hooks of
 # it that run on every worker: under kf.Hook, when every worker names the same file or folder,
-# the other workers run only those; a file or folder per worker stays each worker's.
+# the other workers run only those (BackupAndRestore restores every worker from rank 0's
+# backup); a file or folder per worker stays each worker's.
 _WRITERS = ((keras.callbacks.CSVLogger, "filename", ()),
-            (keras.callbacks.TensorBoard, "log_dir", ()))
+            (keras.callbacks.TensorBoard, "log_dir", ()),
+            (keras.callbacks.BackupAndRestore, "backup_dir", ("set_model", "on_train_begin")))
 
 
 class _Muted(keras.callbacks.Callback):

@@ -99,6 +99,39 @@ def csv_and_tensorboard(folder: str):
             "events": sorted(os.listdir(os.path.join(folder, "tb", "train")))}
 
 
+def backup_and_restore(folder: str):
+    """BackupAndRestore under kf.Hook, every worker naming the same folder: a first fit of 2
+    epochs keeps its backup (delete_checkpoint=False); a second fit of 4 epochs restores it
+    and deletes it at its end. Returns what this worker wrote in the folder (Python's audit
+    events), the epochs each fit ran and the weights."""
+    import os
+    import sys
+
+    kf, tf, keras = _setup()
+    backup = os.path.abspath(os.path.join(folder, "backup"))
+    wrote = []
+
+    def audit(event, args):
+        if event in ("open", "os.mkdir", "shutil.rmtree", "os.remove", "os.rename") and \
+                args and isinstance(args[0], str) and \
+                os.path.abspath(args[0]).startswith(backup):
+            if event != "open" or any(c in str(args[1]) for c in "wax+"):
+                wrote.append(event)
+
+    sys.addaudithook(audit)
+    x, y = _labelled(kf.rank(), 128)
+    model = _small_model(keras, kf)
+    first = model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[
+        kf.Hook(), keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    kf.barrier()
+    second = model.fit(x, y, batch_size=32, epochs=4, verbose=0, callbacks=[
+        keras.callbacks.BackupAndRestore(backup), kf.Hook()])
+    kf.barrier()
+    return {"wrote": wrote, "first": len(first.history["loss"]),
+            "second": len(second.history["loss"]), "left": os.path.exists(backup),
+            "weights": _digest(model.get_weights())}
+
+
 def main():
     """Run under kungfu-run -w (test_keras_habits_2.py): the guide's train_step on
     kf.ElasticData; the worker of rank --kill-rank kills itself (SIGKILL) after its step

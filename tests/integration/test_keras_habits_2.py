@@ -80,3 +80,12 @@ def test_csv_logger_and_tensorboard_write_once(spawn, tmp_path):
     assert len(r0["events"]) == 1, r0["events"]
     # A file per worker stays each worker's.
     assert [row[0] for row in r0["own"]] == ["epoch", "0", "1"], r0["own"]
+
+
+def test_backup_and_restore_writes_on_rank_0_and_restores_every_rank(spawn, tmp_path):
+    r0, r1 = spawn(2, w.backup_and_restore, str(tmp_path), env=ENV, timeout=150)
+    assert r0["wrote"] and r1["wrote"] == [], (r0["wrote"], r1["wrote"])
+    assert "shutil.rmtree" in r0["wrote"]  # the second fit's end deletes the backup
+    for r in (r0, r1):  # the second fit went on from the backup's epoch 2
+        assert (r["first"], r["second"], r["left"]) == (2, 2, False), r
+    assert r0["weights"] == r1["weights"]
