@@ -80,8 +80,9 @@ def tape_checks():
     out["sparse_kind"] = [results[True][0], results[False][0]]
     out["sparse_equal"] = bool(np.allclose(results[True][1], results[False][1], atol=1e-6))
 
-    out["bad"] = [error_of(lambda: kf.DistributedGradientTape(tf.GradientTape(), compression="bf16")),
-                  error_of(lambda: kf.DistributedGradientTape("tape"))]
+    out["bad"] = [
+        error_of(lambda: kf.DistributedGradientTape(tf.GradientTape(), compression="bf16")),
+        error_of(lambda: kf.DistributedGradientTape("tape"))]
 
     # A custom loop with a plain optimizer: every worker ends with the same weights.
     opt = keras.optimizers.SGD(0.1)

@@ -48,3 +48,20 @@ def test_backward_passes_per_step(spawn):
             assert kind == "ValueError"
             assert message == f"backward_passes_per_step must be a positive integer, got {k}"
     assert outs[0]["digest"] == outs[1]["digest"]
+
+
+@pytest.mark.parametrize("order", ["compile", "inner", "sma"])
+def test_mixed_precision_overflow_on_one_rank(spawn, order):
+    """Rank 1's inputs are 51 times rank 0's: its gradients overflow first. Every rank skips the
+    same steps (the optimizer's step count after each batch is the same) and the loss scale
+    follows the same path; under sync-sgd the weights stay equal (sma keeps local steps, so its
+    weights differ by design); nothing waits for the op deadline."""
+    outs = spawn(2, W.mixed_precision_checks, order, env=ENV, timeout=150)
+    assert [o["wrapper"] for o in outs] == ["LossScaleOptimizer"] * 2
+    applied = outs[0]["applied"]
+    assert len(applied) == 16 and 0 < applied[-1] < 16, applied  # some steps were skipped
+    for o in outs[1:]:
+        assert o["applied"] == applied
+        assert o["scale"] == outs[0]["scale"]
+        if order != "sma":
+            assert o["digest"] == outs[0]["digest"]

@@ -20,6 +20,7 @@ same model therefore issue the same names, step after step.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import numbers
@@ -30,6 +31,7 @@ import tensorflow as tf
 
 from kungfu._collective import _strategy_code
 from kungfu.tensorflow import _monitor, ops
+from kungfu.tensorflow.optimizers import _loss_scale
 from kungfu.tensorflow.optimizers._fusion import Averaged
 from kungfu.tensorflow.optimizers._fusion import average_gradients as _average_gradients
 from kungfu.tensorflow.optimizers._fusion import mean_over_workers as _mean_over_workers
@@ -162,6 +164,15 @@ class Optimizer:
             with keras.name_scope(self.name, caller=self):
                 self.build(list(trainable_variables))
             self.built = True
+
+    @contextlib.contextmanager
+    def _kf_loss_scaled(self, grads, check_finite):
+        """For a LossScaleOptimizer around this one (_loss_scale): yields the gradients it is to
+        apply and whether they are finite, the same on every worker. Here: the local gradients,
+        finite where every worker's are."""
+        finite = tf.cast(check_finite(grads), tf.int32)
+        agreed = ops.all_reduce(finite, op="min", name=f"{self._kf_prefix()}/finite")
+        yield grads, agreed > 0
 
     def _kf_set_options(self, options: dict):
         unknown = sorted(set(options) - set(self._kf_accepts))
@@ -298,7 +309,27 @@ class _SynchronousSGD(Optimizer):
         self._kf_check_context()
         if self._kf_backward_passes_per_step > 1:
             return self._kf_accumulate(list(grads), trainable_variables)
+        averaged = self.__dict__.get("_kf_averaged")
+        if averaged is not None:  # a LossScaleOptimizer around this one averaged and unscaled
+            return self._kf_apply_averaged(averaged._replace(grads=list(grads)),
+                                           trainable_variables)
         return self._kf_apply_averaged(self._kf_average(grads), trainable_variables)
+
+    @contextlib.contextmanager
+    def _kf_loss_scaled(self, grads, check_finite):
+        """Overflow decided on the averaged gradients: the same on every worker, and a sum that
+        overflows counts. The LossScaleOptimizer then calls apply() with them unscaled, which
+        applies them without a second allreduce."""
+        if self._kf_backward_passes_per_step > 1:  # the sums are averaged every k-th pass only
+            with super()._kf_loss_scaled(grads, check_finite) as decided:
+                yield decided
+            return
+        averaged = self._kf_average(grads)
+        self.__dict__["_kf_averaged"] = averaged
+        try:
+            yield averaged.grads, check_finite(averaged.grads)
+        finally:
+            del self.__dict__["_kf_averaged"]
 
     def _kf_accumulate(self, grads, trainable_variables):
         """backward_passes_per_step = k: adds this pass's gradients to the sums; every k-th pass
@@ -497,6 +528,7 @@ def _wrap(optimizer=None, algorithm: str = "sync-sgd", **options):
             "kungfu.Optimizer wraps a Keras 3 optimizer instance (keras.optimizers.Optimizer, "
             f"e.g. keras.optimizers.SGD(0.1)), got {what}")
     name = _normalize_algorithm(algorithm)
+    _loss_scale.install()  # compile may wrap the result in a LossScaleOptimizer
     cls = _distributed_class(_CLASSES[name], type(optimizer))
     config = optimizer.get_config()
     try:
