@@ -96,6 +96,7 @@ _TENSORFLOW_NAMES = {
     "ElasticData": "kungfu.tensorflow",
     "MetricAverageCallback": "kungfu.tensorflow",
     "LearningRateWarmupCallback": "kungfu.tensorflow",
+    "LearningRateScheduleCallback": "kungfu.tensorflow",
     "combine_metrics": "kungfu.tensorflow",
     "shard": "kungfu.tensorflow",
     "RecordFiles": "kungfu.tensorflow",

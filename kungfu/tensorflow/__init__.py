@@ -29,6 +29,7 @@ from kungfu.tensorflow.initializer import (  # noqa: F401
 from kungfu.tensorflow.layers import SyncBatchNormalization  # noqa: F401
 from kungfu.tensorflow.optimizers import Compression, Optimizer  # noqa: F401
 from kungfu.tensorflow._saving import load_model  # noqa: F401
+from kungfu.tensorflow._schedule import LearningRateScheduleCallback  # noqa: F401
 
 __all__ = [
     "ops",
@@ -46,6 +47,7 @@ __all__ = [
     "ElasticData",
     "MetricAverageCallback",
     "LearningRateWarmupCallback",
+    "LearningRateScheduleCallback",
     "combine_metrics",
     "shard",
     "RecordFiles",

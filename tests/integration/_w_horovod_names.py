@@ -1,5 +1,6 @@
 """Worker bodies for test_horovod_names.py: the Horovod names (DistributedGradientTape,
-backward_passes_per_step) and mixed precision under kf.Optimizer, in real processes.
+backward_passes_per_step, LearningRateScheduleCallback) and mixed precision under kf.Optimizer,
+in real processes.
 
 Each body runs several checks and returns raw values (arrays as lists, digests, error texts);
 the tests judge them."""
@@ -126,6 +127,13 @@ def accumulation_checks():
     out["moved"] = max(float(np.abs(a - b).max()) for a, b in zip(initial, big))
     out["diff"] = max(float(np.abs(a - b).max()) for a, b in zip(accumulated, big))
     out["digest"] = _digest(accumulated)
+    # LearningRateScheduleCallback with momentum: the same rates and weights on every worker.
+    model = _mlp(keras, seed=1)
+    model.compile(kf.Optimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss)
+    schedule = kf.LearningRateScheduleCallback(initial_lr=0.1, multiplier=0.5, start_epoch=1)
+    model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[schedule])
+    out["schedule_lr"] = float(model.optimizer.learning_rate.numpy())
+    out["schedule_digest"] = _digest(_weights(model.trainable_variables))
     out["bad"] = [error_of(lambda k=k: kf.Optimizer(keras.optimizers.SGD(0.1),
                                                     backward_passes_per_step=k))
                   for k in (0, -1, 1.5)]

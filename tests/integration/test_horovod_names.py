@@ -1,6 +1,7 @@
 """The Horovod names users reach for, with real workers at np 2: DistributedGradientTape,
-kf.Optimizer(..., backward_passes_per_step=k), and mixed precision (Keras's LossScaleOptimizer
-around kf.Optimizer or inside it) when one worker's gradients overflow first."""
+kf.Optimizer(..., backward_passes_per_step=k), LearningRateScheduleCallback, and mixed
+precision (Keras's LossScaleOptimizer around kf.Optimizer or inside it) when one worker's
+gradients overflow first."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,7 +36,7 @@ def test_distributed_gradient_tape(spawn):
     assert outs[0]["digest"] == outs[1]["digest"]
 
 
-def test_backward_passes_per_step(spawn):
+def test_backward_passes_per_step_and_schedule(spawn):
     outs = spawn(2, W.accumulation_checks, env=ENV, timeout=120)
     for o in outs:
         # Before the k-th pass nothing is applied and nothing is sent.
@@ -47,7 +48,9 @@ def test_backward_passes_per_step(spawn):
         for (kind, message), k in zip(o["bad"], ("0", "-1", "1.5")):
             assert kind == "ValueError"
             assert message == f"backward_passes_per_step must be a positive integer, got {k}"
+        assert o["schedule_lr"] == pytest.approx(0.05)  # 0.1 * 0.5 ** (2 - 1) in epoch 2
     assert outs[0]["digest"] == outs[1]["digest"]
+    assert outs[0]["schedule_digest"] == outs[1]["schedule_digest"]
 
 
 @pytest.mark.parametrize("order", ["compile", "inner", "sma"])

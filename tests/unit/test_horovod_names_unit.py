@@ -52,3 +52,80 @@ def test_loss_scale_around_kungfu_skips_and_applies(tfk):
     tf.function(lambda g: lso.apply([g], [w]))(tf.constant([np.nan, 0.0]))
     np.testing.assert_allclose(w.numpy(), [0.5, 1.0])
     assert float(lso.dynamic_scale.numpy()) == 1.0
+
+
+def _fit_recording(tfk, callback, epochs=4, steps=4, momentum=0.0):
+    """The learning rate each batch trained at, [[per batch] per epoch], under model.fit."""
+    kf, tf, keras = tfk
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(kf.Optimizer(keras.optimizers.SGD(0.3, momentum=momentum)), "mse")
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            seen.append([])
+
+        def on_train_batch_begin(self, batch, logs=None):
+            seen[-1].append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+    x = np.ones((steps * 2, 3), "float32")
+    model.fit(x, np.zeros((steps * 2, 1), "float32"), batch_size=2, epochs=epochs, verbose=0,
+              callbacks=[callback, Record()])
+    return seen
+
+
+def test_schedule_constant_multiplier_decays_by_epoch(tfk):
+    kf, tf, keras = tfk
+    cb = kf.LearningRateScheduleCallback(initial_lr=0.1, multiplier=0.5, start_epoch=1,
+                                         end_epoch=3)
+    seen = _fit_recording(tfk, cb)
+    # Epoch 0 is outside the range (the optimizer's own 0.3); 1 and 2 decay; 3 keeps the last.
+    expected = [0.3, 0.1, 0.05, 0.05]
+    for epoch, rates in zip(expected, seen):
+        np.testing.assert_allclose(rates, [epoch] * 4, rtol=1e-6)
+
+
+def test_schedule_function_per_batch(tfk):
+    kf, tf, keras = tfk
+    cb = kf.LearningRateScheduleCallback(initial_lr=0.1, multiplier=lambda e: 1.0 / (1.0 + e),
+                                         staircase=False)
+    seen = _fit_recording(tfk, cb, epochs=2)
+    for epoch, rates in enumerate(seen):
+        np.testing.assert_allclose(rates, [0.1 / (1.0 + epoch + b / 4) for b in range(4)],
+                                   rtol=1e-6)
+
+
+def test_schedule_momentum_correction(tfk):
+    """A change of rate from lr to lr' scales SGD's momentum buffers by lr'/lr (once)."""
+    kf, tf, keras = tfk
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    opt = keras.optimizers.SGD(0.4, momentum=0.9)
+    model.compile(opt, "mse")
+    opt.build(model.trainable_variables)
+    for m in opt.momentums:
+        m.assign(np.ones(m.shape, "float32"))
+    cb = kf.LearningRateScheduleCallback(initial_lr=0.4, multiplier=0.25)
+    cb.set_model(model)
+    cb.on_epoch_begin(0)  # 0.4 * 0.25 ** 0: no change
+    cb.on_epoch_begin(1)  # 0.1: momentum * 0.25
+    assert all(np.allclose(m.numpy(), 0.25) for m in opt.momentums)
+    off = kf.LearningRateScheduleCallback(initial_lr=0.4, multiplier=0.5,
+                                          momentum_correction=False)
+    off.set_model(model)
+    off.on_epoch_begin(2)
+    assert all(np.allclose(m.numpy(), 0.25) for m in opt.momentums)
+    np.testing.assert_allclose(float(opt.learning_rate.numpy()), 0.1)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(initial_lr=0.1, multiplier="0.5"), "multiplier must be a number or a function"),
+    (dict(initial_lr=0.1, multiplier=0.5, start_epoch=-1), "start_epoch must be an integer"),
+    (dict(initial_lr=0.1, multiplier=0.5, start_epoch=3, end_epoch=3), "end_epoch (3) must be"),
+    (dict(initial_lr=0.1, multiplier=0.5, steps_per_epoch=0), "steps_per_epoch must be"),
+])
+def test_schedule_bad_arguments(tfk, kwargs, error):
+    kf, tf, keras = tfk
+    with pytest.raises((TypeError, ValueError)) as e:
+        kf.LearningRateScheduleCallback(**kwargs)
+    assert error in str(e.value)
