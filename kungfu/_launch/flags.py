@@ -46,7 +46,7 @@ class Options:
     help: bool = False
     version: bool = False
     elastic: bool = False
-    builtin_config_port: Optional[int] = None
+    builtin_config_port: Optional[int] = None  # 0: auto
     config_server: Optional[str] = None
     config_server_credentials: Optional[str] = None  # a file with etcd's USER:PASSWORD
     job_token_file: Optional[str] = None
@@ -99,7 +99,8 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
                       workers to match each new cluster version (kf.resize); -np is the
                       initial size, the slots of -H the largest. Needs one of:
   -builtin-config-port P  host the config store here, on port P of this host's address
-                      (one launcher of the job hosts it; the others use -config-server)
+                      (one launcher of the job hosts it; the others use -config-server);
+                      auto: a port the system gives, shown in the "config store at" line
   -config-server URL  the job's config store: http://HOST:P (a builtin one), or etcd's gateway:
                       etcd://HOST:P, or etcds://... over TLS
   -config-server-credentials F  etcd's USER:PASSWORD, read from file F, which only its owner
@@ -313,9 +314,13 @@ def _set_value(opts: Options, name: str, value: str) -> None:
     elif attr == "timeout":
         opts.timeout = _parse_timeout(value)
     elif attr == "builtin_config_port":
-        if not value.isdigit() or not 0 < int(value) < 65536:
-            raise UsageError(f"-builtin-config-port must be a port number, got {value!r}")
-        opts.builtin_config_port = int(value)
+        if value == "auto":
+            opts.builtin_config_port = 0  # the store binds port 0: the system picks a free one
+        elif not value.isdigit() or not 0 < int(value) < 65536:
+            raise UsageError(f"-builtin-config-port must be a port number or auto, "
+                             f"got {value!r}")
+        else:
+            opts.builtin_config_port = int(value)
     else:
         if value == "":
             raise UsageError(f"flag -{name} needs a non-empty value")

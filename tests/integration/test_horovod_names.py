@@ -4,12 +4,18 @@ precision (Keras's LossScaleOptimizer around kf.Optimizer or inside it) when one
 gradients overflow first."""
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 pytest.importorskip("tensorflow")
 
 import _w_horovod_names as W  # noqa: E402
+from conftest import REPO_ROOT as REPO, free_port_range  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "KUNGFU_OP_TIMEOUT": "30s"}
@@ -68,3 +74,23 @@ def test_mixed_precision_overflow_on_one_rank(spawn, order):
         assert o["scale"] == outs[0]["scale"]
         if order != "sma":
             assert o["digest"] == outs[0]["digest"]
+
+
+def test_builtin_config_port_auto(tmp_path):
+    """kungfu-run -w -builtin-config-port auto: the store on a port the system gave, named in
+    the launcher's output, and an elastic job of 2 workers that uses it."""
+    script = tmp_path / "job.py"
+    script.write_text("import os, kungfu as kf\n"
+                      "print('rank', kf.rank(), 'of', kf.size(), "
+                      "os.environ['KUNGFU_CONFIG_SERVER'])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
+    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p])
+    r = subprocess.run([sys.executable, "-m", "kungfu.cmd", "-w", "-np", "2", "-H", "127.0.0.1:2",
+                        "-port-range", free_port_range(2), "-builtin-config-port", "auto",
+                        "-timeout", "60s", sys.executable, str(script)],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=90, check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    urls = re.findall(r"config store at (http://127\.0\.0\.1:(\d+))", r.stdout + r.stderr)
+    assert urls and int(urls[0][1]) > 0, r.stdout + r.stderr
+    for rank in range(2):
+        assert f"rank {rank} of 2 {urls[0][0]}" in r.stdout, r.stdout

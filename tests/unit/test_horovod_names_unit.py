@@ -129,3 +129,15 @@ def test_schedule_bad_arguments(tfk, kwargs, error):
     with pytest.raises((TypeError, ValueError)) as e:
         kf.LearningRateScheduleCallback(**kwargs)
     assert error in str(e.value)
+
+
+def test_builtin_config_port_auto():
+    from kungfu._launch import flags
+
+    opts = flags.parse_args(["-w", "-np", "2", "-builtin-config-port", "auto", "prog"])
+    assert opts.builtin_config_port == 0  # the store binds port 0: the system picks one
+    assert flags.parse_args(["-w", "-builtin-config-port", "9100", "prog"]).builtin_config_port \
+        == 9100
+    assert "auto: a port the system gives" in flags.help_text()
+    with pytest.raises(flags.UsageError, match="must be a port number or auto, got 'any'"):
+        flags.parse_args(["-w", "-builtin-config-port", "any", "prog"])
