@@ -156,7 +156,8 @@ class Hook(keras.callbacks.Callback):
         self.exit_on_detach = exit_on_detach
         self.rehearsed = False  # a joiner in model.fit: ran its step before reporting ready
         self.epochs_total: Optional[int] = None
-        self._epoch_shift = 0  # a joiner's epoch minus its Keras epoch
+        self._epoch_shift = 0  # a custom loop's: a joiner's or resumed job's epoch minus its own
+        self._progbars: list = []  # Keras's progress bars in model.fit (kungfu_arrange)
         self._resumed = False  # a joiner whose first Keras epoch continues the others' epoch
         self._train_fn = None  # Keras's own train function (the model's is wrapped)
         self._equal_after_step = False  # the model was not built at the start (_start_equal)
@@ -281,7 +282,7 @@ class Hook(keras.callbacks.Callback):
                                "sample offset: pass data=kf.ElasticData(...) to kf.Hook")
         self.membership.join()
         self._resumed = True
-        self._epoch_shift = self.state.epoch
+        self._continue_epochs()
 
     def _rehearse(self) -> None:
         """A joiner in model.fit, before it reports ready: runs one training step alone (a
@@ -306,16 +307,45 @@ class Hook(keras.callbacks.Callback):
         state (Membership.resume) and Keras's first epoch continues the checkpoint's."""
         if not self.membership.resume():
             return False
-        # Keras counts epochs from 0 again: its first is the checkpoint's epoch, continued
-        # (mid-epoch) or begun (written at an epoch's end).
+        # The first epoch is the checkpoint's, continued (mid-epoch) or begun (written at an
+        # epoch's end).
         self._resumed = self.state.step_in_epoch > 0
-        self._epoch_shift = self.state.epoch
+        self._continue_epochs()
         if self.data is not None and self.data.attached:
             # model.fit: the data's epochs are counted from the checkpoint's position, whether
             # its epoch is continued or begun (else the first batch waits for a release of an
             # epoch the Hook never reaches).
             self.data.attach()
         return True
+
+    def _continue_epochs(self) -> None:
+        """A joiner or a resumed job goes on in the state's epoch. model.fit counts its epochs
+        from there: Keras (3.x; checked with 3.15) reads the model's `_initial_epoch` after the
+        callbacks' on_train_begin (BackupAndRestore sets it so too), so its "Epoch e/E" lines,
+        its number of epochs and the epoch numbers the callbacks see are the job's. A custom
+        loop's epochs given to before_epoch are shifted instead."""
+        model = getattr(self, "model", None)
+        if model is None:
+            self._epoch_shift = self.state.epoch
+        else:
+            model._initial_epoch = self.state.epoch
+
+    def _count_steps(self, batch: int) -> None:
+        """Keras's progress bar takes an epoch's number of steps of kungfu's data (its length
+        unknown to Keras) from the first epoch and keeps it; an epoch has as many as its samples
+        left make at the cluster's batch sizes (fewer in a resumed or joined epoch, others after
+        a resize). The bar's total is set at each step: Keras's batch index plus the steps
+        left."""
+        d = self.data
+        try:
+            left = len(d) - d.offset
+        except TypeError:  # a stream whose length is known after its first epoch
+            return
+        total = batch + -(-left // sum(d.sizes(self.state.cluster_size)))
+        for bar in self._progbars:
+            bar.target = total
+            if bar.progbar is not None:
+                bar.progbar.target = total
 
     def _recover(self, error: Exception) -> None:
         """A collective failed: roll back with the other survivors (Membership.recover), then
@@ -571,7 +601,7 @@ class Hook(keras.callbacks.Callback):
         self._end_epoch()
         if (self.epochs_total is not None and self.state.epoch >= self.epochs_total
                 and getattr(self, "model", None) is not None):
-            self.model.stop_training = True  # a joiner's Keras counts its epochs from 0
+            self.model.stop_training = True  # the job's last epoch ended (a joiner's too)
 
     def _end_epoch(self) -> None:
         self._run("after_epoch")
@@ -611,7 +641,9 @@ class Hook(keras.callbacks.Callback):
 
     def kungfu_arrange(self, callbacks: list) -> None:
         """Keras's callback list of a model.fit, before any callback's set_model: with
-        rank_zero_output, the callbacks that write files write once (RankZeroOutput.arrange)."""
+        rank_zero_output, the callbacks that write files write once (RankZeroOutput.arrange);
+        Keras's progress bars get each epoch's number of steps (_count_steps)."""
+        self._progbars = [c for c in callbacks if isinstance(c, keras.callbacks.ProgbarLogger)]
         if self.rank_zero_output:
             RankZeroOutput.arrange(callbacks, f"{self._name}/writers")
 
@@ -654,6 +686,8 @@ class Hook(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self.before_step(batch)
+        if self.data is not None:
+            self._count_steps(batch)
 
     def on_train_batch_end(self, batch, logs=None):
         self.after_step(logs)
@@ -671,6 +705,7 @@ class Hook(keras.callbacks.Callback):
                 self._output.stop()
                 self._output = None
             combine_while_training(self.model, False)
+            self.model._initial_epoch = None  # a later fit counts from its own initial_epoch
         if self.detached and self.exit_on_detach:
             # A resize removed this worker: it leaves the job with exit code 0, now (an
             # interpreter shutdown could wait on tf.data's threads).

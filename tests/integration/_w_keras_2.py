@@ -132,6 +132,39 @@ def backup_and_restore(folder: str):
             "weights": _digest(model.get_weights())}
 
 
+def resumed_progress(folder: str):
+    """A job of 2 workers with kf.Hook(checkpoint=...) over kf.ElasticData (80 samples, 2 x 4 a
+    step: 10 steps an epoch) stops after step 13 (3 steps into epoch 1 of 3); a second job
+    resumes from the file with verbose=1. Returns what the second one printed."""
+    import contextlib
+    import io
+    import os
+
+    kf, tf, keras = _setup()
+    x, y = _labelled(0, 80)
+    ckpt = os.path.join(folder, "train.ckpt")
+
+    def job(verbose):
+        data = kf.ElasticData(x, y, batch_size=4, shuffle=False)
+        model = _small_model(keras, kf)
+        hook = kf.Hook(data=data, checkpoint=ckpt, checkpoint_every=1)
+
+        def stop(batch, logs):
+            if hook.state.step == 13:
+                model.stop_training = True
+
+        model.fit(data.dataset(), epochs=3, verbose=verbose, callbacks=[
+            hook, keras.callbacks.LambdaCallback(on_train_batch_end=stop)])
+
+    job(0)
+    kf.barrier()
+    keras.utils.enable_interactive_logging()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        job(1)
+    return out.getvalue()
+
+
 def main():
     """Run under kungfu-run -w (test_keras_habits_2.py): the guide's train_step on
     kf.ElasticData; the worker of rank --kill-rank kills itself (SIGKILL) after its step

@@ -89,3 +89,14 @@ def test_backup_and_restore_writes_on_rank_0_and_restores_every_rank(spawn, tmp_
     for r in (r0, r1):  # the second fit went on from the backup's epoch 2
         assert (r["first"], r["second"], r["left"]) == (2, 2, False), r
     assert r0["weights"] == r1["weights"]
+
+
+def test_the_progress_bar_after_a_resume_counts_the_jobs_epochs_and_steps(spawn, tmp_path):
+    import re
+
+    printed, _ = spawn(2, w.resumed_progress, str(tmp_path), env=ENV, timeout=150)
+    printed = re.sub(r"\x1b\[[0-9;]*m", "", printed)  # the bar's colours
+    # The resumed job goes on in epoch 2 of 3 (the first job stopped 3 steps into it): 7 steps
+    # left there, then 10 (before: "Epoch 1/3", and the last epoch counted 7 steps).
+    assert re.findall(r"Epoch \d+/\d+", printed) == ["Epoch 2/3", "Epoch 3/3"], printed
+    assert re.findall(r"(\d+)/\1 ", printed) == ["7", "10"], printed
