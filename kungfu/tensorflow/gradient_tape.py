@@ -68,5 +68,8 @@ class DistributedGradientTape:
         return self._tape.__exit__(*exc)
 
     def __getattr__(self, name):
-        # Only for what this class does not define: the rest of the tape's API.
+        # Only for what this class does not define: the rest of the tape's API. Before
+        # __init__ set _tape (copy, pickle), there is no tape to ask.
+        if name == "_tape":
+            raise AttributeError(name)
         return getattr(self._tape, name)

@@ -141,3 +141,18 @@ def test_builtin_config_port_auto():
     assert "auto: a port the system gives" in flags.help_text()
     with pytest.raises(flags.UsageError, match="must be a port number or auto, got 'any'"):
         flags.parse_args(["-w", "-builtin-config-port", "any", "prog"])
+
+
+def test_distributed_tape_alone_and_copied(tfk):
+    """At size 1 the average is the gradient; the wrapper copies (no recursion before __init__
+    set its tape) and passes the tape's own API through."""
+    import copy
+
+    kf, tf, keras = tfk
+    v = tf.Variable(3.0)
+    tape = kf.DistributedGradientTape(tf.GradientTape(persistent=True))
+    with tape:
+        y = v * v
+    assert float(tape.gradient(y, v)) == 6.0
+    assert float(copy.copy(tape).gradient(y, [v])[0]) == 6.0
+    assert tape.watched_variables() == (v,)
