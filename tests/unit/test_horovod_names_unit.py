@@ -156,3 +156,28 @@ def test_distributed_tape_alone_and_copied(tfk):
     assert float(tape.gradient(y, v)) == 6.0
     assert float(copy.copy(tape).gradient(y, [v])[0]) == 6.0
     assert tape.watched_variables() == (v,)
+
+
+def test_compile_under_mixed_float16_still_turns_xla_off_for_the_wrapped_optimizer():
+    """compile wraps kf.Optimizer in a LossScaleOptimizer: model.fit's preparation looks through it
+    (XLA off, as for kf.Optimizer itself; XLA would fail on kungfu's collectives)."""
+    import warnings
+
+    import keras
+
+    import kungfu as kf
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, dtype="float32")])
+        model.compile(kf.Optimizer(keras.optimizers.SGD(0.1)), "mse", jit_compile=True)
+        x, y = np.ones((16, 4), np.float32), np.zeros((16, 2), np.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                      callbacks=[kf.BroadcastGlobalVariablesCallback()])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert type(model.optimizer).__name__ == "LossScaleOptimizer"
+    assert model.jit_compile is False
+    assert any("training without XLA" in str(w.message) for w in caught)

@@ -151,6 +151,10 @@ def prepare_fit(model) -> None:
     opt = getattr(model, "optimizer", None)
     if opt is None:
         return
+    if isinstance(opt, keras.optimizers.LossScaleOptimizer):
+        # compile under mixed_float16 wraps kf.Optimizer(...) in a LossScaleOptimizer
+        # (kungfu/tensorflow/optimizers/_loss_scale.py makes that agree on overflow).
+        opt = opt.inner_optimizer
     if not isinstance(opt, Optimizer):
         own_step = getattr(type(model), "train_step", None) is not keras.Model.train_step
         if _peer.identity().size > 1 and not own_step:
