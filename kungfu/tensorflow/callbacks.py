@@ -29,7 +29,6 @@ alone.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import warnings
 
@@ -174,15 +173,6 @@ class _Muted(keras.callbacks.Callback):
             setattr(self, hook, getattr(callback, hook))
 
 
-def _same_everywhere(paths: list, name: str) -> list:
-    """For each path (as absolute): whether every worker names the same one. Every worker
-    must call this with as many paths."""
-    digests = np.array([int.from_bytes(hashlib.sha256(os.path.abspath(os.fspath(p)).encode())
-                                       .digest()[:6], "big") for p in paths], np.float64)
-    top = _collective.allreduce(np.concatenate([digests, -digests]), "max", name=name)
-    return (top[:len(paths)] == -top[len(paths):]).tolist()
-
-
 def let_hooks_arrange_callbacks() -> None:
     """Keras (3.x; checked with 3.15) makes a CallbackList for each model.fit and calls every
     callback's set_model first (TensorBoard writes there already): a kf.Hook in the list gets
@@ -248,23 +238,24 @@ class RankZeroOutput:
     @staticmethod
     def arrange(callbacks: list, name: str) -> None:
         """Before model.fit sets its callbacks up: on every worker but rank 0, each of _WRITERS
-        that writes where every worker writes is replaced (in the list) by the hooks of it
-        that run everywhere. Decided once per fit (a collective), with the ranks then: a worker
-        that joins later runs none of them either. (If rank 0 is lost, these files end there.)"""
-        found = [(i, everywhere, getattr(c, attr)) for i, c in enumerate(callbacks)
+        that writes where every worker writes is replaced (in the list) by the hooks of it that
+        run everywhere; one that writes where some worker does not (a folder per worker, or a
+        callback given to rank 0 only) stays. Every worker takes part (a collective of the
+        paths, whether it has such callbacks or not), once per fit, with the ranks then: a
+        worker that joins later runs none of them. (If rank 0 is lost, these files end there.)"""
+        found = [(i, everywhere, os.path.abspath(os.fspath(getattr(c, attr))))
+                 for i, c in enumerate(callbacks)
                  for kind, attr, everywhere in _WRITERS if isinstance(c, kind)]
-        if not found:
-            return
-        if _peer.joining():
-            shared = [True] * len(found)
-        else:
-            if _peer.identity().size == 1:
+        everyone = None  # every worker's paths; a joiner does not know them
+        if not _peer.joining():
+            me = _peer.identity()
+            if me.size == 1:
                 return
-            shared = _same_everywhere([path for _, _, path in found], name)
-            if _peer.identity().rank == 0:
+            everyone = _collective.allgather_object([p for _, _, p in found], name=name)
+            if me.rank == 0:
                 return
-        for (i, everywhere, _), same in zip(found, shared):
-            if same:
+        for i, everywhere, path in found:
+            if everyone is None or all(path in theirs for theirs in everyone):
                 callbacks[i] = _Muted(callbacks[i], everywhere)
 
     @staticmethod

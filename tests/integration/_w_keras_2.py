@@ -74,7 +74,8 @@ def _small_model(keras, kf):
 
 def csv_and_tensorboard(folder: str):
     """model.fit for 2 epochs with a CSVLogger (append=True) and a TensorBoard that every
-    worker points at the same file and folder, and a CSVLogger of this worker's own. Returns,
+    worker points at the same file and folder, a CSVLogger of this worker's own, and one that
+    rank 0 alone is given. Returns,
     after every worker's fit ended, the rows of each CSV file and the event files of the
     shared TensorBoard folder."""
     import csv
@@ -85,17 +86,19 @@ def csv_and_tensorboard(folder: str):
     model = _small_model(keras, kf)
     shared = os.path.join(folder, "log.csv")
     own = os.path.join(folder, f"log{kf.rank()}.csv")
+    first = os.path.join(folder, "rank0.csv")  # Horovod's habit: given to rank 0 only
     model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[
         keras.callbacks.CSVLogger(shared, append=True),
         keras.callbacks.TensorBoard(os.path.join(folder, "tb")), kf.Hook(),
-        keras.callbacks.CSVLogger(own)])
+        keras.callbacks.CSVLogger(own)] + (
+        [keras.callbacks.CSVLogger(first)] if kf.rank() == 0 else []))
     kf.barrier()
 
     def rows(path):
         with open(path) as f:
             return list(csv.reader(f))
 
-    return {"shared": rows(shared), "own": rows(own),
+    return {"shared": rows(shared), "own": rows(own), "first": rows(first),
             "events": sorted(os.listdir(os.path.join(folder, "tb", "train")))}
 
 

@@ -78,8 +78,9 @@ def test_csv_logger_and_tensorboard_write_once(spawn, tmp_path):
     # One header and a row per epoch (two ranks appending gave four rows), one event file.
     assert [row[0] for row in r0["shared"]] == ["epoch", "0", "1"], r0["shared"]
     assert len(r0["events"]) == 1, r0["events"]
-    # A file per worker stays each worker's.
-    assert [row[0] for row in r0["own"]] == ["epoch", "0", "1"], r0["own"]
+    # A file per worker stays each worker's, and so does a callback only rank 0 was given.
+    for key in ("own", "first"):
+        assert [row[0] for row in r0[key]] == ["epoch", "0", "1"], r0[key]
 
 
 def test_backup_and_restore_writes_on_rank_0_and_restores_every_rank(spawn, tmp_path):
