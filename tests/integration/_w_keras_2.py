@@ -172,8 +172,12 @@ def main():
     """Run under kungfu-run -w (test_keras_habits_2.py): the guide's train_step on
     kf.ElasticData; the worker of rank --kill-rank kills itself (SIGKILL) after its step
     --kill-step, before kf.Hook's agreement of that step (a callback before the Hook), so the
-    others fail in that agreement and train the step again. Each survivor writes a JSON line
-    to --out: its weights, its recoveries and the loss of its last epoch."""
+    others fail in that agreement and train the step again. With --shrink-at STEP a policy
+    resizes the job to 1 worker after that step, and the workers print Keras's progress bar.
+    Each worker that trains to the end writes a JSON line to --out: its weights, its
+    recoveries, the loss of its last epoch and what it printed."""
+    import contextlib
+    import io
     import argparse
     import json
     import os
@@ -183,6 +187,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--kill-step", type=int, default=3)
+    p.add_argument("--shrink-at", type=int, default=0)
     args = p.parse_args()
     kf, tf, keras = _setup()
     x, y = _labelled(0)
@@ -191,19 +196,30 @@ def main():
     model.compile(kf.Optimizer(keras.optimizers.SGD(0.05)),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"], jit_compile=False)
-    hook = kf.Hook(data=data)
+
+    class Shrink(kf.BasePolicy):
+        def after_step(self, state):
+            if state.step == args.shrink_at and state.cluster_size > 1:
+                kf.resize(1)
+
+    hook = kf.Hook(Shrink(), data=data)
     doomed = kf.rank() == args.kill_rank
 
     def kill(batch, logs):
         if doomed and hook.state.step + 1 == args.kill_step:  # the Hook counts it after this
             os.kill(os.getpid(), signal.SIGKILL)
 
-    history = model.fit(data.dataset(), epochs=2, verbose=0, callbacks=[
-        keras.callbacks.LambdaCallback(on_train_batch_end=kill), hook]).history
+    if args.shrink_at:
+        keras.utils.enable_interactive_logging()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        history = model.fit(data.dataset(), epochs=2, verbose=int(args.shrink_at > 0),
+                            callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=kill),
+                                       hook]).history
     with open(os.path.join(args.out, f"{os.getpid()}.json"), "w") as f:
         json.dump({"rank": kf.rank(), "size": kf.size(), "step": hook.state.step,
                    "recoveries": len(hook.recoveries), "loss": history["loss"][-1],
-                   "weights": _digest(model.get_weights())}, f)
+                   "weights": _digest(model.get_weights()), "printed": out.getvalue()}, f)
 
 
 if __name__ == "__main__":

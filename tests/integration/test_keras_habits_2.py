@@ -92,12 +92,30 @@ def test_backup_and_restore_writes_on_rank_0_and_restores_every_rank(spawn, tmp_
     assert r0["weights"] == r1["weights"]
 
 
-def test_the_progress_bar_after_a_resume_counts_the_jobs_epochs_and_steps(spawn, tmp_path):
+def _totals(printed: str):
+    """The epochs ("Epoch e/E") and, for each, the count of the progress bar's last line (its
+    total at the epoch's end, "n/n" when the bar's total was the epoch's steps)."""
     import re
 
-    printed, _ = spawn(2, w.resumed_progress, str(tmp_path), env=ENV, timeout=150)
     printed = re.sub(r"\x1b\[[0-9;]*m", "", printed)  # the bar's colours
+    parts = re.split(r"(Epoch \d+/\d+)", printed)[1:]
+    return parts[0::2], [re.findall(r"(\d+/\d+) ", body)[-1] for body in parts[1::2]]
+
+
+def test_the_progress_bar_after_a_resume_counts_the_jobs_epochs_and_steps(spawn, tmp_path):
+    printed, _ = spawn(2, w.resumed_progress, str(tmp_path), env=ENV, timeout=150)
     # The resumed job goes on in epoch 2 of 3 (the first job stopped 3 steps into it): 7 steps
     # left there, then 10 (before: "Epoch 1/3", and the last epoch counted 7 steps).
-    assert re.findall(r"Epoch \d+/\d+", printed) == ["Epoch 2/3", "Epoch 3/3"], printed
-    assert re.findall(r"(\d+)/\1 ", printed) == ["7", "10"], printed
+    assert _totals(printed) == (["Epoch 2/3", "Epoch 3/3"], ["7/7", "10/10"]), printed
+
+
+@pytest.mark.timeout(200)
+def test_the_progress_bar_after_a_resize_counts_each_epochs_steps(tmp_path):
+    # 256 samples: 3 steps of 2 x 16, then (shrunk to 1 worker) 10 of 16; then 16 (before:
+    # the second epoch's bar kept the first epoch's 13).
+    r, results = _elastic(tmp_path, 2, "--kill-rank", "-1", "--shrink-at", "3")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    [stayed] = results
+    assert stayed["step"] == 3 + 10 + 16, stayed
+    assert _totals(stayed["printed"]) == (["Epoch 1/2", "Epoch 2/2"], ["13/13", "16/16"]), \
+        stayed["printed"]
