@@ -63,6 +63,7 @@ import keras
 from kungfu import _peer, elastic as _elastic, timeline
 from kungfu.elastic import Membership, Round, TrainingState
 from kungfu.policy import BasePolicy
+from kungfu.tensorflow._cluster_logs import ClusterLogs
 from kungfu.tensorflow._monitor import monitor_logs, monitor_metrics
 from kungfu.tensorflow._variables import KerasVariables
 from kungfu.tensorflow.callbacks import (RECOVERABLE, RankZeroOutput, combine_while_training,
@@ -163,12 +164,8 @@ class Hook(keras.callbacks.Callback):
         self._equal_after_step = False  # the model was not built at the start (_start_equal)
         # model.fit: progress output and model.save on rank 0 only (kungfu/tensorflow/callbacks.py)
         self.rank_zero_output = rank_zero_output
-        # model.fit: the cluster's numbers in Keras's logs (CLUSTER_LOG_KEYS), per step (the
-        # last step's) and per epoch (the epoch's mean step time and samples/s).
-        self.cluster_logs = cluster_logs
-        self._epoch_totals = [0.0, 0, 0.0, 0]  # seconds, samples, allreduce bytes, steps
-        self._traffic = 0  # bytes the runtime allreduced so far
-        self._last_bytes = 0  # ... in the last step
+        # model.fit: the cluster's numbers in Keras's logs (CLUSTER_LOG_KEYS).
+        self._cluster = ClusterLogs(cluster_logs)
         self._output: Optional[RankZeroOutput] = None
         let_hooks_arrange_callbacks()  # kungfu_arrange sees each fit's callbacks first
         # Resize, recovery, commits and the checkpoint (kungfu/elastic).
@@ -414,7 +411,7 @@ class Hook(keras.callbacks.Callback):
             else:
                 logs = inner(*args, **kwargs)
             model.kungfu_trained = True  # the next epoch logs are a training epoch's
-            extra = {**monitor_logs(self.optimizer), **self._step_logs()}
+            extra = {**monitor_logs(self.optimizer), **self._cluster.step(self.state)}
             if extra and isinstance(logs, dict):
                 logs = {**logs, **extra}
             return logs
@@ -435,43 +432,6 @@ class Hook(keras.callbacks.Callback):
         before = _samples_counted(model)
         logs = train_fn(*args, **kwargs)
         return logs, (_samples_counted(model) - before) / spe
-
-    def _step_logs(self) -> dict:
-        """The cluster's numbers for a step's logs: size, global batch, and the last step's
-        time, samples/s and allreduce bandwidth (bytes/s over the step)."""
-        if not self.cluster_logs:
-            return {}
-        s, m = self.state, self.state.metrics
-        out = {"cluster_size": s.cluster_size}
-        if s.global_batch_size is not None:
-            out["global_batch_size"] = s.global_batch_size
-        if "step_time" in m:
-            out["step_time"] = m["step_time"]
-            out["samples_per_sec"] = m.get("throughput", 0.0)
-            out["allreduce_bytes_per_sec"] = self._last_bytes / m["step_time"]
-        return out
-
-    def _epoch_logs(self) -> dict:
-        """The same over the epoch that ended: mean step time, samples/s, bandwidth."""
-        if not self.cluster_logs:
-            return {}
-        out = {**self._step_logs()}
-        seconds, samples, traffic, steps = self._epoch_totals
-        if seconds > 0:
-            out.update(step_time=seconds / steps, samples_per_sec=samples / seconds,
-                       allreduce_bytes_per_sec=traffic / seconds)
-        return out
-
-    def _count_traffic(self, elapsed: float, samples: int) -> None:
-        """Adds a step to the epoch's totals; reads the runtime's allreduce byte counter."""
-        nbytes = sum(c[2] for c in _peer.get().strategy_counters()) if _peer.started() else 0
-        self._last_bytes = max(nbytes - self._traffic, 0)  # a new native peer starts at 0
-        self._traffic = nbytes
-        t = self._epoch_totals
-        t[0] += elapsed
-        t[1] += samples
-        t[2] += self._last_bytes
-        t[3] += 1
 
     def guard(self, train_step):
         """For a custom loop: `train_step` made to survive a lost peer. Call the result on the
@@ -524,7 +484,7 @@ class Hook(keras.callbacks.Callback):
 
     def before_epoch(self, epoch: Optional[int] = None) -> None:
         self._epochs_begun += 1
-        self._epoch_totals = [0.0, 0, 0.0, 0]
+        self._cluster.begin_epoch()
         if self._resumed:  # a joiner's first epoch continues the others' current one
             self._resumed = False
             return
@@ -567,7 +527,7 @@ class Hook(keras.callbacks.Callback):
             s.metrics["step_time"] = elapsed
             if samples:
                 s.metrics["throughput"] = samples / elapsed
-            self._count_traffic(elapsed, samples)
+            self._cluster.count(elapsed, samples)
             # This worker's compute: the step less its wait for the others in the gradients'
             # allreduce (kf.Optimizer's sync-sgd measures it). Every worker's rides on the
             # agreement below: policies see them as metrics["compute_times"] next step.
@@ -656,7 +616,8 @@ class Hook(keras.callbacks.Callback):
         # decide from them (EarlyStopping, ReduceLROnPlateau, ...) decide the same everywhere.
         combine_while_training(self.model, True)
         opt = self.optimizer
-        self.model.kungfu_epoch_logs = lambda: {**monitor_logs(opt), **self._epoch_logs()}
+        self.model.kungfu_epoch_logs = lambda: {**monitor_logs(opt),
+                                                **self._cluster.epoch(self.state)}
         if self.rank_zero_output and self._output is None:
             self._output = RankZeroOutput(self.model)
             self._output.start()
