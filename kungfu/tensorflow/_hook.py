@@ -611,7 +611,8 @@ class Hook(keras.callbacks.Callback):
         spe = getattr(self.model, "steps_per_execution", 1)
         if self.data is not None and int(keras.ops.convert_to_numpy(spe)) != 1:
             raise ValueError("kf.Hook with kungfu data needs steps_per_execution=1")
-        prepare_fit(self.model)  # before the train function is wrapped below
+        # Before the train function is wrapped below.
+        prepare_fit(self.model, (self.params or {}).get("steps"))
         # Epoch metrics (validation too) over all workers while fit runs, so callbacks that
         # decide from them (EarlyStopping, ReduceLROnPlateau, ...) decide the same everywhere.
         combine_while_training(self.model, True)

@@ -224,3 +224,25 @@ def main():
 
 if __name__ == "__main__":
     main()
+
+
+def uneven_shards(hook: bool):
+    """Rank 1 has one batch more than rank 0: model.fit fails at once on every worker, naming
+    each worker's steps per epoch (with kf.Hook, or with BroadcastGlobalVariablesCallback only)."""
+    import time
+
+    import keras
+
+    import kungfu as kf
+
+    n = 32 + 8 * kf.rank()
+    x, y = np.ones((n, 4), np.float32), np.zeros((n, 1), np.float32)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(kf.Optimizer(keras.optimizers.SGD(0.1)), "mse")
+    callback = kf.Hook() if hook else kf.BroadcastGlobalVariablesCallback()
+    start = time.monotonic()
+    try:
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[callback])
+        return {"error": None}
+    except ValueError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}

@@ -119,3 +119,13 @@ def test_the_progress_bar_after_a_resize_counts_each_epochs_steps(tmp_path):
     assert stayed["step"] == 3 + 10 + 16, stayed
     assert _totals(stayed["printed"]) == (["Epoch 1/2", "Epoch 2/2"], ["13/13", "16/16"]), \
         stayed["printed"]
+
+
+@pytest.mark.parametrize("hook", [True, False])
+def test_uneven_shards_fail_at_once_naming_each_workers_steps(spawn, hook):
+    """A worker with a batch more waited in its last step until the op deadline; now model.fit
+    fails before the first step, on every worker, saying who has how many steps."""
+    outs = spawn(2, w.uneven_shards, hook, env={**ENV, "KUNGFU_OP_TIMEOUT": "60s"}, timeout=120)
+    for o in outs:
+        assert "different numbers of steps per epoch (rank 0: 4, rank 1: 5)" in o["error"]
+        assert o["seconds"] < 30

@@ -10,12 +10,12 @@ that passes the same list of variables issues the same names.
 from __future__ import annotations
 
 import warnings
-from typing import Iterable
+from typing import Iterable, Optional
 
 import keras
 import tensorflow as tf
 
-from kungfu import _peer
+from kungfu import _collective, _peer
 from kungfu.tensorflow.optimizers import _fusion
 
 DEFAULT_BUCKET_BYTES = 16 << 20
@@ -125,7 +125,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         from kungfu import _env
 
-        prepare_fit(self.model)
+        prepare_fit(self.model, (self.params or {}).get("steps"))
         # A worker that joins a running elastic job takes the others' state from kf.Hook; a
         # broadcast of its own would wait for peers that are not in it.
         if _env.ELASTIC_JOINING.get():
@@ -138,9 +138,12 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             self.broadcast()
 
 
-def prepare_fit(model) -> None:
+def prepare_fit(model, steps: Optional[int] = None) -> None:
     """What model.fit needs before its first step, from BroadcastGlobalVariablesCallback or
     kf.Hook (either may be the only kungfu callback):
+    - every worker must train the same number of steps per epoch (`steps`: Keras's count, None
+      when it does not know it): a worker with a batch more would wait in its last step for
+      peers that have ended the epoch. Unequal counts fail at once on every worker, naming them;
     - kungfu's collectives have no XLA kernels: a model whose optimizer is distributed must not
       train in an XLA-compiled step (Keras picks XLA by itself on GPUs with jit_compile="auto");
     - a model with Keras's own train_step and a plain optimizer trains on each worker alone:
@@ -148,6 +151,7 @@ def prepare_fit(model) -> None:
       plain optimizer back; kf.load_model distributes it again)."""
     from kungfu.tensorflow.optimizers import Optimizer
 
+    _check_equal_steps(steps)
     opt = getattr(model, "optimizer", None)
     if opt is None:
         return
@@ -169,6 +173,19 @@ def prepare_fit(model) -> None:
                       "optimizer's collectives cannot be compiled by XLA")
         model.jit_compile = False
         model.make_train_function(force=True)
+
+
+def _check_equal_steps(steps: Optional[int]) -> None:
+    if _peer.identity().size == 1 or _peer.joining():
+        return  # a joiner continues the others' epoch (kf.Hook's data)
+    counts = _collective.allgather_object(steps, name="kungfu/fit/steps-per-epoch")
+    if None in counts or len(set(counts)) == 1:
+        return
+    ranks = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+    raise ValueError(
+        f"kungfu: the workers have different numbers of steps per epoch ({ranks}): each step "
+        "is a collective of every worker, so give each the same number of batches (kf.shard "
+        "splits data into equal shares; or pass steps_per_epoch=), or train on kf.ElasticData")
 
 
 __all__ = ["broadcast_variables", "BroadcastGlobalVariablesCallback"]
