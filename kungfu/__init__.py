@@ -99,6 +99,7 @@ _TENSORFLOW_NAMES = {
     "LearningRateScheduleCallback": "kungfu.tensorflow",
     "combine_metrics": "kungfu.tensorflow",
     "shard": "kungfu.tensorflow",
+    "validation_dataset": "kungfu.tensorflow",
     "RecordFiles": "kungfu.tensorflow",
 }
 

@@ -16,7 +16,12 @@ from kungfu.tensorflow.callbacks import (  # noqa: F401
     combine_metrics,
 )
 from kungfu.tensorflow.gradient_tape import DistributedGradientTape  # noqa: F401
-from kungfu.tensorflow.data import ElasticData, RecordFiles, shard  # noqa: F401
+from kungfu.tensorflow.data import (  # noqa: F401
+    ElasticData,
+    RecordFiles,
+    shard,
+    validation_dataset,
+)
 from kungfu.tensorflow._monitor import (  # noqa: F401
     grad_noise_scale,
     grad_noise_stats,
@@ -50,5 +55,6 @@ __all__ = [
     "LearningRateScheduleCallback",
     "combine_metrics",
     "shard",
+    "validation_dataset",
     "RecordFiles",
 ]

@@ -630,3 +630,34 @@ def shard(data, rank=None, size=None):
 
 def _stride(a, n: int, rank: int, size: int):
     return a[rank:n - n % size:size]
+
+
+def validation_dataset(x, y=None, sample_weight=None, batch_size: int = 32):
+    """Validation data for model.fit that stays right across resizes: a tf.data.Dataset of this
+    worker's share of (x, y, sample_weight) in batches, the share taken again from the cluster as
+    it is at every iteration (every validation). With kf.Hook combining the metrics over the
+    workers, each sample is evaluated once per validation at any cluster size. (kf.shard's share
+    is fixed when it is made: after a resize some samples would count twice and others not at
+    all.) Shares differ by at most one sample; a worker whose share is empty (more workers than
+    samples) evaluates nothing."""
+    import tensorflow as tf
+
+    batch_size = check_batch_size(batch_size)
+    arrays = [np.asarray(a) for a in (x, y, sample_weight) if a is not None]
+    n = len(arrays[0])
+    if any(len(a) != n for a in arrays):
+        raise ValueError(f"validation_dataset: x, y and sample_weight need one length, got "
+                         f"{[len(a) for a in arrays]}")
+
+    def batches():
+        me = _peer.identity()
+        share = np.array_split(np.arange(n), me.size)[me.rank]
+        for start in range(0, len(share), batch_size):
+            idx = share[start:start + batch_size]
+            yield tuple(a[idx] for a in arrays)
+
+    spec = tuple(tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)) for a in arrays)
+    ds = tf.data.Dataset.from_generator(batches, output_signature=spec)
+    ds._kungfu_elastic = True  # its number of batches changes with the cluster size
+    _keep_keras_from_fixing_epoch_length()
+    return ds

@@ -246,3 +246,25 @@ def uneven_shards(hook: bool):
         return {"error": None}
     except ValueError as e:
         return {"error": str(e), "seconds": time.monotonic() - start}
+
+
+def validation_shares():
+    """model.fit with validation_data=kf.validation_dataset(...) (each worker evaluates its share,
+    kf.Hook combines): the epoch's val_loss is the loss over the whole validation set."""
+    import keras
+
+    import kungfu as kf
+
+    rng = np.random.default_rng(0)  # the same validation data on every worker
+    xv = rng.normal(size=(37, 4)).astype(np.float32)
+    yv = rng.normal(size=(37, 1)).astype(np.float32)
+    x = np.random.default_rng(1 + kf.rank()).normal(size=(32, 4)).astype(np.float32)
+    y = x.sum(axis=1, keepdims=True)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(kf.Optimizer(keras.optimizers.SGD(0.05)), "mse")
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[kf.Hook()],
+                        validation_data=kf.validation_dataset(xv, yv, batch_size=5))
+    whole = model.evaluate(xv, yv, batch_size=37, verbose=0)  # this worker, every sample
+    rows = [int(i) for bx, in kf.validation_dataset(np.arange(37), batch_size=5)
+            for i in bx.numpy()]
+    return {"val_loss": history.history["val_loss"][-1], "whole": float(whole), "rows": rows}

@@ -129,3 +129,10 @@ def test_uneven_shards_fail_at_once_naming_each_workers_steps(spawn, hook):
     for o in outs:
         assert "different numbers of steps per epoch (rank 0: 4, rank 1: 5)" in o["error"]
         assert o["seconds"] < 30
+
+
+def test_validation_shares_cover_the_validation_set_once(spawn):
+    outs = spawn(2, w.validation_shares, env=ENV, timeout=120)
+    assert [o["rows"] for o in outs] == [list(range(19)), list(range(19, 37))]
+    for o in outs:
+        assert o["val_loss"] == pytest.approx(o["whole"], rel=1e-5)
