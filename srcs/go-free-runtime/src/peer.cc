@@ -235,13 +235,10 @@ void Peer::LingerForHellos(std::chrono::milliseconds at_most) {
 
 namespace {
 
-// Each accepted connection has this long, from accept to the end of step 4, however slowly a
-// stranger sends (a real peer needs two round trips).
-constexpr auto kHandshakeTime = std::chrono::milliseconds(2000);
 // Handshakes in progress at most; a new connection beyond them drops the oldest. Silent
 // strangers thus cannot keep a real peer out (only 256 newer connections within its round trips
 // could drop it, and it dials again), and cost at most this many descriptors for at most
-// kHandshakeTime.
+// StreamTransport::kHandshakeTime.
 constexpr size_t kMaxPendingHandshakes = 256;
 constexpr int kAcceptBurst = 64;  // accepts per listener per wakeup
 
@@ -350,7 +347,7 @@ void Peer::AcceptLoop() {
         if (p.out.empty()) {  // tell it why, if its socket takes it at once
           const std::string why = StreamTransport::HandshakeReply(
               Unavailable("no complete handshake within " +
-                          std::to_string(kHandshakeTime.count() / 1000) + " s"));
+                          std::to_string(StreamTransport::kHandshakeTime.count() / 1000) + " s"));
           send(p.fd, why.data(), why.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
         }
       }
@@ -379,7 +376,7 @@ void Peer::AcceptLoop() {
           pending.pop_front();
         }
         pending.push_back(std::make_unique<PendingHandshake>(
-            fd, /*tcp=*/l == 0, now + kHandshakeTime, config_.job_token,
+            fd, /*tcp=*/l == 0, now + StreamTransport::kHandshakeTime, config_.job_token,
             [this](const std::string& src, const std::string& dst, uint64_t version, int* claimed,
                    Status* why) { return Admit(src, dst, version, claimed, why); }));
       }

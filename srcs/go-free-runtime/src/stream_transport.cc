@@ -293,7 +293,7 @@ void StreamTransport::ReadFrames(int src, int fd) {
       if (!read_payload(kMaxAbortMessage, "an abort message", &msg)) return;
       size_t colon = msg.find(':');
       int code = colon == std::string::npos ? 0 : std::atoi(msg.substr(0, colon).c_str());
-      Code c = (code >= 1 && code <= 7) ? static_cast<Code>(code) : Code::kInternal;
+      Code c = IsErrorCode(code) ? static_cast<Code>(code) : Code::kInternal;
       OnAbort(key, Status(c, msg.substr(colon == std::string::npos ? 0 : colon + 1)));
       continue;
     }
@@ -458,7 +458,6 @@ void StreamTransport::Close() {
 
 namespace {
 
-constexpr auto kHandshakeTime = std::chrono::milliseconds(2000);
 constexpr size_t kNonceLen = 32;
 constexpr size_t kProofLen = 32;
 const char kWrongToken[] = "wrong job token (KUNGFU_JOB_TOKEN differs)";
@@ -572,7 +571,7 @@ Status ReadReply(int fd, TimePoint deadline, const std::string& who, size_t payl
   if (io.ok()) io = net::ReadFullBy(fd, payload->data(), payload->size(), deadline);
   if (!io.ok()) return Unavailable("handshake: " + io.message());
   if (f.flags != 0) {
-    if (f.flags > static_cast<uint32_t>(Code::kResourceExhausted)) {
+    if (!IsErrorCode(f.flags)) {
       return InvalidArgument(who + " sent a malformed handshake reply: status code " +
                              std::to_string(f.flags));
     }
@@ -599,7 +598,7 @@ std::string StreamTransport::HandshakeReply(const Status& verdict) {
 Status StreamTransport::DialHandshake(int fd, int dst) {
   const std::string who = "peer " + Describe(dst);
   const std::string name = peers_[rank_].ToString() + ">" + peers_[dst].ToString();
-  const TimePoint deadline = Clock::now() + kHandshakeTime;
+  const TimePoint deadline = Clock::now() + StreamTransport::kHandshakeTime;
   std::string mine;
   KF_RETURN_IF_ERROR(FreshNonce(&mine));
   KF_RETURN_IF_ERROR(WriteBytes(fd, FrameBytes(net::kHello, version_, 0, name, mine)));  // 1

@@ -16,6 +16,7 @@
 // alone.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <thread>
 
@@ -46,6 +47,10 @@ class StreamTransport : public RendezvousTransport {
 
   // The handshake's frames, for the listener's side (AcceptHandshake) and for tests.
   static std::string HandshakeReply(const Status& verdict);  // a refusal, or step 4's OK
+  // How long one handshake may take on either side (the dialer's from its hello, the
+  // listener's from accept) to the end of step 4, however slowly the other side sends: a real
+  // peer needs two round trips.
+  static constexpr std::chrono::milliseconds kHandshakeTime{2000};
 
  protected:
   Status SendData(int dst, const MsgKey& key, const MsgExpect& meta, const void* data,
