@@ -104,12 +104,25 @@ class Fusion {
   struct Op;
   struct Record;
   struct Bucket;
+  struct Offer;
+  struct Verdict;
+  using Done = std::vector<std::pair<std::shared_ptr<Op>, Status>>;  // ops to Finish, unlocked
   void Loop();
   // One negotiation cycle (steps 1-4); *agreed: whether it agreed on any op.
   Status Cycle(bool* agreed);
+  Offer TakeOffer(Done* done);  // step 1: what this peer offers (and what expired meanwhile)
+  // Steps 1-2 on the wire: every peer's records, (*recs)[rank]; fails only with the transport.
+  Status Exchange(const Offer& mine, std::vector<std::vector<Record>>* recs);
+  Status ReceiveOffer(int src, uint64_t gseq, std::vector<Record>* recs);
+  void NoteListed(int src, const std::vector<Record>& recs, const char* names, size_t name_bytes);
+  Verdict Decide(const std::vector<std::vector<Record>>& recs) const;  // step 3
+  // Step 4: failed and agreed ops leave the queue; the agreed ones as buckets, then scheduled.
+  std::vector<Bucket> Settle(const Offer& mine, const Verdict& verdict, Done* done);
+  void Schedule(std::vector<Bucket> buckets);
+  void FinishAll(Done* done);
   // Fails (locally) every queued op whose deadline has passed, naming the peers not known to
   // have issued it (Op::seen).
-  void ExpireLocked(TimePoint now, std::vector<std::pair<std::shared_ptr<Op>, Status>>* done);
+  void ExpireLocked(TimePoint now, Done* done);
   void Watch();  // the watch thread: ExpireLocked and CheckTransportErrors while ops are queued
   void RememberFailureLocked(uint64_t hash, const Status& s);
   // Fails queued ops the transport saw fail (a peer called another operation under the name and

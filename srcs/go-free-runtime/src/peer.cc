@@ -242,7 +242,20 @@ namespace {
 constexpr size_t kMaxPendingHandshakes = 256;
 constexpr int kAcceptBurst = 64;  // accepts per listener per wakeup
 
-struct PendingHandshake {
+void SetNonBlocking(int fd, bool on) {
+  int flags = fcntl(fd, F_GETFL, 0);
+  if (flags >= 0) fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK));
+}
+
+int MillisUntil(TimePoint t, TimePoint now) {
+  if (t <= now) return 0;
+  return static_cast<int>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count() + 1);
+}
+
+}  // namespace
+
+struct Peer::PendingHandshake {
   // admit: AcceptHandshake::Admit, plus where to note the rank the hello claims.
   using Admit = std::function<int(const std::string& src, const std::string& dst,
                                   uint64_t version, int* claimed, Status* why)>;
@@ -262,68 +275,21 @@ struct PendingHandshake {
   bool answered = false;
 };
 
-void SetNonBlocking(int fd, bool on) {
-  int flags = fcntl(fd, F_GETFL, 0);
-  if (flags >= 0) fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK));
-}
-
-int MillisUntil(TimePoint t, TimePoint now) {
-  if (t <= now) return 0;
-  return static_cast<int>(
-      std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count() + 1);
-}
-
-}  // namespace
-
 // The listener's side of every handshake (steps in transport.h), all in this thread:
 //  1. poll() the listeners and every pending handshake (each socket nonblocking, reading only
 //     when it owes the dialer nothing, writing when it does);
 //  2. feed what arrives to its AcceptHandshake, at most what the current step's frame has left,
-//     and send what it answers;
+//     and send what it answers (StepHandshake);
 //  3. an authenticated stream goes back to blocking and to the transport (Attach); a refused one
-//     is closed once its refusal is sent; one past its deadline is told so and closed;
-//  4. accept new connections, dropping the oldest pending one beyond kMaxPendingHandshakes.
+//     is closed once its refusal is sent; one past its deadline is told so and closed
+//     (KeepHandshake);
+//  4. accept new connections, dropping the oldest pending one beyond kMaxPendingHandshakes
+//     (AcceptBurst).
 void Peer::AcceptLoop() {
   for (int fd : listen_fds_) SetNonBlocking(fd, true);
   std::deque<std::unique_ptr<PendingHandshake>> pending;  // oldest first
   std::vector<struct pollfd> fds;
   TimePoint listen_again = Clock::now();  // out of descriptors: the listeners rest a moment
-
-  // Moves one handshake on as far as its socket allows; false when it is over (closed by the
-  // caller unless handed over).
-  auto progress = [this](PendingHandshake& p) {
-    char buf[4096];
-    while (true) {
-      while (p.sent < p.out.size()) {
-        ssize_t k = send(p.fd, p.out.data() + p.sent, p.out.size() - p.sent,
-                         MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (k < 0 && errno == EINTR) continue;
-        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-        if (k <= 0) return false;
-        p.sent += static_cast<size_t>(k);
-      }
-      p.out.clear();
-      p.sent = 0;
-      if (p.claimed >= 0 && !p.answered && p.hs.state() != AcceptHandshake::State::kHello) {
-        p.answered = true;  // its hello's answer is on its way
-        std::lock_guard<std::mutex> lk(hs_mu_);
-        hello_answered_[p.claimed] = true;
-        hs_cv_.notify_all();
-      }
-      if (p.hs.state() == AcceptHandshake::State::kRefused) return false;
-      if (p.hs.state() == AcceptHandshake::State::kDone) {
-        Attach(p.fd, p.tcp, p.hs.src());
-        p.fd = -1;
-        return false;
-      }
-      ssize_t k = recv(p.fd, buf, std::min(p.hs.want(), sizeof(buf)), MSG_DONTWAIT);
-      if (k < 0 && errno == EINTR) continue;
-      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-      if (k <= 0) return false;  // closed, or broken
-      p.hs.Feed(buf, static_cast<size_t>(k), &p.out);
-    }
-  };
-
   while (!stopping_) {
     TimePoint now = Clock::now();
     const bool listening = now >= listen_again;
@@ -340,49 +306,94 @@ void Peer::AcceptLoop() {
     const int rc = poll(fds.data(), fds.size(), timeout_ms);
     now = Clock::now();
     for (size_t i = 0; i < pending.size(); ++i) {
-      PendingHandshake& p = *pending[i];
-      bool keep = rc <= 0 || fds[first + i].revents == 0 || progress(p);
-      if (keep && now >= p.deadline) {
-        keep = false;
-        if (p.out.empty()) {  // tell it why, if its socket takes it at once
-          const std::string why = StreamTransport::HandshakeReply(
-              Unavailable("no complete handshake within " +
-                          std::to_string(StreamTransport::kHandshakeTime.count() / 1000) + " s"));
-          send(p.fd, why.data(), why.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
-        }
-      }
-      if (!keep) {
-        if (p.fd >= 0) close(p.fd);
+      if (!KeepHandshake(*pending[i], rc > 0 && fds[first + i].revents != 0, now)) {
         pending[i].reset();
       }
     }
     pending.erase(std::remove(pending.begin(), pending.end(), nullptr), pending.end());
     if (!listening || rc <= 0) continue;
     for (int l = 0; l < 2; ++l) {
-      if (!(fds[l].revents & POLLIN)) continue;
-      for (int n = 0; n < kAcceptBurst; ++n) {
-        int fd = accept4(listen_fds_[l], nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) {
-          if (errno == EINTR) continue;
-          // EMFILE and the like leave the connection queued and the listener readable: rest
-          // rather than spin (EAGAIN: none left).
-          if (errno != EAGAIN && errno != EWOULDBLOCK) {
-            listen_again = now + std::chrono::milliseconds(10);
-          }
-          break;
-        }
-        if (pending.size() >= kMaxPendingHandshakes) {
-          close(pending.front()->fd);
-          pending.pop_front();
-        }
-        pending.push_back(std::make_unique<PendingHandshake>(
-            fd, /*tcp=*/l == 0, now + StreamTransport::kHandshakeTime, config_.job_token,
-            [this](const std::string& src, const std::string& dst, uint64_t version, int* claimed,
-                   Status* why) { return Admit(src, dst, version, claimed, why); }));
-      }
+      if (fds[l].revents & POLLIN) AcceptBurst(l, now, &pending, &listen_again);
     }
   }
   for (auto& p : pending) close(p->fd);
+}
+
+// Step 3 for one pending handshake after a poll (`ready`: its socket is): false when it is over,
+// its socket closed unless handed to the transport.
+bool Peer::KeepHandshake(PendingHandshake& p, bool ready, TimePoint now) {
+  bool keep = !ready || StepHandshake(p);
+  if (keep && now >= p.deadline) {
+    keep = false;
+    if (p.out.empty()) {  // tell it why, if its socket takes it at once
+      const std::string why = StreamTransport::HandshakeReply(
+          Unavailable("no complete handshake within " +
+                      std::to_string(StreamTransport::kHandshakeTime.count() / 1000) + " s"));
+      send(p.fd, why.data(), why.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+    }
+  }
+  if (!keep && p.fd >= 0) close(p.fd);
+  return keep;
+}
+
+// Step 2: moves one handshake on as far as its socket allows; false when it is over (closed by
+// the caller unless handed over).
+bool Peer::StepHandshake(PendingHandshake& p) {
+  char buf[4096];
+  while (true) {
+    while (p.sent < p.out.size()) {
+      ssize_t k = send(p.fd, p.out.data() + p.sent, p.out.size() - p.sent,
+                       MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (k < 0 && errno == EINTR) continue;
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+      if (k <= 0) return false;
+      p.sent += static_cast<size_t>(k);
+    }
+    p.out.clear();
+    p.sent = 0;
+    if (p.claimed >= 0 && !p.answered && p.hs.state() != AcceptHandshake::State::kHello) {
+      p.answered = true;  // its hello's answer is on its way
+      std::lock_guard<std::mutex> lk(hs_mu_);
+      hello_answered_[p.claimed] = true;
+      hs_cv_.notify_all();
+    }
+    if (p.hs.state() == AcceptHandshake::State::kRefused) return false;
+    if (p.hs.state() == AcceptHandshake::State::kDone) {
+      Attach(p.fd, p.tcp, p.hs.src());
+      p.fd = -1;
+      return false;
+    }
+    ssize_t k = recv(p.fd, buf, std::min(p.hs.want(), sizeof(buf)), MSG_DONTWAIT);
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    if (k <= 0) return false;  // closed, or broken
+    p.hs.Feed(buf, static_cast<size_t>(k), &p.out);
+  }
+}
+
+// Step 4 on listener l (0: TCP, 1: Unix) that poll found readable.
+void Peer::AcceptBurst(int l, TimePoint now, std::deque<std::unique_ptr<PendingHandshake>>* pending,
+                       TimePoint* listen_again) {
+  for (int n = 0; n < kAcceptBurst; ++n) {
+    int fd = accept4(listen_fds_[l], nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR) continue;
+      // EMFILE and the like leave the connection queued and the listener readable: rest
+      // rather than spin (EAGAIN: none left).
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        *listen_again = now + std::chrono::milliseconds(10);
+      }
+      return;
+    }
+    if (pending->size() >= kMaxPendingHandshakes) {
+      close(pending->front()->fd);
+      pending->pop_front();
+    }
+    pending->push_back(std::make_unique<PendingHandshake>(
+        fd, /*tcp=*/l == 0, now + StreamTransport::kHandshakeTime, config_.job_token,
+        [this](const std::string& src, const std::string& dst, uint64_t version, int* claimed,
+               Status* why) { return Admit(src, dst, version, claimed, why); }));
+  }
 }
 
 // Step 2's checks of a hello (see AcceptHandshake::Admit); *claimed: the rank it claims to come

@@ -247,7 +247,12 @@ class Peer {
   // or does not include this peer.
   Status SessionFor(const OpOptions& options, std::shared_ptr<Session>* session,
                     std::string* prefix);
+  struct PendingHandshake;
   void AcceptLoop();
+  bool KeepHandshake(PendingHandshake& p, bool ready, TimePoint now);
+  bool StepHandshake(PendingHandshake& p);
+  void AcceptBurst(int l, TimePoint now, std::deque<std::unique_ptr<PendingHandshake>>* pending,
+                   TimePoint* listen_again);
   int Admit(const std::string& src, const std::string& dst, uint64_t version, int* claimed,
             Status* why);
   void Attach(int fd, bool tcp, int src);
