@@ -1,20 +1,14 @@
 #include "kungfu/peer.h"
 
-#include <fcntl.h>
-#include <poll.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
-#include <deque>
 
 #include "fusion.h"
 #include "kungfu/process_set.h"
 #include "kungfu/session.h"
 #include "kungfu/stream_transport.h"
-#include "net.h"
 
 namespace kungfu {
 
@@ -92,9 +86,11 @@ Peer::Peer(const PeerConfig& config)
   t.progress = config_.progress;
   t.mismatch_grace_ms = config_.mismatch_grace_ms;
   t.heartbeat_ms = std::max<int64_t>(10, std::min<int64_t>(1000, config_.peer_timeout_ms / 4));
-  auto stream = std::make_unique<StreamTransport>(config_.version, config_.peers, rank_, t);
-  stream_ = stream.get();
-  session_ = std::make_shared<Session>(std::move(stream), config_.strategy, config_.chunk_bytes,
+  const TransportFactory make =
+      config_.transport ? config_.transport : TransportFactory(MakeStreamTransport);
+  std::unique_ptr<Transport> transport = make(config_.version, config_.peers, rank_, t);
+  KF_CHECK(transport != nullptr);
+  session_ = std::make_shared<Session>(std::move(transport), config_.strategy, config_.chunk_bytes,
                                        config_.parallelism);
   session_->transport().SetBlobLookup([this](const std::string& name) -> Transport::Blob {
     std::lock_guard<std::mutex> lk(store_mu_);
@@ -194,259 +190,15 @@ int Peer::host_count() const { return MakeHostLayout(config_.peers).host_count()
 
 Status Peer::Start() {
   if (size() == 1) return Status::OK();
-  {
-    std::lock_guard<std::mutex> lk(hs_mu_);
-    hello_answered_.assign(size(), false);
-  }
-  KF_RETURN_IF_ERROR(net::Listen(config_.self, &listen_fds_[0], &listen_fds_[1]));
-  try {
-    acceptor_ = std::thread([this] { AcceptLoop(); });
-  } catch (const std::exception&) {  // out of threads: an error, not std::terminate
-    for (int& fd : listen_fds_) {
-      close(fd);
-      fd = -1;
-    }
-    return ResourceExhausted("cannot start the acceptor thread (out of threads or memory)");
-  }
   const TimePoint since = Clock::now();
   const TimePoint deadline = since + std::chrono::milliseconds(config_.connect_timeout_ms);
-  StreamTransport& t = *stream_;
-  Status s = t.ConnectAll(since, deadline);
-  if (s.code() == Code::kInvalidArgument) LingerForHellos(std::chrono::milliseconds(2000));
-  KF_RETURN_IF_ERROR(s);
-  KF_RETURN_IF_ERROR(t.WaitIncoming(since, deadline));
+  KF_RETURN_IF_ERROR(session_->transport().Connect(since, deadline));
   return session_->ProbeDirect(deadline, config_.memory_reads);
-}
-
-// A peer that gives up on a mismatch (another job token, destination or protocol) keeps
-// answering hellos for a moment, until every peer's has been answered: each peer then learns of
-// the mismatch from its own handshake, at once, instead of dialing a closed port until its
-// connect timeout.
-void Peer::LingerForHellos(std::chrono::milliseconds at_most) {
-  std::unique_lock<std::mutex> lk(hs_mu_);
-  hs_cv_.wait_for(lk, at_most, [&] {
-    if (stopping_) return true;
-    for (int r = 0; r < size(); ++r) {
-      if (r != rank_ && !hello_answered_[r]) return false;
-    }
-    return true;
-  });
-}
-
-namespace {
-
-// Handshakes in progress at most; a new connection beyond them drops the oldest. Silent
-// strangers thus cannot keep a real peer out (only 256 newer connections within its round trips
-// could drop it, and it dials again), and cost at most this many descriptors for at most
-// StreamTransport::kHandshakeTime.
-constexpr size_t kMaxPendingHandshakes = 256;
-constexpr int kAcceptBurst = 64;  // accepts per listener per wakeup
-
-void SetNonBlocking(int fd, bool on) {
-  int flags = fcntl(fd, F_GETFL, 0);
-  if (flags >= 0) fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK));
-}
-
-int MillisUntil(TimePoint t, TimePoint now) {
-  if (t <= now) return 0;
-  return static_cast<int>(
-      std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count() + 1);
-}
-
-}  // namespace
-
-struct Peer::PendingHandshake {
-  // admit: AcceptHandshake::Admit, plus where to note the rank the hello claims.
-  using Admit = std::function<int(const std::string& src, const std::string& dst,
-                                  uint64_t version, int* claimed, Status* why)>;
-  PendingHandshake(int fd, bool tcp, TimePoint deadline, const std::string& token, Admit admit)
-      : fd(fd),
-        tcp(tcp),
-        deadline(deadline),
-        hs(token, [this, admit](const std::string& src, const std::string& dst, uint64_t version,
-                                Status* why) { return admit(src, dst, version, &claimed, why); }) {}
-  int fd;  // nonblocking; -1 once handed to the transport
-  bool tcp;
-  TimePoint deadline;
-  AcceptHandshake hs;
-  std::string out;  // owed to the dialer
-  size_t sent = 0;
-  int claimed = -1;  // the rank the hello claims to come from, or -1
-  bool answered = false;
-};
-
-// The listener's side of every handshake (steps in transport.h), all in this thread:
-//  1. poll() the listeners and every pending handshake (each socket nonblocking, reading only
-//     when it owes the dialer nothing, writing when it does);
-//  2. feed what arrives to its AcceptHandshake, at most what the current step's frame has left,
-//     and send what it answers (StepHandshake);
-//  3. an authenticated stream goes back to blocking and to the transport (Attach); a refused one
-//     is closed once its refusal is sent; one past its deadline is told so and closed
-//     (KeepHandshake);
-//  4. accept new connections, dropping the oldest pending one beyond kMaxPendingHandshakes
-//     (AcceptBurst).
-void Peer::AcceptLoop() {
-  for (int fd : listen_fds_) SetNonBlocking(fd, true);
-  std::deque<std::unique_ptr<PendingHandshake>> pending;  // oldest first
-  std::vector<struct pollfd> fds;
-  TimePoint listen_again = Clock::now();  // out of descriptors: the listeners rest a moment
-  while (!stopping_) {
-    TimePoint now = Clock::now();
-    const bool listening = now >= listen_again;
-    int timeout_ms = listening ? 50 : std::min(50, MillisUntil(listen_again, now));  // Stop waits
-    fds.clear();
-    if (listening) {
-      for (int fd : listen_fds_) fds.push_back({fd, POLLIN, 0});
-    }
-    const size_t first = fds.size();
-    for (const auto& p : pending) {
-      fds.push_back({p->fd, static_cast<short>(p->out.empty() ? POLLIN : POLLOUT), 0});
-      timeout_ms = std::min(timeout_ms, MillisUntil(p->deadline, now));
-    }
-    const int rc = poll(fds.data(), fds.size(), timeout_ms);
-    now = Clock::now();
-    for (size_t i = 0; i < pending.size(); ++i) {
-      if (!KeepHandshake(*pending[i], rc > 0 && fds[first + i].revents != 0, now)) {
-        pending[i].reset();
-      }
-    }
-    pending.erase(std::remove(pending.begin(), pending.end(), nullptr), pending.end());
-    if (!listening || rc <= 0) continue;
-    for (int l = 0; l < 2; ++l) {
-      if (fds[l].revents & POLLIN) AcceptBurst(l, now, &pending, &listen_again);
-    }
-  }
-  for (auto& p : pending) close(p->fd);
-}
-
-// Step 3 for one pending handshake after a poll (`ready`: its socket is): false when it is over,
-// its socket closed unless handed to the transport.
-bool Peer::KeepHandshake(PendingHandshake& p, bool ready, TimePoint now) {
-  bool keep = !ready || StepHandshake(p);
-  if (keep && now >= p.deadline) {
-    keep = false;
-    if (p.out.empty()) {  // tell it why, if its socket takes it at once
-      const std::string why = StreamTransport::HandshakeReply(
-          Unavailable("no complete handshake within " +
-                      std::to_string(StreamTransport::kHandshakeTime.count() / 1000) + " s"));
-      send(p.fd, why.data(), why.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
-    }
-  }
-  if (!keep && p.fd >= 0) close(p.fd);
-  return keep;
-}
-
-// Step 2: moves one handshake on as far as its socket allows; false when it is over (closed by
-// the caller unless handed over).
-bool Peer::StepHandshake(PendingHandshake& p) {
-  char buf[4096];
-  while (true) {
-    while (p.sent < p.out.size()) {
-      ssize_t k = send(p.fd, p.out.data() + p.sent, p.out.size() - p.sent,
-                       MSG_DONTWAIT | MSG_NOSIGNAL);
-      if (k < 0 && errno == EINTR) continue;
-      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-      if (k <= 0) return false;
-      p.sent += static_cast<size_t>(k);
-    }
-    p.out.clear();
-    p.sent = 0;
-    if (p.claimed >= 0 && !p.answered && p.hs.state() != AcceptHandshake::State::kHello) {
-      p.answered = true;  // its hello's answer is on its way
-      std::lock_guard<std::mutex> lk(hs_mu_);
-      hello_answered_[p.claimed] = true;
-      hs_cv_.notify_all();
-    }
-    if (p.hs.state() == AcceptHandshake::State::kRefused) return false;
-    if (p.hs.state() == AcceptHandshake::State::kDone) {
-      Attach(p.fd, p.tcp, p.hs.src());
-      p.fd = -1;
-      return false;
-    }
-    ssize_t k = recv(p.fd, buf, std::min(p.hs.want(), sizeof(buf)), MSG_DONTWAIT);
-    if (k < 0 && errno == EINTR) continue;
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-    if (k <= 0) return false;  // closed, or broken
-    p.hs.Feed(buf, static_cast<size_t>(k), &p.out);
-  }
-}
-
-// Step 4 on listener l (0: TCP, 1: Unix) that poll found readable.
-void Peer::AcceptBurst(int l, TimePoint now, std::deque<std::unique_ptr<PendingHandshake>>* pending,
-                       TimePoint* listen_again) {
-  for (int n = 0; n < kAcceptBurst; ++n) {
-    int fd = accept4(listen_fds_[l], nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) {
-      if (errno == EINTR) continue;
-      // EMFILE and the like leave the connection queued and the listener readable: rest
-      // rather than spin (EAGAIN: none left).
-      if (errno != EAGAIN && errno != EWOULDBLOCK) {
-        *listen_again = now + std::chrono::milliseconds(10);
-      }
-      return;
-    }
-    if (pending->size() >= kMaxPendingHandshakes) {
-      close(pending->front()->fd);
-      pending->pop_front();
-    }
-    pending->push_back(std::make_unique<PendingHandshake>(
-        fd, /*tcp=*/l == 0, now + StreamTransport::kHandshakeTime, config_.job_token,
-        [this](const std::string& src, const std::string& dst, uint64_t version, int* claimed,
-               Status* why) { return Admit(src, dst, version, claimed, why); }));
-  }
-}
-
-// Step 2's checks of a hello (see AcceptHandshake::Admit); *claimed: the rank it claims to come
-// from, whatever the verdict.
-int Peer::Admit(const std::string& src, const std::string& dst, uint64_t version, int* claimed,
-                Status* why) {
-  PeerID id;
-  int src_rank = PeerID::Parse(src, &id).ok() ? RankOf(config_.peers, id) : -1;
-  *claimed = src_rank == rank_ ? -1 : src_rank;
-  if (dst != config_.self.ToString()) {
-    *why = InvalidArgument("this is " + config_.self.ToString() + ", not " + dst);
-  } else if (version != config_.version) {
-    // Another version: retryable. In a resize, a peer of version v+1 dials peers that are still
-    // in v until they switch (and a stray peer of an old version gives up on its own).
-    *why = Unavailable("cluster version " + std::to_string(version) + " does not match " +
-                       std::to_string(config_.version));
-  } else if (src_rank < 0 || src_rank == rank_) {
-    *why = InvalidArgument(src + " is not a peer of this cluster");
-  } else {
-    return src_rank;
-  }
-  return -1;
-}
-
-// Step 4: hands an authenticated stream to the transport and tells the dialer.
-void Peer::Attach(int fd, bool tcp, int src) {
-  SetNonBlocking(fd, false);
-  net::TuneStream(fd, tcp);
-  Status s = stream_->AttachIncoming(src, fd);
-  const std::string reply = StreamTransport::HandshakeReply(s);
-  if (s.ok()) {
-    // Blocking, bounded by the stream's send timeout (set by AttachIncoming); a few bytes into
-    // an empty socket buffer. The stream is the transport's now: it closes it.
-    struct iovec iov = {const_cast<char*>(reply.data()), reply.size()};
-    net::WriteFull(fd, &iov, 1);
-    return;
-  }
-  send(fd, reply.data(), reply.size(), MSG_DONTWAIT | MSG_NOSIGNAL);  // already connected, stopped
-  close(fd);
 }
 
 void Peer::Stop() {
   if (stopping_.exchange(true)) return;
-  if (acceptor_.joinable()) acceptor_.join();  // within one poll (50 ms); it closes what is pending
-  {
-    std::lock_guard<std::mutex> lk(hs_mu_);
-    hs_cv_.notify_all();
-  }
-  for (int& fd : listen_fds_) {
-    if (fd >= 0) close(fd);
-    fd = -1;
-  }
-  session_->transport().Close();
+  session_->transport().Close();  // its listening and connecting stop first
   if (fusion_) fusion_->Stop();
   {
     std::lock_guard<std::mutex> lk(pool_mu_);

@@ -32,6 +32,11 @@ StreamTransport::StreamTransport(uint64_t version, PeerList peers, int rank,
 
 StreamTransport::~StreamTransport() { Close(); }
 
+std::unique_ptr<Transport> MakeStreamTransport(uint64_t version, const PeerList& peers, int rank,
+                                               const TransportOptions& options) {
+  return std::make_unique<StreamTransport>(version, peers, rank, options);
+}
+
 int StreamTransport::PeerPid(int src) const {
   std::lock_guard<std::mutex> lk(mu_);
   if (src < 0 || src >= size()) return -1;
@@ -49,77 +54,6 @@ void StreamTransport::WakeLocked() {
   stop_cv_.notify_all();
 }
 
-void StreamTransport::ReportWait(TimePoint since, TimePoint deadline, TimePoint now, TimePoint* next,
-                           const std::string& missing) const {
-  if (options_.progress_ms <= 0 || !options_.progress) return;
-  const auto every = std::chrono::milliseconds(options_.progress_ms);
-  if (*next == TimePoint()) *next = since + every;
-  if (now < *next) return;
-  while (*next <= now) *next += every;
-  auto secs = [](Clock::duration d) {
-    return std::to_string(std::chrono::duration_cast<std::chrono::seconds>(d).count());
-  };
-  options_.progress(Describe(rank_) + ": waiting for " + missing + " (" + secs(now - since) +
-                    " s so far; gives up after " + secs(deadline - since) + " s)");
-}
-
-Status StreamTransport::ConnectAll(TimePoint since, TimePoint deadline) {
-  const PeerID& self = peers_[rank_];
-  TimePoint next_report;
-  for (int dst = 0; dst < size(); ++dst) {
-    if (dst == rank_) continue;
-    bool local = peers_[dst].host == self.host;
-    Status last;
-    // Peers of a new cluster version start within moments of each other: retry soon at first,
-    // then back off.
-    int64_t backoff_ms = 2;
-    while (true) {
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        if (closed_) return Cancelled("peer stopped while connecting");
-      }
-      int fd = -1;
-      last = net::Dial(peers_[dst], local, &fd);
-      if (last.ok()) {
-        net::SetTimeouts(fd, options_.peer_timeout_ms);
-        last = DialHandshake(fd, dst);
-        if (last.ok()) {
-          std::lock_guard<std::mutex> lk(out_[dst]->mu);
-          out_[dst]->fd = fd;
-          out_[dst]->last_send = Clock::now();
-          break;
-        }
-        close(fd);
-        // Refused for good (a wrong token, destination or protocol; a malformed reply): retrying
-        // cannot help, and the message names the peer and the cause.
-        if (last.code() == Code::kInvalidArgument) return last;
-      }
-      const TimePoint now = Clock::now();
-      if (now >= deadline) {
-        return DeadlineExceeded("could not connect to peer " + Describe(dst) + " in time: " +
-                                last.message());
-      }
-      int unreached = 0;  // dst and every later peer but this one
-      for (int r = dst; r < size(); ++r) unreached += r != rank_;
-      ReportWait(since, deadline, now, &next_report,
-                 "peer " + Describe(dst) + " to accept a connection (" + last.message() + ")" +
-                     (unreached > 1 ? "; " + std::to_string(unreached - 1) + " later peer(s) not dialed yet"
-                                    : ""));
-      std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
-      backoff_ms = std::min<int64_t>(backoff_ms * 2, 50);
-    }
-  }
-  std::lock_guard<std::mutex> lk(mu_);
-  if (!heartbeat_.joinable() && !closed_) {
-    try {
-      heartbeat_ = std::thread([this] { HeartbeatLoop(); });
-    } catch (const std::exception& e) {
-      return ResourceExhausted(std::string("cannot start the heartbeat thread: ") + e.what());
-    }
-  }
-  return Status::OK();
-}
-
 Status StreamTransport::AttachIncoming(int src, int fd) {
   std::lock_guard<std::mutex> lk(mu_);
   if (closed_) return Cancelled("peer stopped");
@@ -135,33 +69,6 @@ Status StreamTransport::AttachIncoming(int src, int fd) {
   in_pids_[src] = CredentialsPid(fd);
   ++incoming_count_;
   incoming_cv_.notify_all();
-  return Status::OK();
-}
-
-Status StreamTransport::WaitIncoming(TimePoint since, TimePoint deadline) {
-  std::unique_lock<std::mutex> lk(mu_);
-  const int want = size() - 1;
-  auto missing = [&] {
-    std::string m;
-    for (int r = 0; r < size(); ++r) {
-      if (r != rank_ && in_fds_[r] < 0) m += (m.empty() ? "" : ", ") + Describe(r);
-    }
-    return m;
-  };
-  TimePoint next_report;
-  while (incoming_count_ < want && failure_.ok() && !closed_) {
-    const TimePoint now = Clock::now();
-    if (now >= deadline) break;
-    ReportWait(since, deadline, now, &next_report, "these peers to connect: " + missing());
-    TimePoint until = deadline;
-    if (next_report != TimePoint() && next_report < until) until = next_report;
-    incoming_cv_.wait_until(lk, until);
-  }
-  if (!failure_.ok()) return failure_;
-  if (closed_) return Cancelled("peer stopped while connecting");
-  if (incoming_count_ < want) {
-    return DeadlineExceeded("these peers did not connect in time: " + missing());
-  }
   return Status::OK();
 }
 
@@ -422,6 +329,7 @@ void StreamTransport::HeartbeatLoop() {
 }
 
 void StreamTransport::Close() {
+  StopListening();
   if (!MarkClosed()) return;
   if (heartbeat_.joinable()) heartbeat_.join();
   for (int dst = 0; dst < size(); ++dst) {
