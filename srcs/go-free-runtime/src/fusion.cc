@@ -44,10 +44,6 @@ uint64_t HashOp(const std::string& name, uint64_t seq) {
   return h;
 }
 
-int64_t Micros(Clock::duration d) {
-  return std::chrono::duration_cast<std::chrono::microseconds>(d).count();
-}
-
 std::string OpWhat(const std::string& name) { return "allreduce '" + name + "'"; }
 
 }  // namespace
@@ -155,10 +151,9 @@ bool Fusion::Accepts(size_t bytes, int strategy) const {
 Handle Fusion::AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                          const OpOptions& options) {
   auto o = std::make_shared<Op>();
-  o->name = options.name.empty() ? std::string("auto:") + OpKindName(OpKind::kAllReduce)
-                                 : options.name;
-  if (o->name.find('\0') != std::string::npos) {
-    o->handle.Complete(InvalidArgument("an operation name may not contain NUL"));
+  Status named = OpNameFor(OpKind::kAllReduce, options.name, &o->name);
+  if (!named.ok()) {
+    o->handle.Complete(named);
     return o->handle;
   }
   o->seq = hooks_.next_seq(o->name);
@@ -210,36 +205,21 @@ Handle Fusion::AllReduce(const void* send, void* recv, size_t count, DType dtype
   return o->handle;
 }
 
-// Completes one op (without mu_): its own timeline event, the transport told it ended (so stray
-// messages under its name are dropped and the name's finished numbers stay contiguous), then
-// its handle. `timing`: its slice of its bucket (nullptr: it never ran).
-void Fusion::Finish(const std::shared_ptr<Op>& op, const Status& s, const Timing* timing) {
-  Status st = s.WithContext(OpWhat(op->name));
-  session_->transport().EndOp(op->name, op->seq);
-  if (hooks_.record) {
-    TimelineEvent e;
-    e.kind = OpKindName(OpKind::kAllReduce);
-    e.name = op->name;
-    e.seq = op->seq;
-    e.bytes = op->bytes();
-    if (timing != nullptr) {
-      e.strategy = timing->strategy;
-      e.start_us = timing->start_us;
-      e.dur_us = timing->dur_us;
-      e.queue_us = timing->queue_us;
-      e.wait_us = std::min(std::max<int64_t>(timing->wait_us, 0), e.dur_us);
-    } else {
-      e.strategy = StrategyName(op->strategy >= 0 ? static_cast<StrategyKind>(op->strategy)
-                                                  : session_->Default().first);
-      e.start_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                       std::chrono::system_clock::now().time_since_epoch()).count();
-      e.queue_us = Micros(Clock::now() - op->called);
-    }
-    e.status = st.ok() ? "OK" : CodeName(st.code());
-    e.track = hooks_.track ? hooks_.track() : 1;
-    hooks_.record(std::move(e));
-  }
-  op->handle.Complete(st);
+// Finish: the transport is told the op ended (so stray messages under its name are dropped and
+// the name's finished numbers stay contiguous) before its handle completes.
+void Fusion::Finish(const std::shared_ptr<Op>& op, const Status& s, const OpTiming* timing,
+                    bool abort) {
+  const OpEnd end{OpKind::kAllReduce, op->name, op->seq, op->bytes(), abort};
+  EndOperation(session_->transport(), end, s, hooks_.record, [&](int64_t) {
+    if (timing != nullptr) return *timing;
+    OpTiming never_ran;
+    never_ran.strategy = StrategyName(op->strategy >= 0
+                                          ? static_cast<StrategyKind>(op->strategy)
+                                          : session_->Default().first);
+    never_ran.start_us = WallMicros();
+    never_ran.queue_us = Micros(Clock::now() - op->called);
+    return never_ran;
+  }, op->handle);
 }
 
 void Fusion::Stop() {
@@ -346,9 +326,7 @@ void Fusion::CheckTransportErrors() {
     }
   }
   for (auto& [o, s] : bad) {
-    if (s.ok()) continue;
-    t.AbortOp(o->name, o->seq, s.WithContext(OpWhat(o->name)));  // as Run does
-    Finish(o, s, nullptr);
+    if (!s.ok()) Finish(o, s, nullptr, /*abort=*/true);  // as Run does
   }
 }
 
@@ -685,7 +663,6 @@ void Fusion::Schedule(std::vector<Bucket> buckets) {
 // Step 4's pool task (and step 5): one allreduce per bucket, one at a time, in the order every
 // peer agreed, until none is left.
 void Fusion::RunBuckets() {
-  Transport& t = session_->transport();
   while (true) {
     Bucket b;
     {
@@ -697,64 +674,74 @@ void Fusion::RunBuckets() {
       b = std::move(runs_.front());
       runs_.pop_front();
     }
-    const TimePoint started = Clock::now();
-    const int64_t start_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                                 std::chrono::system_clock::now().time_since_epoch()).count();
-    t.BeginOp(kBase, b.seq, kSig);
-    Status s;
-    // The agreement was the commit (one outcome per operation, peer.h C2): every peer agreed
-    // on this bucket from the same records, so its ops' own deadlines no longer end it (one peer
-    // could time out while another completes from data already sent); only a peer failure, an
-    // abort or the op timeout from now, the bound on every wait, do.
-    TimePoint deadline = started + std::chrono::milliseconds(op_timeout_ms_);
-    for (size_t i = 0; i < b.ops.size(); ++i) {
-      if (!b.live[i]) {
-        s = DeadlineExceeded(OpWhat(b.ops[i]->name) +
-                             " passed its deadline on peer " + t.Describe(t.rank()) +
-                             " while its peers agreed to fuse it");
-      }
-      deadline = std::max(deadline, b.ops[i]->deadline);
+    RunBucket(b);
+  }
+}
+
+// One bucket as the internal op (kOpName, b.seq): begun, run, aborted on every peer if it
+// failed, ended; then its ops end (FinishBucket).
+void Fusion::RunBucket(const Bucket& b) {
+  Transport& t = session_->transport();
+  const TimePoint started = Clock::now();
+  const int64_t start_us = WallMicros();
+  t.BeginOp(kBase, b.seq, kSig);
+  Status s;
+  // The agreement was the commit (one outcome per operation, peer.h C2): every peer agreed
+  // on this bucket from the same records, so its ops' own deadlines no longer end it (one peer
+  // could time out while another completes from data already sent); only a peer failure, an
+  // abort or the op timeout from now, the bound on every wait, do.
+  TimePoint deadline = started + std::chrono::milliseconds(op_timeout_ms_);
+  for (size_t i = 0; i < b.ops.size(); ++i) {
+    if (!b.live[i]) {
+      s = DeadlineExceeded(OpWhat(b.ops[i]->name) +
+                           " passed its deadline on peer " + t.Describe(t.rank()) +
+                           " while its peers agreed to fuse it");
     }
-    const OpContext ctx{kOpName, b.seq, deadline};
-    const size_t es = DTypeSize(b.dtype);
-    auto spawn = [this](std::function<void()> f) { hooks_.submit(std::move(f)); };
-    // Ops of at most fusion_bytes are packed into one buffer (when there are several); larger
-    // ones stay on their own buffers, without copies.
-    if (s.ok()) {
-      try {
-        std::vector<Session::Piece> pieces;
-        for (const auto& o : b.ops) pieces.push_back({o->send, o->recv, o->count});
-        s = session_->AllReduceV(ctx, pieces, b.dtype, b.op, b.strategy, spawn, fusion_bytes_);
-      } catch (const std::bad_alloc&) {
-        s = ResourceExhausted("out of memory");
-      }
+    deadline = std::max(deadline, b.ops[i]->deadline);
+  }
+  const OpContext ctx{kOpName, b.seq, deadline};
+  auto spawn = [this](std::function<void()> f) { hooks_.submit(std::move(f)); };
+  // Ops of at most fusion_bytes are packed into one buffer (when there are several); larger
+  // ones stay on their own buffers, without copies.
+  if (s.ok()) {
+    try {
+      std::vector<Session::Piece> pieces;
+      for (const auto& o : b.ops) pieces.push_back({o->send, o->recv, o->count});
+      s = session_->AllReduceV(ctx, pieces, b.dtype, b.op, b.strategy, spawn, fusion_bytes_);
+    } catch (const std::bad_alloc&) {
+      s = ResourceExhausted("out of memory");
     }
-    if (!s.ok() && s.code() != Code::kCancelled) {
-      s = s.WithContext("fused allreduce of " + std::to_string(b.ops.size()) + " ops");
-      t.AbortOp(kOpName, b.seq, s);  // the other peers' part of this bucket fails alike
-    }
-    int64_t wait_us = -1;
-    t.EndOp(kBase, b.seq, &wait_us);
-    // Each op records its own event: the bucket's time, split in proportion to bytes so that
-    // one track's events never overlap.
-    Timing tm;
-    tm.strategy = StrategyName(b.strategy >= 0 ? static_cast<StrategyKind>(b.strategy)
-                                               : session_->Default().first);
-    tm.wait_us = wait_us;
-    const int64_t total_us = Micros(Clock::now() - started);
-    const double total_bytes = static_cast<double>(std::max<size_t>(1, b.count * es));
-    size_t before = 0;
-    for (size_t i = 0; i < b.ops.size(); ++i) {
-      const auto& o = b.ops[i];
-      const int64_t from = static_cast<int64_t>(total_us * (before / total_bytes));
-      before += o->bytes();
-      if (!b.live[i]) continue;  // completed already (step 5)
-      const int64_t to = static_cast<int64_t>(total_us * (before / total_bytes));
-      tm.start_us = start_us + from;
-      tm.dur_us = std::max<int64_t>(0, to - from);
-      tm.queue_us = Micros(started - o->called) + from;
-      Finish(o, s, &tm);
-    }
+  }
+  if (!s.ok() && s.code() != Code::kCancelled) {
+    s = s.WithContext("fused allreduce of " + std::to_string(b.ops.size()) + " ops");
+    t.AbortOp(kOpName, b.seq, s);  // the other peers' part of this bucket fails alike
+  }
+  int64_t wait_us = -1;
+  t.EndOp(kBase, b.seq, &wait_us);
+  FinishBucket(b, s, started, start_us, wait_us);
+}
+
+// Each op of a bucket that ran ends with the bucket's status and records its own event: the
+// bucket's time, split in proportion to bytes so that one track's events never overlap.
+void Fusion::FinishBucket(const Bucket& b, const Status& s, TimePoint started, int64_t start_us,
+                          int64_t wait_us) {
+  OpTiming tm;
+  tm.strategy = StrategyName(b.strategy >= 0 ? static_cast<StrategyKind>(b.strategy)
+                                             : session_->Default().first);
+  const int64_t total_us = Micros(Clock::now() - started);
+  const double total_bytes = static_cast<double>(std::max<size_t>(1, b.count * DTypeSize(b.dtype)));
+  size_t before = 0;
+  for (size_t i = 0; i < b.ops.size(); ++i) {
+    const auto& o = b.ops[i];
+    const int64_t from = static_cast<int64_t>(total_us * (before / total_bytes));
+    before += o->bytes();
+    if (!b.live[i]) continue;  // completed already (step 5)
+    const int64_t to = static_cast<int64_t>(total_us * (before / total_bytes));
+    tm.start_us = start_us + from;
+    tm.dur_us = std::max<int64_t>(0, to - from);
+    tm.queue_us = Micros(started - o->called) + from;
+    tm.wait_us = std::min(std::max<int64_t>(wait_us, 0), tm.dur_us);
+    Finish(o, s, &tm);
   }
 }
 

@@ -68,6 +68,7 @@
 #include "kungfu/peer.h"
 #include "kungfu/status.h"
 #include "kungfu/transport.h"
+#include "operation.h"
 
 namespace kungfu {
 
@@ -78,7 +79,6 @@ struct FusionHooks {
   std::function<uint64_t(const std::string&)> next_seq;  // the Peer's per-name numbering
   std::function<void(std::function<void()>)> submit;     // the Peer's growing pool
   std::function<void(TimelineEvent)> record;             // empty: timeline off
-  std::function<int()> track;                            // the calling thread's timeline track
 };
 
 class Fusion {
@@ -129,11 +129,13 @@ class Fusion {
   // said so, or aborted it), and aborts them on every peer as Run does.
   void CheckTransportErrors();
   void RunBuckets();
-  struct Timing {  // one op's slice of its bucket, for the timeline
-    const char* strategy = "";
-    int64_t start_us = 0, dur_us = 0, queue_us = 0, wait_us = 0;
-  };
-  void Finish(const std::shared_ptr<Op>& op, const Status& s, const Timing* timing);
+  void RunBucket(const Bucket& b);
+  void FinishBucket(const Bucket& b, const Status& s, TimePoint started, int64_t start_us,
+                    int64_t wait_us);
+  // Ends one op (operation.h, step 3) without mu_. `timing`: its slice of its bucket (nullptr: it
+  // never ran); `abort`: its failure is sent to every peer.
+  void Finish(const std::shared_ptr<Op>& op, const Status& s, const OpTiming* timing,
+              bool abort = false);
   void FailAll(const Status& s);
 
   const std::shared_ptr<Session> session_;

@@ -9,6 +9,7 @@
 #include "kungfu/process_set.h"
 #include "kungfu/session.h"
 #include "kungfu/stream_transport.h"
+#include "operation.h"
 
 namespace kungfu {
 
@@ -49,23 +50,15 @@ Status CheckDType(DType d) {
 }
 }  // namespace
 
-namespace {
-int TrackId();
-}  // namespace
-
 Status Peer::Create(const PeerConfig& config, std::unique_ptr<Peer>* out) {
   KF_RETURN_IF_ERROR(ValidateConfig(config));
   out->reset(new Peer(config));
   Peer* p = out->get();
   if (p->config_.fusion_bytes > 0 && p->size() > 1) {
     FusionHooks hooks;
-    hooks.next_seq = [p](const std::string& name) {
-      std::lock_guard<std::mutex> lk(p->seq_mu_);
-      return p->next_seq_[name]++;
-    };
+    hooks.next_seq = [p](const std::string& name) { return p->NextSeq(name); };
     hooks.submit = [p](std::function<void()> f) { p->Submit(std::move(f)); };
-    if (p->config_.timeline) hooks.record = [p](TimelineEvent e) { p->Record(std::move(e)); };
-    hooks.track = TrackId;
+    hooks.record = p->record_;
     p->fusion_ = std::make_unique<Fusion>(p->session_, p->config_.fusion_bytes,
                                           p->config_.op_timeout_ms, std::move(hooks));
   }
@@ -92,6 +85,7 @@ Peer::Peer(const PeerConfig& config)
   KF_CHECK(transport != nullptr);
   session_ = std::make_shared<Session>(std::move(transport), config_.strategy, config_.chunk_bytes,
                                        config_.parallelism);
+  if (config_.timeline) record_ = [this](TimelineEvent e) { Record(std::move(e)); };
   session_->transport().SetBlobLookup([this](const std::string& name) -> Transport::Blob {
     std::lock_guard<std::mutex> lk(store_mu_);
     auto it = store_.find(name);
@@ -273,105 +267,54 @@ OpSig Peer::Sig(OpKind kind, const OpOptions& options, int op, int root) const {
   return sig;
 }
 
-// 1. Number the op (name, seq). 2. On a worker: BeginOp, run the body, abort the op on every
-// peer if it failed, EndOp (no receive of it is left posted into the caller's buffers), and only
-// then complete the handle, which lets the caller free its buffers.
-namespace {
-// A small id per thread that runs operations (pool workers, or the caller in a single process),
-// numbered in the order threads first ran one: a timeline track.
-int TrackId() {
-  static std::atomic<int> next{1};
-  thread_local int id = next.fetch_add(1);
-  return id;
-}
-int64_t Micros(Clock::duration d) {
-  return std::chrono::duration_cast<std::chrono::microseconds>(d).count();
-}
-}  // namespace
-
+// 1. Name and number the op (operation.h, step 1). 2. On a worker: BeginOp, then the rendezvous
+// and the body (RunBody). 3. EndOperation: abort the op on every peer if it failed, EndOp (no
+// receive of it is left posted into the caller's buffers), and only then complete the handle,
+// which lets the caller free its buffers.
 Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
                  bool collective, bool rendezvous) {
   Handle h;
-  const char* kind = OpKindName(sig.kind);
   OpContext ctx;
-  ctx.name = options.name.empty() ? std::string("auto:") + kind : options.name;
-  if (ctx.name.find('\0') != std::string::npos) {
-    h.Complete(InvalidArgument("an operation name may not contain NUL"));
+  Status named = OpNameFor(sig.kind, options.name, &ctx.name);
+  if (!named.ok()) {
+    h.Complete(named);
     return h;
   }
   std::shared_ptr<Session> session;
   std::string prefix;
   Status in_set = SessionFor(options, &session, &prefix);
   if (!in_set.ok()) {  // at once, and on this peer only: nothing was numbered or sent
-    h.Complete(in_set.WithContext(std::string(kind) + " '" + ctx.name + "'"));
+    h.Complete(in_set.WithContext(std::string(OpKindName(sig.kind)) + " '" + ctx.name + "'"));
     return h;
   }
   ctx.name = prefix + ctx.name;  // a set's numbering runs per set and name
-  {
-    std::lock_guard<std::mutex> lk(seq_mu_);
-    ctx.seq = next_seq_[ctx.name]++;
-  }
+  ctx.seq = NextSeq(ctx.name);
   int64_t timeout = options.timeout_ms < 0 ? config_.op_timeout_ms : options.timeout_ms;
   ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout);
   // C1-C3 (peer.h): every collective says it has begun; one with a per-call deadline waits
   // for every peer's begin until that deadline, and then no longer ends at it.
   const bool begin = collective && rendezvous && session->size() > 1;
   const bool commit = begin && options.timeout_ms >= 0;
-  const auto bound = std::chrono::milliseconds(config_.op_timeout_ms);
-  const std::string what = std::string(kind) + " '" + ctx.name + "'";
   const TimePoint called = Clock::now();
   auto task = [=]() {
     Transport& t = session->transport();
     const TimePoint started = Clock::now();
-    const auto wall_start = std::chrono::system_clock::now();
+    const int64_t start_us = WallMicros();
     t.BeginOp(ctx.name, ctx.seq, sig);
-    Status s;
-    try {
-      if (stopping_) {
-        s = Cancelled("peer stopped");
-      } else if (begin) {
-        s = session->Commit(ctx, commit);
-        if (s.ok()) {
-          OpContext committed = ctx;
-          if (commit) committed.deadline = std::max(ctx.deadline, Clock::now() + bound);
-          s = body(*session, committed);
-        }
-      } else {
-        s = body(*session, ctx);
-      }
-    } catch (const std::bad_alloc&) {
-      s = ResourceExhausted("out of memory");
-    } catch (const std::exception& e) {
-      s = Internal(std::string("unexpected error: ") + e.what());
-    }
-    if (!s.ok()) {
-      s = s.WithContext(what);
-      // Whatever failed here (bad input, disagreement, a deadline, a peer that died or left),
-      // peers may be waiting on this peer's part of the op: tell them at once. Best effort: a
-      // peer that cannot be reached learns of the failure itself.
-      if (collective && s.code() != Code::kCancelled) t.AbortOp(ctx.name, ctx.seq, s);
-    }
-    int64_t wait_us = -1;
-    t.EndOp(ctx.name, ctx.seq, &wait_us);
-    if (config_.timeline) {
-      TimelineEvent e;
-      e.kind = kind;
-      e.name = ctx.name;
-      e.seq = ctx.seq;
-      e.bytes = bytes;
-      e.strategy = StrategyName(options.strategy >= 0 && IsValidStrategy(options.strategy)
-                                    ? static_cast<StrategyKind>(options.strategy)
-                                    : session->Default().first);
-      e.start_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                       wall_start.time_since_epoch()).count();
-      e.dur_us = Micros(Clock::now() - started);
-      e.queue_us = Micros(started - called);
-      e.wait_us = wait_us >= 0 ? std::min(wait_us, e.dur_us) : (session->size() > 1 ? e.dur_us : 0);
-      e.status = s.ok() ? "OK" : CodeName(s.code());
-      e.track = TrackId();
-      Record(std::move(e));
-    }
-    h.Complete(s);
+    const Status s = RunBody(*session, ctx, body, begin, commit);
+    EndOperation(t, OpEnd{sig.kind, ctx.name, ctx.seq, bytes, collective}, s, record_,
+                 [&](int64_t wait_us) {
+      OpTiming tm;
+      tm.strategy = StrategyName(options.strategy >= 0 && IsValidStrategy(options.strategy)
+                                     ? static_cast<StrategyKind>(options.strategy)
+                                     : session->Default().first);
+      tm.start_us = start_us;
+      tm.dur_us = Micros(Clock::now() - started);
+      tm.queue_us = Micros(started - called);
+      tm.wait_us = wait_us >= 0 ? std::min(wait_us, tm.dur_us)
+                                : (session->size() > 1 ? tm.dur_us : 0);
+      return tm;
+    }, h);
   };
   if (session->size() == 1) {
     task();  // nothing to wait for
@@ -379,6 +322,32 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
     Submit(task);
   }
   return h;
+}
+
+// Step 2 of Run on a worker: the rendezvous when `begin` (C1; `commit`: with a per-call deadline,
+// which the committed op then outlives, C2), then the body; an exception becomes a status.
+Status Peer::RunBody(Session& session, const OpContext& ctx, const Body& body, bool begin,
+                     bool commit) {
+  try {
+    if (stopping_) return Cancelled("peer stopped");
+    if (!begin) return body(session, ctx);
+    KF_RETURN_IF_ERROR(session.Commit(ctx, commit));
+    OpContext committed = ctx;
+    if (commit) {
+      committed.deadline =
+          std::max(ctx.deadline, Clock::now() + std::chrono::milliseconds(config_.op_timeout_ms));
+    }
+    return body(session, committed);
+  } catch (const std::bad_alloc&) {
+    return ResourceExhausted("out of memory");
+  } catch (const std::exception& e) {
+    return Internal(std::string("unexpected error: ") + e.what());
+  }
+}
+
+uint64_t Peer::NextSeq(const std::string& name) {
+  std::lock_guard<std::mutex> lk(seq_mu_);
+  return next_seq_[name]++;
 }
 
 

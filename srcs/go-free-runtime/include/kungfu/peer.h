@@ -244,6 +244,9 @@ class Peer {
   // only fails (Fail), which sends nothing but its abort.
   Handle Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
              bool collective = true, bool rendezvous = true);
+  Status RunBody(Session& session, const struct OpContext& ctx, const Body& body, bool begin,
+                 bool commit);
+  uint64_t NextSeq(const std::string& name);  // the per-name numbering, of fused ops too
   OpSig Sig(OpKind kind, const OpOptions& options, int op = 0, int root = -1) const;
   // The session that runs operations of `members` (session_ when empty; a set's is made at its
   // first use and kept), and the prefix of their names; InvalidArgument for a set that is malformed
@@ -283,6 +286,7 @@ class Peer {
   std::mutex timeline_mu_;
   std::vector<TimelineEvent> timeline_;
   uint64_t timeline_dropped_ = 0;
+  std::function<void(TimelineEvent)> record_;  // Record, or empty when the timeline is off
 
   // Tensor fusion (null when config_.fusion_bytes is 0 or in a single process): stopped by Stop
   // after the transport closed and before the pool stops.
