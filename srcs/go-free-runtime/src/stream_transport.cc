@@ -146,165 +146,182 @@ void StreamTransport::CutOutgoing(int dst) {
   if (fd >= 0) shutdown(fd, SHUT_RDWR);
 }
 
+// Every frame that arrives from peer src, until the stream ends, the peer says goodbye, or a
+// frame fails the transport.
 void StreamTransport::ReadFrames(int src, int fd) {
   const std::string who = "peer " + Describe(src);
   while (true) {
     net::Frame f;
-    bool eof = false;
-    Status s = net::ReadFull(fd, &f, sizeof(f), &eof);
-    if (!s.ok()) {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (closed_ || peer_left_[src]) return;
-    }
-    if (!s.ok()) {
-      Fail(Unavailable(who + (eof ? " closed its connection unexpectedly (it died, or gave up on this peer)"
-                                  : ": " + s.message())));
-      return;
-    }
-    if (f.magic != net::kMagic || f.proto != net::kProto || f.version != version_ ||
-        f.name_len > net::kMaxNameLen || f.payload_len > net::kMaxPayload) {
-      Fail(Unavailable(who + " sent a malformed frame or one of another cluster version (" +
-                       std::to_string(f.version) + ", this session is " +
-                       std::to_string(version_) + ")"));
-      return;
-    }
     MsgKey key;
-    key.name.resize(f.name_len);
-    key.seq = f.seq;
-    key.tag = f.tag;
-    s = net::ReadFull(fd, key.name.data(), f.name_len);
-    if (!s.ok()) {
-      Fail(Unavailable(who + ": " + s.message()));
-      return;
-    }
+    if (!ReadHeader(src, fd, who, &f, &key)) return;
     if (f.type == net::kHeartbeat) continue;
     if (f.type == net::kBye) {
       OnBye(src);
       return;
     }
-    // A payload of at most `max` bytes into *out; false (the transport failed) if it is longer
-    // or the stream breaks.
-    auto read_payload = [&](uint64_t max, const char* what, std::string* out) {
-      if (f.payload_len > max) {
-        Fail(Unavailable(who + " sent " + what + " of " + std::to_string(f.payload_len) +
-                         " bytes (at most " + std::to_string(max) + ")"));
-        return false;
-      }
-      out->assign(f.payload_len, '\0');
-      Status r = net::ReadFull(fd, out->data(), out->size());
-      if (!r.ok()) Fail(Unavailable(who + ": " + r.message()));
-      return r.ok();
-    };
-    if (f.type == net::kAbort) {
-      std::string msg;
-      if (!read_payload(kMaxAbortMessage, "an abort message", &msg)) return;
-      size_t colon = msg.find(':');
-      int code = colon == std::string::npos ? 0 : std::atoi(msg.substr(0, colon).c_str());
-      Code c = IsErrorCode(code) ? static_cast<Code>(code) : Code::kInternal;
-      OnAbort(key, Status(c, msg.substr(colon == std::string::npos ? 0 : colon + 1)));
-      continue;
-    }
-    if (f.type == net::kRequest) {
-      std::string blob;
-      if (!read_payload(net::kMaxNameLen, "a request for a blob name", &blob)) return;
-      Blob b = LookupBlob(blob);
-      // Best effort: if the requester is gone, its own transport reports that.
-      if (b) {
-        SendFrame(src, net::kData, key, BlobReply(*b), b->data, b->size);
-      } else {
-        SendFrame(src, net::kMissing, key, MsgExpect{}, nullptr, 0);
-      }
-      continue;
-    }
-    if (f.type == net::kMissing) {
-      OnMissing(src, key);
-      continue;
-    }
-    if (f.type == net::kSig) {  // a peer waiting on us says what it called
-      if (f.payload_len != 0) {
-        Fail(Unavailable(who + " sent a malformed frame"));
-        return;
-      }
-      OnSig(src, key, OpSig::FromWire(f.sig, f.digest));
-      continue;
-    }
-    if (f.type == net::kQuery) {  // names that differ, step 2: answered at once
-      if (f.payload_len != 0) {
-        Fail(Unavailable(who + " sent a malformed frame"));
-        return;
-      }
-      uint64_t state = 0;
-      const std::string report = ReportFor(key, &state);
-      MsgKey reply = key;
-      reply.tag = state;
-      // Without waiting for the stream: a reader must not block on a send (a busy way drops
-      // the answer; the peer asks again a grace period later).
-      SendFrame(src, net::kReport, reply, MsgExpect{}, report.data(), report.size(),
-                /*wait_for_stream=*/false);
-      continue;
-    }
-    if (f.type == net::kReport) {
-      std::string report;
-      if (!read_payload(kMaxReportBytes, "a report", &report)) return;
-      OnReport(src, key, f.tag, report);
-      continue;
-    }
-    if (f.type != net::kData) {
-      Fail(Unavailable(who + " sent an unknown frame type " + std::to_string(f.type)));
-      return;
-    }
-    // A data message: dropped if its op is over here, else straight into a posted buffer if
-    // there is one, else into a pooled buffer filed under its key.
-    const MsgExpect meta{static_cast<DType>(f.dtype), f.total_count, f.payload_len};
-    const Admission a = AdmitData(src, key, meta, OpSig::FromWire(f.sig, f.digest), who);
-    if (a.what == Admission::kOverCap) return;
-    if (a.what == Admission::kPosted) {
-      // Into the caller's buffer, one recv() at a time, so that a wait that must end can stop
-      // us between two (*a.cancel): the rest of the message is then discarded.
-      char* dst = a.dst;
-      uint64_t left = f.payload_len;
-      Status r;
-      bool cancelled = false;
-      while (left > 0 && !cancelled) {
-        cancelled = *a.cancel;
-        if (cancelled) break;
-        size_t got = 0;
-        r = net::ReadSome(fd, dst, static_cast<size_t>(std::min<uint64_t>(left, 4 << 20)), &got);
-        if (!r.ok()) break;
-        dst += got;
-        left -= got;
-      }
-      EndCopy(a, r, cancelled);  // done with the buffer, whatever happens to the rest
-      if (r.ok() && cancelled) r = net::Discard(fd, left);
-      if (!r.ok()) {
-        Fail(Unavailable(who + ": " + r.message()));
-        return;
-      }
-      continue;
-    }
-    if (a.what == Admission::kDrop) {
-      if (!net::Discard(fd, f.payload_len).ok()) {
-        Fail(Unavailable(who + ": connection broken"));
-        return;
-      }
-      continue;
-    }
-    Buffer buf;
-    try {
-      buf = Buffer(f.payload_len);
-    } catch (const std::bad_alloc&) {
-      Fail(ResourceExhausted(who + " sent a message of " + std::to_string(f.payload_len) +
-                             " bytes that no operation here has asked for yet, and there is no "
-                             "memory to keep it"));
-      return;
-    }
-    s = net::ReadFull(fd, buf.data(), f.payload_len);
-    if (!s.ok()) {
-      Fail(Unavailable(who + ": " + s.message()));
-      return;
-    }
-    FileData(src, key, meta, std::move(buf));
+    const bool go_on = f.type == net::kData ? ReadData(src, fd, who, f, key)
+                                            : ReadControl(src, fd, who, f, key);
+    if (!go_on) return;
   }
+}
+
+// A frame's header and name; false when the stream ended (failing the transport unless it was
+// closed here or the peer had left) or the header is malformed.
+bool StreamTransport::ReadHeader(int src, int fd, const std::string& who, net::Frame* f,
+                                 MsgKey* key) {
+  bool eof = false;
+  Status s = net::ReadFull(fd, f, sizeof(*f), &eof);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_ || peer_left_[src]) return false;
+  }
+  if (!s.ok()) {
+    Fail(Unavailable(who + (eof ? " closed its connection unexpectedly (it died, or gave up on "
+                                  "this peer)"
+                                : ": " + s.message())));
+    return false;
+  }
+  if (f->magic != net::kMagic || f->proto != net::kProto || f->version != version_ ||
+      f->name_len > net::kMaxNameLen || f->payload_len > net::kMaxPayload) {
+    Fail(Unavailable(who + " sent a malformed frame or one of another cluster version (" +
+                     std::to_string(f->version) + ", this session is " +
+                     std::to_string(version_) + ")"));
+    return false;
+  }
+  key->name.resize(f->name_len);
+  key->seq = f->seq;
+  key->tag = f->tag;
+  s = net::ReadFull(fd, key->name.data(), f->name_len);
+  if (!s.ok()) {
+    Fail(Unavailable(who + ": " + s.message()));
+    return false;
+  }
+  return true;
+}
+
+// A frame's payload of at most `max` bytes into *out; false (the transport failed) if it is
+// longer or the stream breaks.
+bool StreamTransport::ReadPayload(int fd, const std::string& who, const net::Frame& f,
+                                  uint64_t max, const char* what, std::string* out) {
+  if (f.payload_len > max) {
+    Fail(Unavailable(who + " sent " + what + " of " + std::to_string(f.payload_len) +
+                     " bytes (at most " + std::to_string(max) + ")"));
+    return false;
+  }
+  out->assign(f.payload_len, '\0');
+  Status r = net::ReadFull(fd, out->data(), out->size());
+  if (!r.ok()) Fail(Unavailable(who + ": " + r.message()));
+  return r.ok();
+}
+
+// Every frame but data, heartbeats and goodbyes; false when it failed the transport.
+bool StreamTransport::ReadControl(int src, int fd, const std::string& who, const net::Frame& f,
+                                  const MsgKey& key) {
+  if (f.type == net::kAbort) {
+    std::string msg;
+    if (!ReadPayload(fd, who, f, kMaxAbortMessage, "an abort message", &msg)) return false;
+    size_t colon = msg.find(':');
+    int code = colon == std::string::npos ? 0 : std::atoi(msg.substr(0, colon).c_str());
+    Code c = IsErrorCode(code) ? static_cast<Code>(code) : Code::kInternal;
+    OnAbort(key, Status(c, msg.substr(colon == std::string::npos ? 0 : colon + 1)));
+    return true;
+  }
+  if (f.type == net::kRequest) {
+    std::string blob;
+    if (!ReadPayload(fd, who, f, net::kMaxNameLen, "a request for a blob name", &blob)) {
+      return false;
+    }
+    Blob b = LookupBlob(blob);
+    // Best effort: if the requester is gone, its own transport reports that.
+    if (b) {
+      SendFrame(src, net::kData, key, BlobReply(*b), b->data, b->size);
+    } else {
+      SendFrame(src, net::kMissing, key, MsgExpect{}, nullptr, 0);
+    }
+    return true;
+  }
+  if (f.type == net::kMissing) {
+    OnMissing(src, key);
+    return true;
+  }
+  if ((f.type == net::kSig || f.type == net::kQuery) && f.payload_len != 0) {
+    Fail(Unavailable(who + " sent a malformed frame"));
+    return false;
+  }
+  if (f.type == net::kSig) {  // a peer waiting on us says what it called
+    OnSig(src, key, OpSig::FromWire(f.sig, f.digest));
+    return true;
+  }
+  if (f.type == net::kQuery) {  // names that differ, step 2: answered at once
+    uint64_t state = 0;
+    const std::string report = ReportFor(key, &state);
+    MsgKey reply = key;
+    reply.tag = state;
+    // Without waiting for the stream: a reader must not block on a send (a busy way drops
+    // the answer; the peer asks again a grace period later).
+    SendFrame(src, net::kReport, reply, MsgExpect{}, report.data(), report.size(),
+              /*wait_for_stream=*/false);
+    return true;
+  }
+  if (f.type == net::kReport) {
+    std::string report;
+    if (!ReadPayload(fd, who, f, kMaxReportBytes, "a report", &report)) return false;
+    OnReport(src, key, f.tag, report);
+    return true;
+  }
+  Fail(Unavailable(who + " sent an unknown frame type " + std::to_string(f.type)));
+  return false;
+}
+
+// A data message: dropped if its op is over here, else straight into a posted buffer if there
+// is one, else into a pooled buffer filed under its key. False when it failed the transport.
+bool StreamTransport::ReadData(int src, int fd, const std::string& who, const net::Frame& f,
+                               const MsgKey& key) {
+  const MsgExpect meta{static_cast<DType>(f.dtype), f.total_count, f.payload_len};
+  const Admission a = AdmitData(src, key, meta, OpSig::FromWire(f.sig, f.digest), who);
+  if (a.what == Admission::kOverCap) return false;
+  if (a.what == Admission::kPosted) {
+    // Into the caller's buffer, one recv() at a time, so that a wait that must end can stop
+    // us between two (*a.cancel): the rest of the message is then discarded.
+    char* dst = a.dst;
+    uint64_t left = f.payload_len;
+    Status r;
+    bool cancelled = false;
+    while (left > 0 && !cancelled) {
+      cancelled = *a.cancel;
+      if (cancelled) break;
+      size_t got = 0;
+      r = net::ReadSome(fd, dst, static_cast<size_t>(std::min<uint64_t>(left, 4 << 20)), &got);
+      if (!r.ok()) break;
+      dst += got;
+      left -= got;
+    }
+    EndCopy(a, r, cancelled);  // done with the buffer, whatever happens to the rest
+    if (r.ok() && cancelled) r = net::Discard(fd, left);
+    if (!r.ok()) Fail(Unavailable(who + ": " + r.message()));
+    return r.ok();
+  }
+  if (a.what == Admission::kDrop) {
+    if (net::Discard(fd, f.payload_len).ok()) return true;
+    Fail(Unavailable(who + ": connection broken"));
+    return false;
+  }
+  Buffer buf;
+  try {
+    buf = Buffer(f.payload_len);
+  } catch (const std::bad_alloc&) {
+    Fail(ResourceExhausted(who + " sent a message of " + std::to_string(f.payload_len) +
+                           " bytes that no operation here has asked for yet, and there is no "
+                           "memory to keep it"));
+    return false;
+  }
+  Status s = net::ReadFull(fd, buf.data(), f.payload_len);
+  if (!s.ok()) {
+    Fail(Unavailable(who + ": " + s.message()));
+    return false;
+  }
+  FileData(src, key, meta, std::move(buf));
+  return true;
 }
 
 void StreamTransport::HeartbeatLoop() {

@@ -26,6 +26,9 @@
 #include "kungfu/transport.h"
 
 namespace kungfu {
+namespace net {
+struct Frame;
+}  // namespace net
 
 class StreamTransport : public RendezvousTransport {
  public:
@@ -93,6 +96,12 @@ class StreamTransport : public RendezvousTransport {
                   const std::string& missing) const;
   void ReaderLoop(int src, int fd);
   void ReadFrames(int src, int fd);
+  bool ReadHeader(int src, int fd, const std::string& who, net::Frame* f, MsgKey* key);
+  bool ReadPayload(int fd, const std::string& who, const net::Frame& f, uint64_t max,
+                   const char* what, std::string* out);
+  bool ReadControl(int src, int fd, const std::string& who, const net::Frame& f,
+                   const MsgKey& key);
+  bool ReadData(int src, int fd, const std::string& who, const net::Frame& f, const MsgKey& key);
   void CutOutgoing(int dst);
   void HeartbeatLoop();
   Status SendFrame(int dst, uint8_t type, const MsgKey& key, const MsgExpect& meta,
