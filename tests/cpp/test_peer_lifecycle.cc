@@ -7,8 +7,10 @@
 
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
+#include "kungfu/inproc_transport.h"
 #include "kungfu/peer.h"
 #include "testing.h"
 
@@ -134,6 +136,41 @@ TEST(SingleProcessPeer) {
     CHECK_OK(WAIT(p->Barrier({})));
     p->Stop();
   }
+}
+
+TEST(PeersRunOnTheTransportTheirFactoryMakes) {
+  // PeerConfig::transport: here the in-process transport, so the peers' ports are never bound.
+  const int n = 3;
+  kungfu::PeerList peers;
+  for (int r = 0; r < n; ++r) peers.push_back({"127.0.0.1", static_cast<uint16_t>(1 + r)});
+  auto made = kungfu::ConnectInProc(0, peers);
+  std::mutex mu;
+  std::vector<int> asked;  // the ranks the factory was asked for
+  std::vector<std::unique_ptr<Peer>> p(n);
+  for (int r = 0; r < n; ++r) {
+    PeerConfig c;
+    c.peers = peers;
+    c.self = peers[r];
+    c.transport = [&](uint64_t, const kungfu::PeerList&, int rank,
+                      const kungfu::TransportOptions&) -> std::unique_ptr<kungfu::Transport> {
+      std::lock_guard<std::mutex> lk(mu);
+      asked.push_back(rank);
+      return std::move(made[rank]);
+    };
+    REQUIRE_OK(Peer::Create(c, &p[r]));
+  }
+  CHECK(asked == std::vector<int>({0, 1, 2}));
+  OnEveryRank(n, [&](int r) {
+    REQUIRE_OK(p[r]->Start());
+    // A fused allreduce and an unfused broadcast, both over the in-process transport.
+    float x = static_cast<float>(r + 1), sum = 0.0f;
+    CHECK_OK(WAIT(p[r]->AllReduce(&x, &sum, 1, DType::kFloat32, ReduceOp::kSum, Named("sum"))));
+    CHECK_EQ(sum, 6.0f);
+    int32_t v = r == 1 ? 42 : 0;
+    CHECK_OK(WAIT(p[r]->Broadcast(&v, &v, 1, DType::kInt32, 1, Named("bcast"))));
+    CHECK_EQ(v, 42);
+  });
+  OnEveryRank(n, [&](int r) { p[r]->Stop(); });
 }
 
 TEST(StartTimesOutWhenAPeerNeverComes) {

@@ -159,7 +159,7 @@ PYBIND11_MODULE(_kungfu, m) {
   // The code tables, from their one source (the runtime's enums): Python builds its own from these.
   m.def("status_codes", [] {
     py::dict d;
-    for (int c = 1; c <= static_cast<int>(Code::kResourceExhausted); ++c) {
+    for (int c = 1; IsErrorCode(c); ++c) {
       d[py::int_(c)] = CodeName(static_cast<Code>(c));
     }
     return d;

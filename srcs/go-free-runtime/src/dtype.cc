@@ -12,6 +12,10 @@
 
 namespace kungfu {
 
+namespace {
+const char kUnknownName[] = "unknown";
+}  // namespace
+
 size_t DTypeSize(DType dtype) {
   switch (dtype) {
     case DType::kInt8: case DType::kUInt8: case DType::kBool: return 1;
@@ -38,7 +42,7 @@ const char* DTypeName(DType dtype) {
     case DType::kFloat64: return "float64";
     case DType::kBool: return "bool";
   }
-  return "unknown";
+  return kUnknownName;
 }
 
 const char* ReduceOpName(ReduceOp op) {
@@ -48,11 +52,17 @@ const char* ReduceOpName(ReduceOp op) {
     case ReduceOp::kMax: return "max";
     case ReduceOp::kProd: return "prod";
   }
-  return "unknown";
+  return kUnknownName;
 }
 
-bool IsValidDType(int code) { return code >= 1 && code <= 13; }
-bool IsValidReduceOp(int code) { return code >= 1 && code <= 4; }
+// Both follow the name tables above, whose switches name every code (the compiler warns of one
+// left out), so a new dtype or reduce op moves no bound.
+bool IsValidDType(int code) {
+  return code >= 1 && code <= 0xff && DTypeName(static_cast<DType>(code)) != kUnknownName;
+}
+bool IsValidReduceOp(int code) {
+  return code >= 1 && code <= 0xff && ReduceOpName(static_cast<ReduceOp>(code)) != kUnknownName;
+}
 
 Status CheckReducible(DType dtype, ReduceOp op) {
   if (!IsValidDType(static_cast<int>(dtype))) return InvalidArgument("unknown dtype code");

@@ -44,10 +44,6 @@ uint64_t HashOp(const std::string& name, uint64_t seq) {
   return h;
 }
 
-int64_t Micros(Clock::duration d) {
-  return std::chrono::duration_cast<std::chrono::microseconds>(d).count();
-}
-
 std::string OpWhat(const std::string& name) { return "allreduce '" + name + "'"; }
 
 }  // namespace
@@ -121,6 +117,22 @@ struct Fusion::Bucket {
   std::vector<bool> live;
 };
 
+// Step 1's snapshot of this peer's queue: the ops offered, their records (then tombstones), and
+// the names of the records marked kNamed, NUL-terminated, in their order.
+struct Fusion::Offer {
+  std::vector<std::shared_ptr<Op>> ops;
+  std::vector<Record> records;
+  std::string names;
+};
+
+// Step 3's answer: who listed each hash (pointing into the cycle's records), the ops that fail on
+// every peer, and the agreed ones in rank 0's order.
+struct Fusion::Verdict {
+  std::unordered_map<uint64_t, std::vector<std::pair<int, const Record*>>> listed;
+  std::unordered_map<uint64_t, Status> failed;
+  std::vector<const Record*> agreed;
+};
+
 Fusion::Fusion(std::shared_ptr<Session> session, size_t fusion_bytes, int64_t op_timeout_ms,
                FusionHooks hooks)
     : session_(std::move(session)),
@@ -139,10 +151,9 @@ bool Fusion::Accepts(size_t bytes, int strategy) const {
 Handle Fusion::AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                          const OpOptions& options) {
   auto o = std::make_shared<Op>();
-  o->name = options.name.empty() ? std::string("auto:") + OpKindName(OpKind::kAllReduce)
-                                 : options.name;
-  if (o->name.find('\0') != std::string::npos) {
-    o->handle.Complete(InvalidArgument("an operation name may not contain NUL"));
+  Status named = OpNameFor(OpKind::kAllReduce, options.name, &o->name);
+  if (!named.ok()) {
+    o->handle.Complete(named);
     return o->handle;
   }
   o->seq = hooks_.next_seq(o->name);
@@ -194,36 +205,21 @@ Handle Fusion::AllReduce(const void* send, void* recv, size_t count, DType dtype
   return o->handle;
 }
 
-// Completes one op (without mu_): its own timeline event, the transport told it ended (so stray
-// messages under its name are dropped and the name's finished numbers stay contiguous), then
-// its handle. `timing`: its slice of its bucket (nullptr: it never ran).
-void Fusion::Finish(const std::shared_ptr<Op>& op, const Status& s, const Timing* timing) {
-  Status st = s.WithContext(OpWhat(op->name));
-  session_->transport().EndOp(op->name, op->seq);
-  if (hooks_.record) {
-    TimelineEvent e;
-    e.kind = OpKindName(OpKind::kAllReduce);
-    e.name = op->name;
-    e.seq = op->seq;
-    e.bytes = op->bytes();
-    if (timing != nullptr) {
-      e.strategy = timing->strategy;
-      e.start_us = timing->start_us;
-      e.dur_us = timing->dur_us;
-      e.queue_us = timing->queue_us;
-      e.wait_us = std::min(std::max<int64_t>(timing->wait_us, 0), e.dur_us);
-    } else {
-      e.strategy = StrategyName(op->strategy >= 0 ? static_cast<StrategyKind>(op->strategy)
-                                                  : session_->Default().first);
-      e.start_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                       std::chrono::system_clock::now().time_since_epoch()).count();
-      e.queue_us = Micros(Clock::now() - op->called);
-    }
-    e.status = st.ok() ? "OK" : CodeName(st.code());
-    e.track = hooks_.track ? hooks_.track() : 1;
-    hooks_.record(std::move(e));
-  }
-  op->handle.Complete(st);
+// Finish: the transport is told the op ended (so stray messages under its name are dropped and
+// the name's finished numbers stay contiguous) before its handle completes.
+void Fusion::Finish(const std::shared_ptr<Op>& op, const Status& s, const OpTiming* timing,
+                    bool abort) {
+  const OpEnd end{OpKind::kAllReduce, op->name, op->seq, op->bytes(), abort};
+  EndOperation(session_->transport(), end, s, hooks_.record, [&](int64_t) {
+    if (timing != nullptr) return *timing;
+    OpTiming never_ran;
+    never_ran.strategy = StrategyName(op->strategy >= 0
+                                          ? static_cast<StrategyKind>(op->strategy)
+                                          : session_->Default().first);
+    never_ran.start_us = WallMicros();
+    never_ran.queue_us = Micros(Clock::now() - op->called);
+    return never_ran;
+  }, op->handle);
 }
 
 void Fusion::Stop() {
@@ -262,8 +258,7 @@ void Fusion::RememberFailureLocked(uint64_t hash, const Status& s) {
   }
 }
 
-void Fusion::ExpireLocked(TimePoint now,
-                          std::vector<std::pair<std::shared_ptr<Op>, Status>>* done) {
+void Fusion::ExpireLocked(TimePoint now, Done* done) {
   Transport& t = session_->transport();
   for (auto it = queue_.begin(); it != queue_.end();) {
     Op& o = **it;
@@ -311,7 +306,7 @@ void Fusion::CheckTransportErrors() {
     }
   }
   Transport& t = session_->transport();
-  std::vector<std::pair<std::shared_ptr<Op>, Status>> bad;
+  Done bad;
   for (const auto& o : old) {
     Status s = t.OpError(o->name, o->seq, std::chrono::milliseconds(0));
     if (!s.ok()) bad.emplace_back(o, s);
@@ -331,9 +326,7 @@ void Fusion::CheckTransportErrors() {
     }
   }
   for (auto& [o, s] : bad) {
-    if (s.ok()) continue;
-    t.AbortOp(o->name, o->seq, s.WithContext(OpWhat(o->name)));  // as Run does
-    Finish(o, s, nullptr);
+    if (!s.ok()) Finish(o, s, nullptr, /*abort=*/true);  // as Run does
   }
 }
 
@@ -349,7 +342,7 @@ void Fusion::Watch() {
     for (const auto& o : queue_) until = std::min(until, o->deadline);
     cv_.wait_until(lk, until, [&] { return stopping_; });
     if (stopping_) break;
-    std::vector<std::pair<std::shared_ptr<Op>, Status>> done;
+    Done done;
     const TimePoint now = Clock::now();
     ExpireLocked(now, &done);
     // Names that differ (transport.h, step 1): the oldest queued op, once queued the grace
@@ -367,7 +360,7 @@ void Fusion::Watch() {
       }
     }
     lk.unlock();
-    for (auto& [op, st] : done) Finish(op, st, nullptr);
+    FinishAll(&done);
     for (int r : whom) session_->transport().Query(r, ask->name, ask->seq);
     CheckTransportErrors();
     lk.lock();
@@ -428,217 +421,248 @@ void Fusion::Loop() {
   }
 }
 
+// One negotiation cycle: steps 1-4 (fusion.h), one function each.
 Status Fusion::Cycle(bool* agreed_any) {
+  CheckTransportErrors();
+  Done done;
+  const Offer mine = TakeOffer(&done);
+  FinishAll(&done);
+  if (mine.records.empty()) return Status::OK();  // everything just expired: nothing to say
+  std::vector<std::vector<Record>> recs;
+  KF_RETURN_IF_ERROR(Exchange(mine, &recs));
+  const Verdict verdict = Decide(recs);
+  *agreed_any = !verdict.agreed.empty();
+  std::vector<Bucket> buckets = Settle(mine, verdict, &done);
+  FinishAll(&done);
+  Schedule(std::move(buckets));
+  return Status::OK();
+}
+
+void Fusion::FinishAll(Done* done) {
+  for (auto& [op, st] : *done) Finish(op, st, nullptr);
+  done->clear();
+}
+
+// Step 1's snapshot. Ops queued a while also carry their names: a peer that never issues one can
+// then say what this peer waits on instead (ExpireLocked).
+Fusion::Offer Fusion::TakeOffer(Done* done) {
+  Offer mine;
+  std::lock_guard<std::mutex> lk(mu_);
+  const TimePoint now = Clock::now();
+  ExpireLocked(now, done);
+  for (size_t i = 0; i < queue_.size() && mine.ops.size() < kMaxOffer; ++i) {
+    const Op& o = *queue_[i];
+    mine.ops.push_back(queue_[i]);
+    mine.records.push_back(o.ToRecord());
+    if (o.called <= now - kCheckAfter && mine.names.size() + o.name.size() < kMaxNameBytes) {
+      mine.records.back().kind |= kNamed << 32;
+      mine.names += o.name;
+      mine.names += '\0';
+    }
+  }
+  for (uint64_t h : tombs_out_) {
+    Record r;
+    r.hash = h;
+    r.kind = kTombstone << 32;
+    mine.records.push_back(r);
+  }
+  tombs_out_.clear();
+  return mine;
+}
+
+namespace {
+// A cycle's two messages to every peer: [record count, name bytes], then the records and the
+// names.
+const MsgExpect kSizesMeta{DType::kUInt64, 2, 2 * sizeof(uint64_t)};
+MsgExpect BodyMeta(uint64_t records, uint64_t name_bytes, size_t record_bytes) {
+  const uint64_t b = records * record_bytes + name_bytes;
+  return MsgExpect{DType::kUInt8, b, b};
+}
+}  // namespace
+
+// Steps 1 and 2 on the wire: sends `mine` to every peer and receives theirs into (*recs)[rank],
+// as the internal op of the next internal seq. No deadline: a wait that ends mid-message loses
+// the message (the transport discards the rest), and this peer must not leave a cycle the others
+// may complete. Only a dead peer or Stop (the transport closes) end it; meanwhile Watch fails
+// queued ops at their deadlines.
+Status Fusion::Exchange(const Offer& mine, std::vector<std::vector<Record>>* recs) {
+  static_assert(sizeof(Record) == 4 * sizeof(uint64_t), "records are four words");
   Transport& t = session_->transport();
   const int n = session_->size(), me = session_->rank();
-  using Done = std::vector<std::pair<std::shared_ptr<Op>, Status>>;
-  Done done;
-  auto complete = [&] {
-    for (auto& [op, st] : done) Finish(op, st, nullptr);
-    done.clear();
-  };
-
-  // Step 1. Ops queued a while also carry their names: a peer that never issues one can then
-  // say what this peer waits on instead (ExpireLocked).
-  CheckTransportErrors();
-  std::vector<std::shared_ptr<Op>> offered;
-  std::vector<Record> mine;
-  std::string names;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    const TimePoint now = Clock::now();
-    ExpireLocked(now, &done);
-    for (size_t i = 0; i < queue_.size() && offered.size() < kMaxOffer; ++i) {
-      const Op& o = *queue_[i];
-      offered.push_back(queue_[i]);
-      mine.push_back(o.ToRecord());
-      if (o.called <= now - kCheckAfter && names.size() + o.name.size() < kMaxNameBytes) {
-        mine.back().kind |= kNamed << 32;
-        names += o.name;
-        names += '\0';
-      }
-    }
-    for (uint64_t h : tombs_out_) {
-      Record r;
-      r.hash = h;
-      r.kind = kTombstone << 32;
-      mine.push_back(r);
-    }
-    tombs_out_.clear();
-  }
-  complete();
-  if (mine.empty()) return Status::OK();  // everything just expired: nothing to say
   const uint64_t gseq = next_internal_seq_++;
   t.BeginOp(kBase, gseq, kSig);
-  auto end_gather = [&](Status s) {
-    t.EndOp(kBase, gseq);
-    return s;
-  };
-  // Two messages to every peer: [record count, name bytes], then the records and the names.
-  static_assert(sizeof(Record) == 4 * sizeof(uint64_t), "records are four words");
-  const uint64_t sizes[2] = {mine.size(), names.size()};
-  const MsgExpect sizes_meta{DType::kUInt64, 2, sizeof(sizes)};
-  auto body_meta = [](uint64_t k, uint64_t name_bytes) {
-    const uint64_t b = k * sizeof(Record) + name_bytes;
-    return MsgExpect{DType::kUInt8, b, b};
-  };
-  std::string body(reinterpret_cast<const char*>(mine.data()), mine.size() * sizeof(Record));
-  body += names;
-  for (int i = 1; i < n; ++i) {
+  const uint64_t sizes[2] = {mine.records.size(), mine.names.size()};
+  std::string body(reinterpret_cast<const char*>(mine.records.data()),
+                   mine.records.size() * sizeof(Record));
+  body += mine.names;
+  Status s;
+  for (int i = 1; i < n && s.ok(); ++i) {
     const int dst = (me + i) % n;
-    Status s = t.Send(dst, {kOpName, gseq, 0}, sizes_meta, sizes);
-    if (s.ok()) s = t.Send(dst, {kOpName, gseq, 1}, body_meta(sizes[0], sizes[1]), body.data());
-    if (!s.ok()) return end_gather(s);
-  }
-
-  // Step 2: every peer's records. No deadline: a wait that ends mid-message loses the message
-  // (the transport discards the rest), and this peer must not leave a cycle the others may
-  // complete. Only a dead peer or Stop (the transport closes) end it; meanwhile Watch fails
-  // queued ops at their deadlines.
-  std::vector<std::vector<Record>> recs(n);
-  recs[me] = mine;
-  for (int i = 1; i < n; ++i) {
-    const int src = (me + i) % n;
-    uint64_t theirs[2] = {0, 0};  // records, name bytes
-    for (int part = 0; part < 2; ++part) {
-      Buffer in;
-      const MsgExpect want = part == 0 ? sizes_meta : body_meta(theirs[0], theirs[1]);
-      Status s = t.Recv(src, {kOpName, gseq, static_cast<uint64_t>(part)}, want,
-                        TimePoint::max(), &in);
-      if (!s.ok()) return end_gather(s);
-      if (part == 0) {
-        std::memcpy(theirs, in.data(), sizeof(theirs));
-        if (theirs[0] == 0 || theirs[0] > kMaxOffer + kMaxFailed || theirs[1] > kMaxNameBytes) {
-          return end_gather(InvalidArgument("peer " + t.Describe(src) + " sent " +
-                                            std::to_string(theirs[0]) + " fusion records"));
-        }
-      } else {
-        recs[src].resize(theirs[0]);
-        std::memcpy(recs[src].data(), in.data(), theirs[0] * sizeof(Record));
-        // Names, in the order of the records that carry one (no name holds a NUL).
-        std::vector<std::pair<uint64_t, std::string>> named;
-        const char* p = in.data() + theirs[0] * sizeof(Record);
-        const char* end = p + theirs[1];
-        for (const Record& x : recs[src]) {
-          if (!x.named() || p >= end) continue;
-          const char* nul = static_cast<const char*>(std::memchr(p, 0, end - p));
-          if (nul == nullptr) break;
-          named.emplace_back(x.hash, std::string(p, nul));
-          p = nul + 1;
-        }
-        std::unordered_set<uint64_t> theirs_listed;
-        for (const Record& x : recs[src]) {
-          if (!x.tomb()) theirs_listed.insert(x.hash);
-        }
-        std::lock_guard<std::mutex> lk(mu_);
-        waits_on_[src] = std::move(named);
-        for (const auto& o : queue_) o->seen[src] = theirs_listed.count(o->hash) ? 1 : 0;
-      }
+    s = t.Send(dst, {kOpName, gseq, 0}, kSizesMeta, sizes);
+    if (s.ok()) {
+      s = t.Send(dst, {kOpName, gseq, 1}, BodyMeta(sizes[0], sizes[1], sizeof(Record)),
+                 body.data());
     }
   }
+  recs->assign(n, {});
+  (*recs)[me] = mine.records;
+  for (int i = 1; i < n && s.ok(); ++i) {
+    const int src = (me + i) % n;
+    s = ReceiveOffer(src, gseq, &(*recs)[src]);
+  }
   t.EndOp(kBase, gseq);
+  return s;
+}
 
-  // Step 3: the same answer on every peer.
+// Step 2 from one peer: its records into *recs, and what they say it waits on (NoteListed).
+Status Fusion::ReceiveOffer(int src, uint64_t gseq, std::vector<Record>* recs) {
+  Transport& t = session_->transport();
+  Buffer in;
+  KF_RETURN_IF_ERROR(t.Recv(src, {kOpName, gseq, 0}, kSizesMeta, TimePoint::max(), &in));
+  uint64_t theirs[2] = {0, 0};  // records, name bytes
+  std::memcpy(theirs, in.data(), sizeof(theirs));
+  if (theirs[0] == 0 || theirs[0] > kMaxOffer + kMaxFailed || theirs[1] > kMaxNameBytes) {
+    return InvalidArgument("peer " + t.Describe(src) + " sent " + std::to_string(theirs[0]) +
+                           " fusion records");
+  }
+  KF_RETURN_IF_ERROR(t.Recv(src, {kOpName, gseq, 1},
+                            BodyMeta(theirs[0], theirs[1], sizeof(Record)), TimePoint::max(),
+                            &in));
+  recs->resize(theirs[0]);
+  std::memcpy(recs->data(), in.data(), theirs[0] * sizeof(Record));
+  NoteListed(src, *recs, in.data() + theirs[0] * sizeof(Record), theirs[1]);
+  return Status::OK();
+}
+
+// What peer src's records say: the names it sent, in the order of the records that carry one (no
+// name holds a NUL), become what it waits on; each queued op notes whether src listed it.
+void Fusion::NoteListed(int src, const std::vector<Record>& recs, const char* names,
+                        size_t name_bytes) {
+  std::vector<std::pair<uint64_t, std::string>> named;
+  const char* p = names;
+  const char* end = p + name_bytes;
+  for (const Record& x : recs) {
+    if (!x.named() || p >= end) continue;
+    const char* nul = static_cast<const char*>(std::memchr(p, 0, end - p));
+    if (nul == nullptr) break;
+    named.emplace_back(x.hash, std::string(p, nul));
+    p = nul + 1;
+  }
+  std::unordered_set<uint64_t> listed;
+  for (const Record& x : recs) {
+    if (!x.tomb()) listed.insert(x.hash);
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  waits_on_[src] = std::move(named);
+  for (const auto& o : queue_) o->seen[src] = listed.count(o->hash) ? 1 : 0;
+}
+
+// Step 3: the same answer on every peer, from the same records.
+Fusion::Verdict Fusion::Decide(const std::vector<std::vector<Record>>& recs) const {
+  Transport& t = session_->transport();
+  const int n = session_->size();
+  Verdict v;
   std::map<uint64_t, int> tomb_by;  // hash -> the first rank that gave up on it
-  std::unordered_map<uint64_t, std::vector<std::pair<int, const Record*>>> listed;
   for (int r = 0; r < n; ++r) {
     for (const Record& x : recs[r]) {
       if (x.tomb()) {
         tomb_by.emplace(x.hash, r);
       } else {
-        listed[x.hash].emplace_back(r, &x);
+        v.listed[x.hash].emplace_back(r, &x);
       }
     }
   }
-  std::unordered_map<uint64_t, Status> verdict;  // failures decided in this cycle
-  for (const auto& [hash, who] : listed) {
+  for (const auto& [hash, who] : v.listed) {
     for (const auto& [r, x] : who) {
       if (x->SameShape(*who[0].second)) continue;
-      verdict[hash] = InvalidArgument(
+      v.failed[hash] = InvalidArgument(
           "peers disagree on the operation: " + t.Describe(who[0].first) + " has " +
           who[0].second->Shape() + ", " + t.Describe(r) + " has " + x->Shape());
       break;
     }
   }
   for (const auto& [hash, r] : tomb_by) {
-    if (verdict.count(hash)) continue;
-    verdict[hash] = DeadlineExceeded("peer " + t.Describe(r) +
-                                     " gave up on it (its deadline passed, or it failed there) "
-                                     "before every peer had issued it (fused allreduce)");
+    if (v.failed.count(hash)) continue;
+    v.failed[hash] = DeadlineExceeded("peer " + t.Describe(r) +
+                                      " gave up on it (its deadline passed, or it failed there) "
+                                      "before every peer had issued it (fused allreduce)");
   }
-  std::vector<const Record*> agreed;
   for (const Record& x : recs[0]) {
-    if (x.tomb() || verdict.count(x.hash)) continue;
-    if (listed[x.hash].size() == static_cast<size_t>(n)) agreed.push_back(&x);
+    if (x.tomb() || v.failed.count(x.hash)) continue;
+    auto l = v.listed.find(x.hash);
+    if (l != v.listed.end() && l->second.size() == static_cast<size_t>(n)) v.agreed.push_back(&x);
   }
-  *agreed_any = !agreed.empty();
+  return v;
+}
 
-  // Step 4.
+// Step 4 under mu_: the failed ops leave the queue (into *done) or are remembered; the agreed
+// ones leave it into buckets, one per (dtype, op, strategy), in canonical order; what stays
+// queued notes who listed it, for its deadline message.
+std::vector<Fusion::Bucket> Fusion::Settle(const Offer& mine, const Verdict& v, Done* done) {
   std::unordered_map<uint64_t, std::shared_ptr<Op>> by_hash;
-  for (const auto& o : offered) by_hash[o->hash] = o;
+  for (const auto& o : mine.ops) by_hash[o->hash] = o;
   std::vector<Bucket> buckets;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (const auto& [hash, st] : verdict) {
-      auto q = queued_.find(hash);
-      if (q == queued_.end()) {
-        RememberFailureLocked(hash, st);
-        continue;
-      }
-      q->second->done = true;
-      done.emplace_back(q->second, st);
-      queue_.erase(std::find(queue_.begin(), queue_.end(), q->second));
-      queued_.erase(q);
+  std::lock_guard<std::mutex> lk(mu_);
+  for (const auto& [hash, st] : v.failed) {
+    auto q = queued_.find(hash);
+    if (q == queued_.end()) {
+      RememberFailureLocked(hash, st);
+      continue;
     }
-    std::map<std::tuple<int, int, int>, size_t> open;  // (dtype, op, strategy) -> bucket index
-    for (const Record* x : agreed) {
-      std::shared_ptr<Op> o = by_hash.at(x->hash);  // every peer listed it, this one too
-      const bool live = !o->done;
-      if (live) {
-        queue_.erase(std::find(queue_.begin(), queue_.end(), o));
-        queued_.erase(o->hash);
-      }
-      const auto key = std::make_tuple(static_cast<int>(x->dtype()), static_cast<int>(x->op()),
-                                       x->strategy());
-      auto b = open.find(key);
-      if (b == open.end()) {
-        Bucket nb;
-        nb.dtype = x->dtype();
-        nb.op = x->op();
-        nb.strategy = x->strategy();
-        buckets.push_back(std::move(nb));
-        b = open.emplace(key, buckets.size() - 1).first;
-      }
-      Bucket& bk = buckets[b->second];
-      bk.count += x->count;
-      bk.ops.push_back(o);
-      bk.live.push_back(live);
-    }
-    // What each peer listed, for the deadline message of what stays queued.
-    for (const auto& o : queue_) {
-      auto l = listed.find(o->hash);
-      for (int r = 0; r < n; ++r) o->seen[r] = 0;
-      if (l == listed.end()) continue;
-      for (const auto& [r, x] : l->second) o->seen[r] = 1;
-    }
+    q->second->done = true;
+    done->emplace_back(q->second, st);
+    queue_.erase(std::find(queue_.begin(), queue_.end(), q->second));
+    queued_.erase(q);
   }
-  complete();
-  for (Bucket& b : buckets) b.seq = next_internal_seq_++;  // in the same order on every peer
-  if (!buckets.empty()) {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (Bucket& b : buckets) runs_.push_back(std::move(b));
-    if (!running_) {  // one at a time: two in flight measured no faster (docs/runtime.md)
-      running_ = true;
-      hooks_.submit([this] { RunBuckets(); });
+  std::map<std::tuple<int, int, int>, size_t> open;  // (dtype, op, strategy) -> bucket index
+  for (const Record* x : v.agreed) {
+    std::shared_ptr<Op> o = by_hash.at(x->hash);  // every peer listed it, this one too
+    const bool live = !o->done;
+    if (live) {
+      queue_.erase(std::find(queue_.begin(), queue_.end(), o));
+      queued_.erase(o->hash);
     }
+    const auto key = std::make_tuple(static_cast<int>(x->dtype()), static_cast<int>(x->op()),
+                                     x->strategy());
+    auto b = open.find(key);
+    if (b == open.end()) {
+      Bucket nb;
+      nb.dtype = x->dtype();
+      nb.op = x->op();
+      nb.strategy = x->strategy();
+      buckets.push_back(std::move(nb));
+      b = open.emplace(key, buckets.size() - 1).first;
+    }
+    Bucket& bk = buckets[b->second];
+    bk.count += x->count;
+    bk.ops.push_back(o);
+    bk.live.push_back(live);
   }
-  return Status::OK();
+  for (const auto& o : queue_) {
+    auto l = v.listed.find(o->hash);
+    std::fill(o->seen.begin(), o->seen.end(), 0);
+    if (l == v.listed.end()) continue;
+    for (const auto& [r, x] : l->second) o->seen[r] = 1;
+  }
+  return buckets;
+}
+
+// Step 4's hand-off: each bucket takes the next internal seq (in the same order on every peer)
+// and joins the runs of the one pool task that runs them.
+void Fusion::Schedule(std::vector<Bucket> buckets) {
+  if (buckets.empty()) return;
+  for (Bucket& b : buckets) b.seq = next_internal_seq_++;
+  std::lock_guard<std::mutex> lk(mu_);
+  for (Bucket& b : buckets) runs_.push_back(std::move(b));
+  if (!running_) {  // one at a time: two in flight measured no faster (docs/runtime.md)
+    running_ = true;
+    hooks_.submit([this] { RunBuckets(); });
+  }
 }
 
 // Step 4's pool task (and step 5): one allreduce per bucket, one at a time, in the order every
 // peer agreed, until none is left.
 void Fusion::RunBuckets() {
-  Transport& t = session_->transport();
   while (true) {
     Bucket b;
     {
@@ -650,64 +674,74 @@ void Fusion::RunBuckets() {
       b = std::move(runs_.front());
       runs_.pop_front();
     }
-    const TimePoint started = Clock::now();
-    const int64_t start_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                                 std::chrono::system_clock::now().time_since_epoch()).count();
-    t.BeginOp(kBase, b.seq, kSig);
-    Status s;
-    // The agreement was the commit (one outcome per operation, peer.h C2): every peer agreed
-    // on this bucket from the same records, so its ops' own deadlines no longer end it (one peer
-    // could time out while another completes from data already sent); only a peer failure, an
-    // abort or the op timeout from now, the bound on every wait, do.
-    TimePoint deadline = started + std::chrono::milliseconds(op_timeout_ms_);
-    for (size_t i = 0; i < b.ops.size(); ++i) {
-      if (!b.live[i]) {
-        s = DeadlineExceeded(OpWhat(b.ops[i]->name) +
-                             " passed its deadline on peer " + t.Describe(t.rank()) +
-                             " while its peers agreed to fuse it");
-      }
-      deadline = std::max(deadline, b.ops[i]->deadline);
+    RunBucket(b);
+  }
+}
+
+// One bucket as the internal op (kOpName, b.seq): begun, run, aborted on every peer if it
+// failed, ended; then its ops end (FinishBucket).
+void Fusion::RunBucket(const Bucket& b) {
+  Transport& t = session_->transport();
+  const TimePoint started = Clock::now();
+  const int64_t start_us = WallMicros();
+  t.BeginOp(kBase, b.seq, kSig);
+  Status s;
+  // The agreement was the commit (one outcome per operation, peer.h C2): every peer agreed
+  // on this bucket from the same records, so its ops' own deadlines no longer end it (one peer
+  // could time out while another completes from data already sent); only a peer failure, an
+  // abort or the op timeout from now, the bound on every wait, do.
+  TimePoint deadline = started + std::chrono::milliseconds(op_timeout_ms_);
+  for (size_t i = 0; i < b.ops.size(); ++i) {
+    if (!b.live[i]) {
+      s = DeadlineExceeded(OpWhat(b.ops[i]->name) +
+                           " passed its deadline on peer " + t.Describe(t.rank()) +
+                           " while its peers agreed to fuse it");
     }
-    const OpContext ctx{kOpName, b.seq, deadline};
-    const size_t es = DTypeSize(b.dtype);
-    auto spawn = [this](std::function<void()> f) { hooks_.submit(std::move(f)); };
-    // Ops of at most fusion_bytes are packed into one buffer (when there are several); larger
-    // ones stay on their own buffers, without copies.
-    if (s.ok()) {
-      try {
-        std::vector<Session::Piece> pieces;
-        for (const auto& o : b.ops) pieces.push_back({o->send, o->recv, o->count});
-        s = session_->AllReduceV(ctx, pieces, b.dtype, b.op, b.strategy, spawn, fusion_bytes_);
-      } catch (const std::bad_alloc&) {
-        s = ResourceExhausted("out of memory");
-      }
+    deadline = std::max(deadline, b.ops[i]->deadline);
+  }
+  const OpContext ctx{kOpName, b.seq, deadline};
+  auto spawn = [this](std::function<void()> f) { hooks_.submit(std::move(f)); };
+  // Ops of at most fusion_bytes are packed into one buffer (when there are several); larger
+  // ones stay on their own buffers, without copies.
+  if (s.ok()) {
+    try {
+      std::vector<Session::Piece> pieces;
+      for (const auto& o : b.ops) pieces.push_back({o->send, o->recv, o->count});
+      s = session_->AllReduceV(ctx, pieces, b.dtype, b.op, b.strategy, spawn, fusion_bytes_);
+    } catch (const std::bad_alloc&) {
+      s = ResourceExhausted("out of memory");
     }
-    if (!s.ok() && s.code() != Code::kCancelled) {
-      s = s.WithContext("fused allreduce of " + std::to_string(b.ops.size()) + " ops");
-      t.AbortOp(kOpName, b.seq, s);  // the other peers' part of this bucket fails alike
-    }
-    int64_t wait_us = -1;
-    t.EndOp(kBase, b.seq, &wait_us);
-    // Each op records its own event: the bucket's time, split in proportion to bytes so that
-    // one track's events never overlap.
-    Timing tm;
-    tm.strategy = StrategyName(b.strategy >= 0 ? static_cast<StrategyKind>(b.strategy)
-                                               : session_->Default().first);
-    tm.wait_us = wait_us;
-    const int64_t total_us = Micros(Clock::now() - started);
-    const double total_bytes = static_cast<double>(std::max<size_t>(1, b.count * es));
-    size_t before = 0;
-    for (size_t i = 0; i < b.ops.size(); ++i) {
-      const auto& o = b.ops[i];
-      const int64_t from = static_cast<int64_t>(total_us * (before / total_bytes));
-      before += o->bytes();
-      if (!b.live[i]) continue;  // completed already (step 5)
-      const int64_t to = static_cast<int64_t>(total_us * (before / total_bytes));
-      tm.start_us = start_us + from;
-      tm.dur_us = std::max<int64_t>(0, to - from);
-      tm.queue_us = Micros(started - o->called) + from;
-      Finish(o, s, &tm);
-    }
+  }
+  if (!s.ok() && s.code() != Code::kCancelled) {
+    s = s.WithContext("fused allreduce of " + std::to_string(b.ops.size()) + " ops");
+    t.AbortOp(kOpName, b.seq, s);  // the other peers' part of this bucket fails alike
+  }
+  int64_t wait_us = -1;
+  t.EndOp(kBase, b.seq, &wait_us);
+  FinishBucket(b, s, started, start_us, wait_us);
+}
+
+// Each op of a bucket that ran ends with the bucket's status and records its own event: the
+// bucket's time, split in proportion to bytes so that one track's events never overlap.
+void Fusion::FinishBucket(const Bucket& b, const Status& s, TimePoint started, int64_t start_us,
+                          int64_t wait_us) {
+  OpTiming tm;
+  tm.strategy = StrategyName(b.strategy >= 0 ? static_cast<StrategyKind>(b.strategy)
+                                             : session_->Default().first);
+  const int64_t total_us = Micros(Clock::now() - started);
+  const double total_bytes = static_cast<double>(std::max<size_t>(1, b.count * DTypeSize(b.dtype)));
+  size_t before = 0;
+  for (size_t i = 0; i < b.ops.size(); ++i) {
+    const auto& o = b.ops[i];
+    const int64_t from = static_cast<int64_t>(total_us * (before / total_bytes));
+    before += o->bytes();
+    if (!b.live[i]) continue;  // completed already (step 5)
+    const int64_t to = static_cast<int64_t>(total_us * (before / total_bytes));
+    tm.start_us = start_us + from;
+    tm.dur_us = std::max<int64_t>(0, to - from);
+    tm.queue_us = Micros(started - o->called) + from;
+    tm.wait_us = std::min(std::max<int64_t>(wait_us, 0), tm.dur_us);
+    Finish(o, s, &tm);
   }
 }
 

@@ -68,6 +68,7 @@
 #include "kungfu/peer.h"
 #include "kungfu/status.h"
 #include "kungfu/transport.h"
+#include "operation.h"
 
 namespace kungfu {
 
@@ -78,7 +79,6 @@ struct FusionHooks {
   std::function<uint64_t(const std::string&)> next_seq;  // the Peer's per-name numbering
   std::function<void(std::function<void()>)> submit;     // the Peer's growing pool
   std::function<void(TimelineEvent)> record;             // empty: timeline off
-  std::function<int()> track;                            // the calling thread's timeline track
 };
 
 class Fusion {
@@ -104,23 +104,38 @@ class Fusion {
   struct Op;
   struct Record;
   struct Bucket;
+  struct Offer;
+  struct Verdict;
+  using Done = std::vector<std::pair<std::shared_ptr<Op>, Status>>;  // ops to Finish, unlocked
   void Loop();
   // One negotiation cycle (steps 1-4); *agreed: whether it agreed on any op.
   Status Cycle(bool* agreed);
+  Offer TakeOffer(Done* done);  // step 1: what this peer offers (and what expired meanwhile)
+  // Steps 1-2 on the wire: every peer's records, (*recs)[rank]; fails only with the transport.
+  Status Exchange(const Offer& mine, std::vector<std::vector<Record>>* recs);
+  Status ReceiveOffer(int src, uint64_t gseq, std::vector<Record>* recs);
+  void NoteListed(int src, const std::vector<Record>& recs, const char* names, size_t name_bytes);
+  Verdict Decide(const std::vector<std::vector<Record>>& recs) const;  // step 3
+  // Step 4: failed and agreed ops leave the queue; the agreed ones as buckets, then scheduled.
+  std::vector<Bucket> Settle(const Offer& mine, const Verdict& verdict, Done* done);
+  void Schedule(std::vector<Bucket> buckets);
+  void FinishAll(Done* done);
   // Fails (locally) every queued op whose deadline has passed, naming the peers not known to
   // have issued it (Op::seen).
-  void ExpireLocked(TimePoint now, std::vector<std::pair<std::shared_ptr<Op>, Status>>* done);
+  void ExpireLocked(TimePoint now, Done* done);
   void Watch();  // the watch thread: ExpireLocked and CheckTransportErrors while ops are queued
   void RememberFailureLocked(uint64_t hash, const Status& s);
   // Fails queued ops the transport saw fail (a peer called another operation under the name and
   // said so, or aborted it), and aborts them on every peer as Run does.
   void CheckTransportErrors();
   void RunBuckets();
-  struct Timing {  // one op's slice of its bucket, for the timeline
-    const char* strategy = "";
-    int64_t start_us = 0, dur_us = 0, queue_us = 0, wait_us = 0;
-  };
-  void Finish(const std::shared_ptr<Op>& op, const Status& s, const Timing* timing);
+  void RunBucket(const Bucket& b);
+  void FinishBucket(const Bucket& b, const Status& s, TimePoint started, int64_t start_us,
+                    int64_t wait_us);
+  // Ends one op (operation.h, step 3) without mu_. `timing`: its slice of its bucket (nullptr: it
+  // never ran); `abort`: its failure is sent to every peer.
+  void Finish(const std::shared_ptr<Op>& op, const Status& s, const OpTiming* timing,
+              bool abort = false);
   void FailAll(const Status& s);
 
   const std::shared_ptr<Session> session_;

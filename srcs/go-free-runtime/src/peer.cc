@@ -1,20 +1,15 @@
 #include "kungfu/peer.h"
 
-#include <fcntl.h>
-#include <poll.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
-#include <deque>
 
 #include "fusion.h"
 #include "kungfu/process_set.h"
 #include "kungfu/session.h"
 #include "kungfu/stream_transport.h"
-#include "net.h"
+#include "operation.h"
 
 namespace kungfu {
 
@@ -55,23 +50,15 @@ Status CheckDType(DType d) {
 }
 }  // namespace
 
-namespace {
-int TrackId();
-}  // namespace
-
 Status Peer::Create(const PeerConfig& config, std::unique_ptr<Peer>* out) {
   KF_RETURN_IF_ERROR(ValidateConfig(config));
   out->reset(new Peer(config));
   Peer* p = out->get();
   if (p->config_.fusion_bytes > 0 && p->size() > 1) {
     FusionHooks hooks;
-    hooks.next_seq = [p](const std::string& name) {
-      std::lock_guard<std::mutex> lk(p->seq_mu_);
-      return p->next_seq_[name]++;
-    };
+    hooks.next_seq = [p](const std::string& name) { return p->NextSeq(name); };
     hooks.submit = [p](std::function<void()> f) { p->Submit(std::move(f)); };
-    if (p->config_.timeline) hooks.record = [p](TimelineEvent e) { p->Record(std::move(e)); };
-    hooks.track = TrackId;
+    hooks.record = p->record_;
     p->fusion_ = std::make_unique<Fusion>(p->session_, p->config_.fusion_bytes,
                                           p->config_.op_timeout_ms, std::move(hooks));
   }
@@ -92,10 +79,13 @@ Peer::Peer(const PeerConfig& config)
   t.progress = config_.progress;
   t.mismatch_grace_ms = config_.mismatch_grace_ms;
   t.heartbeat_ms = std::max<int64_t>(10, std::min<int64_t>(1000, config_.peer_timeout_ms / 4));
-  auto stream = std::make_unique<StreamTransport>(config_.version, config_.peers, rank_, t);
-  stream_ = stream.get();
-  session_ = std::make_shared<Session>(std::move(stream), config_.strategy, config_.chunk_bytes,
+  const TransportFactory make =
+      config_.transport ? config_.transport : TransportFactory(MakeStreamTransport);
+  std::unique_ptr<Transport> transport = make(config_.version, config_.peers, rank_, t);
+  KF_CHECK(transport != nullptr);
+  session_ = std::make_shared<Session>(std::move(transport), config_.strategy, config_.chunk_bytes,
                                        config_.parallelism);
+  if (config_.timeline) record_ = [this](TimelineEvent e) { Record(std::move(e)); };
   session_->transport().SetBlobLookup([this](const std::string& name) -> Transport::Blob {
     std::lock_guard<std::mutex> lk(store_mu_);
     auto it = store_.find(name);
@@ -194,251 +184,15 @@ int Peer::host_count() const { return MakeHostLayout(config_.peers).host_count()
 
 Status Peer::Start() {
   if (size() == 1) return Status::OK();
-  {
-    std::lock_guard<std::mutex> lk(hs_mu_);
-    hello_answered_.assign(size(), false);
-  }
-  KF_RETURN_IF_ERROR(net::Listen(config_.self, &listen_fds_[0], &listen_fds_[1]));
-  try {
-    acceptor_ = std::thread([this] { AcceptLoop(); });
-  } catch (const std::exception&) {  // out of threads: an error, not std::terminate
-    for (int& fd : listen_fds_) {
-      close(fd);
-      fd = -1;
-    }
-    return ResourceExhausted("cannot start the acceptor thread (out of threads or memory)");
-  }
   const TimePoint since = Clock::now();
   const TimePoint deadline = since + std::chrono::milliseconds(config_.connect_timeout_ms);
-  StreamTransport& t = *stream_;
-  Status s = t.ConnectAll(since, deadline);
-  if (s.code() == Code::kInvalidArgument) LingerForHellos(std::chrono::milliseconds(2000));
-  KF_RETURN_IF_ERROR(s);
-  KF_RETURN_IF_ERROR(t.WaitIncoming(since, deadline));
+  KF_RETURN_IF_ERROR(session_->transport().Connect(since, deadline));
   return session_->ProbeDirect(deadline, config_.memory_reads);
-}
-
-// A peer that gives up on a mismatch (another job token, destination or protocol) keeps
-// answering hellos for a moment, until every peer's has been answered: each peer then learns of
-// the mismatch from its own handshake, at once, instead of dialing a closed port until its
-// connect timeout.
-void Peer::LingerForHellos(std::chrono::milliseconds at_most) {
-  std::unique_lock<std::mutex> lk(hs_mu_);
-  hs_cv_.wait_for(lk, at_most, [&] {
-    if (stopping_) return true;
-    for (int r = 0; r < size(); ++r) {
-      if (r != rank_ && !hello_answered_[r]) return false;
-    }
-    return true;
-  });
-}
-
-namespace {
-
-// Each accepted connection has this long, from accept to the end of step 4, however slowly a
-// stranger sends (a real peer needs two round trips).
-constexpr auto kHandshakeTime = std::chrono::milliseconds(2000);
-// Handshakes in progress at most; a new connection beyond them drops the oldest. Silent
-// strangers thus cannot keep a real peer out (only 256 newer connections within its round trips
-// could drop it, and it dials again), and cost at most this many descriptors for at most
-// kHandshakeTime.
-constexpr size_t kMaxPendingHandshakes = 256;
-constexpr int kAcceptBurst = 64;  // accepts per listener per wakeup
-
-struct PendingHandshake {
-  // admit: AcceptHandshake::Admit, plus where to note the rank the hello claims.
-  using Admit = std::function<int(const std::string& src, const std::string& dst,
-                                  uint64_t version, int* claimed, Status* why)>;
-  PendingHandshake(int fd, bool tcp, TimePoint deadline, const std::string& token, Admit admit)
-      : fd(fd),
-        tcp(tcp),
-        deadline(deadline),
-        hs(token, [this, admit](const std::string& src, const std::string& dst, uint64_t version,
-                                Status* why) { return admit(src, dst, version, &claimed, why); }) {}
-  int fd;  // nonblocking; -1 once handed to the transport
-  bool tcp;
-  TimePoint deadline;
-  AcceptHandshake hs;
-  std::string out;  // owed to the dialer
-  size_t sent = 0;
-  int claimed = -1;  // the rank the hello claims to come from, or -1
-  bool answered = false;
-};
-
-void SetNonBlocking(int fd, bool on) {
-  int flags = fcntl(fd, F_GETFL, 0);
-  if (flags >= 0) fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK));
-}
-
-int MillisUntil(TimePoint t, TimePoint now) {
-  if (t <= now) return 0;
-  return static_cast<int>(
-      std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count() + 1);
-}
-
-}  // namespace
-
-// The listener's side of every handshake (steps in transport.h), all in this thread:
-//  1. poll() the listeners and every pending handshake (each socket nonblocking, reading only
-//     when it owes the dialer nothing, writing when it does);
-//  2. feed what arrives to its AcceptHandshake, at most what the current step's frame has left,
-//     and send what it answers;
-//  3. an authenticated stream goes back to blocking and to the transport (Attach); a refused one
-//     is closed once its refusal is sent; one past its deadline is told so and closed;
-//  4. accept new connections, dropping the oldest pending one beyond kMaxPendingHandshakes.
-void Peer::AcceptLoop() {
-  for (int fd : listen_fds_) SetNonBlocking(fd, true);
-  std::deque<std::unique_ptr<PendingHandshake>> pending;  // oldest first
-  std::vector<struct pollfd> fds;
-  TimePoint listen_again = Clock::now();  // out of descriptors: the listeners rest a moment
-
-  // Moves one handshake on as far as its socket allows; false when it is over (closed by the
-  // caller unless handed over).
-  auto progress = [this](PendingHandshake& p) {
-    char buf[4096];
-    while (true) {
-      while (p.sent < p.out.size()) {
-        ssize_t k = send(p.fd, p.out.data() + p.sent, p.out.size() - p.sent,
-                         MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (k < 0 && errno == EINTR) continue;
-        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-        if (k <= 0) return false;
-        p.sent += static_cast<size_t>(k);
-      }
-      p.out.clear();
-      p.sent = 0;
-      if (p.claimed >= 0 && !p.answered && p.hs.state() != AcceptHandshake::State::kHello) {
-        p.answered = true;  // its hello's answer is on its way
-        std::lock_guard<std::mutex> lk(hs_mu_);
-        hello_answered_[p.claimed] = true;
-        hs_cv_.notify_all();
-      }
-      if (p.hs.state() == AcceptHandshake::State::kRefused) return false;
-      if (p.hs.state() == AcceptHandshake::State::kDone) {
-        Attach(p.fd, p.tcp, p.hs.src());
-        p.fd = -1;
-        return false;
-      }
-      ssize_t k = recv(p.fd, buf, std::min(p.hs.want(), sizeof(buf)), MSG_DONTWAIT);
-      if (k < 0 && errno == EINTR) continue;
-      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-      if (k <= 0) return false;  // closed, or broken
-      p.hs.Feed(buf, static_cast<size_t>(k), &p.out);
-    }
-  };
-
-  while (!stopping_) {
-    TimePoint now = Clock::now();
-    const bool listening = now >= listen_again;
-    int timeout_ms = listening ? 50 : std::min(50, MillisUntil(listen_again, now));  // Stop waits
-    fds.clear();
-    if (listening) {
-      for (int fd : listen_fds_) fds.push_back({fd, POLLIN, 0});
-    }
-    const size_t first = fds.size();
-    for (const auto& p : pending) {
-      fds.push_back({p->fd, static_cast<short>(p->out.empty() ? POLLIN : POLLOUT), 0});
-      timeout_ms = std::min(timeout_ms, MillisUntil(p->deadline, now));
-    }
-    const int rc = poll(fds.data(), fds.size(), timeout_ms);
-    now = Clock::now();
-    for (size_t i = 0; i < pending.size(); ++i) {
-      PendingHandshake& p = *pending[i];
-      bool keep = rc <= 0 || fds[first + i].revents == 0 || progress(p);
-      if (keep && now >= p.deadline) {
-        keep = false;
-        if (p.out.empty()) {  // tell it why, if its socket takes it at once
-          const std::string why = StreamTransport::HandshakeReply(
-              Unavailable("no complete handshake within " +
-                          std::to_string(kHandshakeTime.count() / 1000) + " s"));
-          send(p.fd, why.data(), why.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
-        }
-      }
-      if (!keep) {
-        if (p.fd >= 0) close(p.fd);
-        pending[i].reset();
-      }
-    }
-    pending.erase(std::remove(pending.begin(), pending.end(), nullptr), pending.end());
-    if (!listening || rc <= 0) continue;
-    for (int l = 0; l < 2; ++l) {
-      if (!(fds[l].revents & POLLIN)) continue;
-      for (int n = 0; n < kAcceptBurst; ++n) {
-        int fd = accept4(listen_fds_[l], nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) {
-          if (errno == EINTR) continue;
-          // EMFILE and the like leave the connection queued and the listener readable: rest
-          // rather than spin (EAGAIN: none left).
-          if (errno != EAGAIN && errno != EWOULDBLOCK) {
-            listen_again = now + std::chrono::milliseconds(10);
-          }
-          break;
-        }
-        if (pending.size() >= kMaxPendingHandshakes) {
-          close(pending.front()->fd);
-          pending.pop_front();
-        }
-        pending.push_back(std::make_unique<PendingHandshake>(
-            fd, /*tcp=*/l == 0, now + kHandshakeTime, config_.job_token,
-            [this](const std::string& src, const std::string& dst, uint64_t version, int* claimed,
-                   Status* why) { return Admit(src, dst, version, claimed, why); }));
-      }
-    }
-  }
-  for (auto& p : pending) close(p->fd);
-}
-
-// Step 2's checks of a hello (see AcceptHandshake::Admit); *claimed: the rank it claims to come
-// from, whatever the verdict.
-int Peer::Admit(const std::string& src, const std::string& dst, uint64_t version, int* claimed,
-                Status* why) {
-  PeerID id;
-  int src_rank = PeerID::Parse(src, &id).ok() ? RankOf(config_.peers, id) : -1;
-  *claimed = src_rank == rank_ ? -1 : src_rank;
-  if (dst != config_.self.ToString()) {
-    *why = InvalidArgument("this is " + config_.self.ToString() + ", not " + dst);
-  } else if (version != config_.version) {
-    // Another version: retryable. In a resize, a peer of version v+1 dials peers that are still
-    // in v until they switch (and a stray peer of an old version gives up on its own).
-    *why = Unavailable("cluster version " + std::to_string(version) + " does not match " +
-                       std::to_string(config_.version));
-  } else if (src_rank < 0 || src_rank == rank_) {
-    *why = InvalidArgument(src + " is not a peer of this cluster");
-  } else {
-    return src_rank;
-  }
-  return -1;
-}
-
-// Step 4: hands an authenticated stream to the transport and tells the dialer.
-void Peer::Attach(int fd, bool tcp, int src) {
-  SetNonBlocking(fd, false);
-  net::TuneStream(fd, tcp);
-  Status s = stream_->AttachIncoming(src, fd);
-  const std::string reply = StreamTransport::HandshakeReply(s);
-  if (s.ok()) {
-    // Blocking, bounded by the stream's send timeout (set by AttachIncoming); a few bytes into
-    // an empty socket buffer. The stream is the transport's now: it closes it.
-    struct iovec iov = {const_cast<char*>(reply.data()), reply.size()};
-    net::WriteFull(fd, &iov, 1);
-    return;
-  }
-  send(fd, reply.data(), reply.size(), MSG_DONTWAIT | MSG_NOSIGNAL);  // already connected, stopped
-  close(fd);
 }
 
 void Peer::Stop() {
   if (stopping_.exchange(true)) return;
-  if (acceptor_.joinable()) acceptor_.join();  // within one poll (50 ms); it closes what is pending
-  {
-    std::lock_guard<std::mutex> lk(hs_mu_);
-    hs_cv_.notify_all();
-  }
-  for (int& fd : listen_fds_) {
-    if (fd >= 0) close(fd);
-    fd = -1;
-  }
-  session_->transport().Close();
+  session_->transport().Close();  // its listening and connecting stop first
   if (fusion_) fusion_->Stop();
   {
     std::lock_guard<std::mutex> lk(pool_mu_);
@@ -513,105 +267,54 @@ OpSig Peer::Sig(OpKind kind, const OpOptions& options, int op, int root) const {
   return sig;
 }
 
-// 1. Number the op (name, seq). 2. On a worker: BeginOp, run the body, abort the op on every
-// peer if it failed, EndOp (no receive of it is left posted into the caller's buffers), and only
-// then complete the handle, which lets the caller free its buffers.
-namespace {
-// A small id per thread that runs operations (pool workers, or the caller in a single process),
-// numbered in the order threads first ran one: a timeline track.
-int TrackId() {
-  static std::atomic<int> next{1};
-  thread_local int id = next.fetch_add(1);
-  return id;
-}
-int64_t Micros(Clock::duration d) {
-  return std::chrono::duration_cast<std::chrono::microseconds>(d).count();
-}
-}  // namespace
-
+// 1. Name and number the op (operation.h, step 1). 2. On a worker: BeginOp, then the rendezvous
+// and the body (RunBody). 3. EndOperation: abort the op on every peer if it failed, EndOp (no
+// receive of it is left posted into the caller's buffers), and only then complete the handle,
+// which lets the caller free its buffers.
 Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
                  bool collective, bool rendezvous) {
   Handle h;
-  const char* kind = OpKindName(sig.kind);
   OpContext ctx;
-  ctx.name = options.name.empty() ? std::string("auto:") + kind : options.name;
-  if (ctx.name.find('\0') != std::string::npos) {
-    h.Complete(InvalidArgument("an operation name may not contain NUL"));
+  Status named = OpNameFor(sig.kind, options.name, &ctx.name);
+  if (!named.ok()) {
+    h.Complete(named);
     return h;
   }
   std::shared_ptr<Session> session;
   std::string prefix;
   Status in_set = SessionFor(options, &session, &prefix);
   if (!in_set.ok()) {  // at once, and on this peer only: nothing was numbered or sent
-    h.Complete(in_set.WithContext(std::string(kind) + " '" + ctx.name + "'"));
+    h.Complete(in_set.WithContext(std::string(OpKindName(sig.kind)) + " '" + ctx.name + "'"));
     return h;
   }
   ctx.name = prefix + ctx.name;  // a set's numbering runs per set and name
-  {
-    std::lock_guard<std::mutex> lk(seq_mu_);
-    ctx.seq = next_seq_[ctx.name]++;
-  }
+  ctx.seq = NextSeq(ctx.name);
   int64_t timeout = options.timeout_ms < 0 ? config_.op_timeout_ms : options.timeout_ms;
   ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout);
   // C1-C3 (peer.h): every collective says it has begun; one with a per-call deadline waits
   // for every peer's begin until that deadline, and then no longer ends at it.
   const bool begin = collective && rendezvous && session->size() > 1;
   const bool commit = begin && options.timeout_ms >= 0;
-  const auto bound = std::chrono::milliseconds(config_.op_timeout_ms);
-  const std::string what = std::string(kind) + " '" + ctx.name + "'";
   const TimePoint called = Clock::now();
   auto task = [=]() {
     Transport& t = session->transport();
     const TimePoint started = Clock::now();
-    const auto wall_start = std::chrono::system_clock::now();
+    const int64_t start_us = WallMicros();
     t.BeginOp(ctx.name, ctx.seq, sig);
-    Status s;
-    try {
-      if (stopping_) {
-        s = Cancelled("peer stopped");
-      } else if (begin) {
-        s = session->Commit(ctx, commit);
-        if (s.ok()) {
-          OpContext committed = ctx;
-          if (commit) committed.deadline = std::max(ctx.deadline, Clock::now() + bound);
-          s = body(*session, committed);
-        }
-      } else {
-        s = body(*session, ctx);
-      }
-    } catch (const std::bad_alloc&) {
-      s = ResourceExhausted("out of memory");
-    } catch (const std::exception& e) {
-      s = Internal(std::string("unexpected error: ") + e.what());
-    }
-    if (!s.ok()) {
-      s = s.WithContext(what);
-      // Whatever failed here (bad input, disagreement, a deadline, a peer that died or left),
-      // peers may be waiting on this peer's part of the op: tell them at once. Best effort: a
-      // peer that cannot be reached learns of the failure itself.
-      if (collective && s.code() != Code::kCancelled) t.AbortOp(ctx.name, ctx.seq, s);
-    }
-    int64_t wait_us = -1;
-    t.EndOp(ctx.name, ctx.seq, &wait_us);
-    if (config_.timeline) {
-      TimelineEvent e;
-      e.kind = kind;
-      e.name = ctx.name;
-      e.seq = ctx.seq;
-      e.bytes = bytes;
-      e.strategy = StrategyName(options.strategy >= 0 && IsValidStrategy(options.strategy)
-                                    ? static_cast<StrategyKind>(options.strategy)
-                                    : session->Default().first);
-      e.start_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                       wall_start.time_since_epoch()).count();
-      e.dur_us = Micros(Clock::now() - started);
-      e.queue_us = Micros(started - called);
-      e.wait_us = wait_us >= 0 ? std::min(wait_us, e.dur_us) : (session->size() > 1 ? e.dur_us : 0);
-      e.status = s.ok() ? "OK" : CodeName(s.code());
-      e.track = TrackId();
-      Record(std::move(e));
-    }
-    h.Complete(s);
+    const Status s = RunBody(*session, ctx, body, begin, commit);
+    EndOperation(t, OpEnd{sig.kind, ctx.name, ctx.seq, bytes, collective}, s, record_,
+                 [&](int64_t wait_us) {
+      OpTiming tm;
+      tm.strategy = StrategyName(options.strategy >= 0 && IsValidStrategy(options.strategy)
+                                     ? static_cast<StrategyKind>(options.strategy)
+                                     : session->Default().first);
+      tm.start_us = start_us;
+      tm.dur_us = Micros(Clock::now() - started);
+      tm.queue_us = Micros(started - called);
+      tm.wait_us = wait_us >= 0 ? std::min(wait_us, tm.dur_us)
+                                : (session->size() > 1 ? tm.dur_us : 0);
+      return tm;
+    }, h);
   };
   if (session->size() == 1) {
     task();  // nothing to wait for
@@ -619,6 +322,32 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
     Submit(task);
   }
   return h;
+}
+
+// Step 2 of Run on a worker: the rendezvous when `begin` (C1; `commit`: with a per-call deadline,
+// which the committed op then outlives, C2), then the body; an exception becomes a status.
+Status Peer::RunBody(Session& session, const OpContext& ctx, const Body& body, bool begin,
+                     bool commit) {
+  try {
+    if (stopping_) return Cancelled("peer stopped");
+    if (!begin) return body(session, ctx);
+    KF_RETURN_IF_ERROR(session.Commit(ctx, commit));
+    OpContext committed = ctx;
+    if (commit) {
+      committed.deadline =
+          std::max(ctx.deadline, Clock::now() + std::chrono::milliseconds(config_.op_timeout_ms));
+    }
+    return body(session, committed);
+  } catch (const std::bad_alloc&) {
+    return ResourceExhausted("out of memory");
+  } catch (const std::exception& e) {
+    return Internal(std::string("unexpected error: ") + e.what());
+  }
+}
+
+uint64_t Peer::NextSeq(const std::string& name) {
+  std::lock_guard<std::mutex> lk(seq_mu_);
+  return next_seq_[name]++;
 }
 
 

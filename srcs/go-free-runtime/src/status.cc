@@ -2,8 +2,13 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 
 namespace kungfu {
+
+namespace {
+const char kUnknownCode[] = "UNKNOWN";
+}  // namespace
 
 const char* CodeName(Code code) {
   switch (code) {
@@ -16,7 +21,12 @@ const char* CodeName(Code code) {
     case Code::kNotFound: return "NOT_FOUND";
     case Code::kResourceExhausted: return "RESOURCE_EXHAUSTED";
   }
-  return "UNKNOWN";
+  return kUnknownCode;
+}
+
+bool IsErrorCode(int64_t code) {
+  return code > 0 && code <= std::numeric_limits<int>::max() &&
+         CodeName(static_cast<Code>(code)) != kUnknownCode;
 }
 
 std::string Status::ToString() const {

@@ -32,6 +32,11 @@ StreamTransport::StreamTransport(uint64_t version, PeerList peers, int rank,
 
 StreamTransport::~StreamTransport() { Close(); }
 
+std::unique_ptr<Transport> MakeStreamTransport(uint64_t version, const PeerList& peers, int rank,
+                                               const TransportOptions& options) {
+  return std::make_unique<StreamTransport>(version, peers, rank, options);
+}
+
 int StreamTransport::PeerPid(int src) const {
   std::lock_guard<std::mutex> lk(mu_);
   if (src < 0 || src >= size()) return -1;
@@ -49,77 +54,6 @@ void StreamTransport::WakeLocked() {
   stop_cv_.notify_all();
 }
 
-void StreamTransport::ReportWait(TimePoint since, TimePoint deadline, TimePoint now, TimePoint* next,
-                           const std::string& missing) const {
-  if (options_.progress_ms <= 0 || !options_.progress) return;
-  const auto every = std::chrono::milliseconds(options_.progress_ms);
-  if (*next == TimePoint()) *next = since + every;
-  if (now < *next) return;
-  while (*next <= now) *next += every;
-  auto secs = [](Clock::duration d) {
-    return std::to_string(std::chrono::duration_cast<std::chrono::seconds>(d).count());
-  };
-  options_.progress(Describe(rank_) + ": waiting for " + missing + " (" + secs(now - since) +
-                    " s so far; gives up after " + secs(deadline - since) + " s)");
-}
-
-Status StreamTransport::ConnectAll(TimePoint since, TimePoint deadline) {
-  const PeerID& self = peers_[rank_];
-  TimePoint next_report;
-  for (int dst = 0; dst < size(); ++dst) {
-    if (dst == rank_) continue;
-    bool local = peers_[dst].host == self.host;
-    Status last;
-    // Peers of a new cluster version start within moments of each other: retry soon at first,
-    // then back off.
-    int64_t backoff_ms = 2;
-    while (true) {
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        if (closed_) return Cancelled("peer stopped while connecting");
-      }
-      int fd = -1;
-      last = net::Dial(peers_[dst], local, &fd);
-      if (last.ok()) {
-        net::SetTimeouts(fd, options_.peer_timeout_ms);
-        last = DialHandshake(fd, dst);
-        if (last.ok()) {
-          std::lock_guard<std::mutex> lk(out_[dst]->mu);
-          out_[dst]->fd = fd;
-          out_[dst]->last_send = Clock::now();
-          break;
-        }
-        close(fd);
-        // Refused for good (a wrong token, destination or protocol; a malformed reply): retrying
-        // cannot help, and the message names the peer and the cause.
-        if (last.code() == Code::kInvalidArgument) return last;
-      }
-      const TimePoint now = Clock::now();
-      if (now >= deadline) {
-        return DeadlineExceeded("could not connect to peer " + Describe(dst) + " in time: " +
-                                last.message());
-      }
-      int unreached = 0;  // dst and every later peer but this one
-      for (int r = dst; r < size(); ++r) unreached += r != rank_;
-      ReportWait(since, deadline, now, &next_report,
-                 "peer " + Describe(dst) + " to accept a connection (" + last.message() + ")" +
-                     (unreached > 1 ? "; " + std::to_string(unreached - 1) + " later peer(s) not dialed yet"
-                                    : ""));
-      std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
-      backoff_ms = std::min<int64_t>(backoff_ms * 2, 50);
-    }
-  }
-  std::lock_guard<std::mutex> lk(mu_);
-  if (!heartbeat_.joinable() && !closed_) {
-    try {
-      heartbeat_ = std::thread([this] { HeartbeatLoop(); });
-    } catch (const std::exception& e) {
-      return ResourceExhausted(std::string("cannot start the heartbeat thread: ") + e.what());
-    }
-  }
-  return Status::OK();
-}
-
 Status StreamTransport::AttachIncoming(int src, int fd) {
   std::lock_guard<std::mutex> lk(mu_);
   if (closed_) return Cancelled("peer stopped");
@@ -135,33 +69,6 @@ Status StreamTransport::AttachIncoming(int src, int fd) {
   in_pids_[src] = CredentialsPid(fd);
   ++incoming_count_;
   incoming_cv_.notify_all();
-  return Status::OK();
-}
-
-Status StreamTransport::WaitIncoming(TimePoint since, TimePoint deadline) {
-  std::unique_lock<std::mutex> lk(mu_);
-  const int want = size() - 1;
-  auto missing = [&] {
-    std::string m;
-    for (int r = 0; r < size(); ++r) {
-      if (r != rank_ && in_fds_[r] < 0) m += (m.empty() ? "" : ", ") + Describe(r);
-    }
-    return m;
-  };
-  TimePoint next_report;
-  while (incoming_count_ < want && failure_.ok() && !closed_) {
-    const TimePoint now = Clock::now();
-    if (now >= deadline) break;
-    ReportWait(since, deadline, now, &next_report, "these peers to connect: " + missing());
-    TimePoint until = deadline;
-    if (next_report != TimePoint() && next_report < until) until = next_report;
-    incoming_cv_.wait_until(lk, until);
-  }
-  if (!failure_.ok()) return failure_;
-  if (closed_) return Cancelled("peer stopped while connecting");
-  if (incoming_count_ < want) {
-    return DeadlineExceeded("these peers did not connect in time: " + missing());
-  }
   return Status::OK();
 }
 
@@ -239,165 +146,182 @@ void StreamTransport::CutOutgoing(int dst) {
   if (fd >= 0) shutdown(fd, SHUT_RDWR);
 }
 
+// Every frame that arrives from peer src, until the stream ends, the peer says goodbye, or a
+// frame fails the transport.
 void StreamTransport::ReadFrames(int src, int fd) {
   const std::string who = "peer " + Describe(src);
   while (true) {
     net::Frame f;
-    bool eof = false;
-    Status s = net::ReadFull(fd, &f, sizeof(f), &eof);
-    if (!s.ok()) {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (closed_ || peer_left_[src]) return;
-    }
-    if (!s.ok()) {
-      Fail(Unavailable(who + (eof ? " closed its connection unexpectedly (it died, or gave up on this peer)"
-                                  : ": " + s.message())));
-      return;
-    }
-    if (f.magic != net::kMagic || f.proto != net::kProto || f.version != version_ ||
-        f.name_len > net::kMaxNameLen || f.payload_len > net::kMaxPayload) {
-      Fail(Unavailable(who + " sent a malformed frame or one of another cluster version (" +
-                       std::to_string(f.version) + ", this session is " +
-                       std::to_string(version_) + ")"));
-      return;
-    }
     MsgKey key;
-    key.name.resize(f.name_len);
-    key.seq = f.seq;
-    key.tag = f.tag;
-    s = net::ReadFull(fd, key.name.data(), f.name_len);
-    if (!s.ok()) {
-      Fail(Unavailable(who + ": " + s.message()));
-      return;
-    }
+    if (!ReadHeader(src, fd, who, &f, &key)) return;
     if (f.type == net::kHeartbeat) continue;
     if (f.type == net::kBye) {
       OnBye(src);
       return;
     }
-    // A payload of at most `max` bytes into *out; false (the transport failed) if it is longer
-    // or the stream breaks.
-    auto read_payload = [&](uint64_t max, const char* what, std::string* out) {
-      if (f.payload_len > max) {
-        Fail(Unavailable(who + " sent " + what + " of " + std::to_string(f.payload_len) +
-                         " bytes (at most " + std::to_string(max) + ")"));
-        return false;
-      }
-      out->assign(f.payload_len, '\0');
-      Status r = net::ReadFull(fd, out->data(), out->size());
-      if (!r.ok()) Fail(Unavailable(who + ": " + r.message()));
-      return r.ok();
-    };
-    if (f.type == net::kAbort) {
-      std::string msg;
-      if (!read_payload(kMaxAbortMessage, "an abort message", &msg)) return;
-      size_t colon = msg.find(':');
-      int code = colon == std::string::npos ? 0 : std::atoi(msg.substr(0, colon).c_str());
-      Code c = (code >= 1 && code <= 7) ? static_cast<Code>(code) : Code::kInternal;
-      OnAbort(key, Status(c, msg.substr(colon == std::string::npos ? 0 : colon + 1)));
-      continue;
-    }
-    if (f.type == net::kRequest) {
-      std::string blob;
-      if (!read_payload(net::kMaxNameLen, "a request for a blob name", &blob)) return;
-      Blob b = LookupBlob(blob);
-      // Best effort: if the requester is gone, its own transport reports that.
-      if (b) {
-        SendFrame(src, net::kData, key, BlobReply(*b), b->data, b->size);
-      } else {
-        SendFrame(src, net::kMissing, key, MsgExpect{}, nullptr, 0);
-      }
-      continue;
-    }
-    if (f.type == net::kMissing) {
-      OnMissing(src, key);
-      continue;
-    }
-    if (f.type == net::kSig) {  // a peer waiting on us says what it called
-      if (f.payload_len != 0) {
-        Fail(Unavailable(who + " sent a malformed frame"));
-        return;
-      }
-      OnSig(src, key, OpSig::FromWire(f.sig, f.digest));
-      continue;
-    }
-    if (f.type == net::kQuery) {  // names that differ, step 2: answered at once
-      if (f.payload_len != 0) {
-        Fail(Unavailable(who + " sent a malformed frame"));
-        return;
-      }
-      uint64_t state = 0;
-      const std::string report = ReportFor(key, &state);
-      MsgKey reply = key;
-      reply.tag = state;
-      // Without waiting for the stream: a reader must not block on a send (a busy way drops
-      // the answer; the peer asks again a grace period later).
-      SendFrame(src, net::kReport, reply, MsgExpect{}, report.data(), report.size(),
-                /*wait_for_stream=*/false);
-      continue;
-    }
-    if (f.type == net::kReport) {
-      std::string report;
-      if (!read_payload(kMaxReportBytes, "a report", &report)) return;
-      OnReport(src, key, f.tag, report);
-      continue;
-    }
-    if (f.type != net::kData) {
-      Fail(Unavailable(who + " sent an unknown frame type " + std::to_string(f.type)));
-      return;
-    }
-    // A data message: dropped if its op is over here, else straight into a posted buffer if
-    // there is one, else into a pooled buffer filed under its key.
-    const MsgExpect meta{static_cast<DType>(f.dtype), f.total_count, f.payload_len};
-    const Admission a = AdmitData(src, key, meta, OpSig::FromWire(f.sig, f.digest), who);
-    if (a.what == Admission::kOverCap) return;
-    if (a.what == Admission::kPosted) {
-      // Into the caller's buffer, one recv() at a time, so that a wait that must end can stop
-      // us between two (*a.cancel): the rest of the message is then discarded.
-      char* dst = a.dst;
-      uint64_t left = f.payload_len;
-      Status r;
-      bool cancelled = false;
-      while (left > 0 && !cancelled) {
-        cancelled = *a.cancel;
-        if (cancelled) break;
-        size_t got = 0;
-        r = net::ReadSome(fd, dst, static_cast<size_t>(std::min<uint64_t>(left, 4 << 20)), &got);
-        if (!r.ok()) break;
-        dst += got;
-        left -= got;
-      }
-      EndCopy(a, r, cancelled);  // done with the buffer, whatever happens to the rest
-      if (r.ok() && cancelled) r = net::Discard(fd, left);
-      if (!r.ok()) {
-        Fail(Unavailable(who + ": " + r.message()));
-        return;
-      }
-      continue;
-    }
-    if (a.what == Admission::kDrop) {
-      if (!net::Discard(fd, f.payload_len).ok()) {
-        Fail(Unavailable(who + ": connection broken"));
-        return;
-      }
-      continue;
-    }
-    Buffer buf;
-    try {
-      buf = Buffer(f.payload_len);
-    } catch (const std::bad_alloc&) {
-      Fail(ResourceExhausted(who + " sent a message of " + std::to_string(f.payload_len) +
-                             " bytes that no operation here has asked for yet, and there is no "
-                             "memory to keep it"));
-      return;
-    }
-    s = net::ReadFull(fd, buf.data(), f.payload_len);
-    if (!s.ok()) {
-      Fail(Unavailable(who + ": " + s.message()));
-      return;
-    }
-    FileData(src, key, meta, std::move(buf));
+    const bool go_on = f.type == net::kData ? ReadData(src, fd, who, f, key)
+                                            : ReadControl(src, fd, who, f, key);
+    if (!go_on) return;
   }
+}
+
+// A frame's header and name; false when the stream ended (failing the transport unless it was
+// closed here or the peer had left) or the header is malformed.
+bool StreamTransport::ReadHeader(int src, int fd, const std::string& who, net::Frame* f,
+                                 MsgKey* key) {
+  bool eof = false;
+  Status s = net::ReadFull(fd, f, sizeof(*f), &eof);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_ || peer_left_[src]) return false;
+  }
+  if (!s.ok()) {
+    Fail(Unavailable(who + (eof ? " closed its connection unexpectedly (it died, or gave up on "
+                                  "this peer)"
+                                : ": " + s.message())));
+    return false;
+  }
+  if (f->magic != net::kMagic || f->proto != net::kProto || f->version != version_ ||
+      f->name_len > net::kMaxNameLen || f->payload_len > net::kMaxPayload) {
+    Fail(Unavailable(who + " sent a malformed frame or one of another cluster version (" +
+                     std::to_string(f->version) + ", this session is " +
+                     std::to_string(version_) + ")"));
+    return false;
+  }
+  key->name.resize(f->name_len);
+  key->seq = f->seq;
+  key->tag = f->tag;
+  s = net::ReadFull(fd, key->name.data(), f->name_len);
+  if (!s.ok()) {
+    Fail(Unavailable(who + ": " + s.message()));
+    return false;
+  }
+  return true;
+}
+
+// A frame's payload of at most `max` bytes into *out; false (the transport failed) if it is
+// longer or the stream breaks.
+bool StreamTransport::ReadPayload(int fd, const std::string& who, const net::Frame& f,
+                                  uint64_t max, const char* what, std::string* out) {
+  if (f.payload_len > max) {
+    Fail(Unavailable(who + " sent " + what + " of " + std::to_string(f.payload_len) +
+                     " bytes (at most " + std::to_string(max) + ")"));
+    return false;
+  }
+  out->assign(f.payload_len, '\0');
+  Status r = net::ReadFull(fd, out->data(), out->size());
+  if (!r.ok()) Fail(Unavailable(who + ": " + r.message()));
+  return r.ok();
+}
+
+// Every frame but data, heartbeats and goodbyes; false when it failed the transport.
+bool StreamTransport::ReadControl(int src, int fd, const std::string& who, const net::Frame& f,
+                                  const MsgKey& key) {
+  if (f.type == net::kAbort) {
+    std::string msg;
+    if (!ReadPayload(fd, who, f, kMaxAbortMessage, "an abort message", &msg)) return false;
+    size_t colon = msg.find(':');
+    int code = colon == std::string::npos ? 0 : std::atoi(msg.substr(0, colon).c_str());
+    Code c = IsErrorCode(code) ? static_cast<Code>(code) : Code::kInternal;
+    OnAbort(key, Status(c, msg.substr(colon == std::string::npos ? 0 : colon + 1)));
+    return true;
+  }
+  if (f.type == net::kRequest) {
+    std::string blob;
+    if (!ReadPayload(fd, who, f, net::kMaxNameLen, "a request for a blob name", &blob)) {
+      return false;
+    }
+    Blob b = LookupBlob(blob);
+    // Best effort: if the requester is gone, its own transport reports that.
+    if (b) {
+      SendFrame(src, net::kData, key, BlobReply(*b), b->data, b->size);
+    } else {
+      SendFrame(src, net::kMissing, key, MsgExpect{}, nullptr, 0);
+    }
+    return true;
+  }
+  if (f.type == net::kMissing) {
+    OnMissing(src, key);
+    return true;
+  }
+  if ((f.type == net::kSig || f.type == net::kQuery) && f.payload_len != 0) {
+    Fail(Unavailable(who + " sent a malformed frame"));
+    return false;
+  }
+  if (f.type == net::kSig) {  // a peer waiting on us says what it called
+    OnSig(src, key, OpSig::FromWire(f.sig, f.digest));
+    return true;
+  }
+  if (f.type == net::kQuery) {  // names that differ, step 2: answered at once
+    uint64_t state = 0;
+    const std::string report = ReportFor(key, &state);
+    MsgKey reply = key;
+    reply.tag = state;
+    // Without waiting for the stream: a reader must not block on a send (a busy way drops
+    // the answer; the peer asks again a grace period later).
+    SendFrame(src, net::kReport, reply, MsgExpect{}, report.data(), report.size(),
+              /*wait_for_stream=*/false);
+    return true;
+  }
+  if (f.type == net::kReport) {
+    std::string report;
+    if (!ReadPayload(fd, who, f, kMaxReportBytes, "a report", &report)) return false;
+    OnReport(src, key, f.tag, report);
+    return true;
+  }
+  Fail(Unavailable(who + " sent an unknown frame type " + std::to_string(f.type)));
+  return false;
+}
+
+// A data message: dropped if its op is over here, else straight into a posted buffer if there
+// is one, else into a pooled buffer filed under its key. False when it failed the transport.
+bool StreamTransport::ReadData(int src, int fd, const std::string& who, const net::Frame& f,
+                               const MsgKey& key) {
+  const MsgExpect meta{static_cast<DType>(f.dtype), f.total_count, f.payload_len};
+  const Admission a = AdmitData(src, key, meta, OpSig::FromWire(f.sig, f.digest), who);
+  if (a.what == Admission::kOverCap) return false;
+  if (a.what == Admission::kPosted) {
+    // Into the caller's buffer, one recv() at a time, so that a wait that must end can stop
+    // us between two (*a.cancel): the rest of the message is then discarded.
+    char* dst = a.dst;
+    uint64_t left = f.payload_len;
+    Status r;
+    bool cancelled = false;
+    while (left > 0 && !cancelled) {
+      cancelled = *a.cancel;
+      if (cancelled) break;
+      size_t got = 0;
+      r = net::ReadSome(fd, dst, static_cast<size_t>(std::min<uint64_t>(left, 4 << 20)), &got);
+      if (!r.ok()) break;
+      dst += got;
+      left -= got;
+    }
+    EndCopy(a, r, cancelled);  // done with the buffer, whatever happens to the rest
+    if (r.ok() && cancelled) r = net::Discard(fd, left);
+    if (!r.ok()) Fail(Unavailable(who + ": " + r.message()));
+    return r.ok();
+  }
+  if (a.what == Admission::kDrop) {
+    if (net::Discard(fd, f.payload_len).ok()) return true;
+    Fail(Unavailable(who + ": connection broken"));
+    return false;
+  }
+  Buffer buf;
+  try {
+    buf = Buffer(f.payload_len);
+  } catch (const std::bad_alloc&) {
+    Fail(ResourceExhausted(who + " sent a message of " + std::to_string(f.payload_len) +
+                           " bytes that no operation here has asked for yet, and there is no "
+                           "memory to keep it"));
+    return false;
+  }
+  Status s = net::ReadFull(fd, buf.data(), f.payload_len);
+  if (!s.ok()) {
+    Fail(Unavailable(who + ": " + s.message()));
+    return false;
+  }
+  FileData(src, key, meta, std::move(buf));
+  return true;
 }
 
 void StreamTransport::HeartbeatLoop() {
@@ -422,6 +346,7 @@ void StreamTransport::HeartbeatLoop() {
 }
 
 void StreamTransport::Close() {
+  StopListening();
   if (!MarkClosed()) return;
   if (heartbeat_.joinable()) heartbeat_.join();
   for (int dst = 0; dst < size(); ++dst) {
@@ -458,7 +383,6 @@ void StreamTransport::Close() {
 
 namespace {
 
-constexpr auto kHandshakeTime = std::chrono::milliseconds(2000);
 constexpr size_t kNonceLen = 32;
 constexpr size_t kProofLen = 32;
 const char kWrongToken[] = "wrong job token (KUNGFU_JOB_TOKEN differs)";
@@ -572,7 +496,7 @@ Status ReadReply(int fd, TimePoint deadline, const std::string& who, size_t payl
   if (io.ok()) io = net::ReadFullBy(fd, payload->data(), payload->size(), deadline);
   if (!io.ok()) return Unavailable("handshake: " + io.message());
   if (f.flags != 0) {
-    if (f.flags > static_cast<uint32_t>(Code::kResourceExhausted)) {
+    if (!IsErrorCode(f.flags)) {
       return InvalidArgument(who + " sent a malformed handshake reply: status code " +
                              std::to_string(f.flags));
     }
@@ -599,7 +523,7 @@ std::string StreamTransport::HandshakeReply(const Status& verdict) {
 Status StreamTransport::DialHandshake(int fd, int dst) {
   const std::string who = "peer " + Describe(dst);
   const std::string name = peers_[rank_].ToString() + ">" + peers_[dst].ToString();
-  const TimePoint deadline = Clock::now() + kHandshakeTime;
+  const TimePoint deadline = Clock::now() + StreamTransport::kHandshakeTime;
   std::string mine;
   KF_RETURN_IF_ERROR(FreshNonce(&mine));
   KF_RETURN_IF_ERROR(WriteBytes(fd, FrameBytes(net::kHello, version_, 0, name, mine)));  // 1

@@ -1,7 +1,7 @@
-// Peer: this process's place in a cluster. Owns the listening sockets, the current session (one
-// immutable version + peer list + strategy with its connections) and the worker threads that run
-// operations. Every operation is named, returns a Handle at once, and runs inside the session that
-// was current when it was issued.
+// Peer: this process's place in a cluster. Owns the current session (one immutable version + peer
+// list + strategy with its transport, which PeerConfig::transport makes) and the worker threads
+// that run operations. Every operation is named, returns a Handle at once, and runs inside the
+// session that was current when it was issued.
 //
 // Operation protocol:
 //  1. The caller issues op (name, ...). The peer assigns it the next sequence number of that name,
@@ -91,6 +91,9 @@ struct PeerConfig {
   // Names that differ (transport.h): two peers each stuck this long in operations the other has
   // not called fail them as a mismatch, naming both; 0: only the deadline ends them.
   int64_t mismatch_grace_ms = 2000;
+  // Makes the session's transport from the options above; empty: StreamTransport (one stream
+  // per ordered pair of processes).
+  TransportFactory transport;
 };
 
 // One operation as the timeline records it (PeerConfig::timeline). Times are in microseconds;
@@ -145,7 +148,6 @@ struct GatherResult {
 };
 
 class Session;
-class StreamTransport;
 class Peer;
 class Fusion;
 
@@ -159,7 +161,8 @@ class Peer {
   static Status Create(const PeerConfig& config, std::unique_ptr<Peer>* out);
   ~Peer();
 
-  // Listens, connects to every peer and waits until every peer has connected back.
+  // Brings up the transport's ways to every peer (Transport::Connect: a stream transport listens,
+  // connects to every peer and waits until every peer has connected back).
   Status Start();
   // Says goodbye to every peer and releases all sockets and threads. Pending ops fail.
   void Stop();
@@ -241,34 +244,23 @@ class Peer {
   // only fails (Fail), which sends nothing but its abort.
   Handle Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
              bool collective = true, bool rendezvous = true);
+  Status RunBody(Session& session, const struct OpContext& ctx, const Body& body, bool begin,
+                 bool commit);
+  uint64_t NextSeq(const std::string& name);  // the per-name numbering, of fused ops too
   OpSig Sig(OpKind kind, const OpOptions& options, int op = 0, int root = -1) const;
   // The session that runs operations of `members` (session_ when empty; a set's is made at its
   // first use and kept), and the prefix of their names; InvalidArgument for a set that is malformed
   // or does not include this peer.
   Status SessionFor(const OpOptions& options, std::shared_ptr<Session>* session,
                     std::string* prefix);
-  void AcceptLoop();
-  int Admit(const std::string& src, const std::string& dst, uint64_t version, int* claimed,
-            Status* why);
-  void Attach(int fd, bool tcp, int src);
-  void LingerForHellos(std::chrono::milliseconds at_most);
   void Submit(std::function<void()> task);
   void WorkerLoop();
   void Record(TimelineEvent e);  // appends to the timeline (or counts it dropped)
 
   const PeerConfig config_;
   const int rank_;
-  std::shared_ptr<Session> session_;
-  StreamTransport* stream_ = nullptr;  // session_'s transport, which it owns
-
-  int listen_fds_[2] = {-1, -1};
-  std::thread acceptor_;
+  std::shared_ptr<Session> session_;  // owns the transport that config_.transport made
   std::atomic<bool> stopping_{false};
-  // The acceptor thread runs every handshake itself (see AcceptLoop): a stranger costs no
-  // thread. It notes here the peers whose hellos it has answered (see LingerForHellos).
-  std::mutex hs_mu_;
-  std::condition_variable hs_cv_;
-  std::vector<bool> hello_answered_;
 
   std::mutex store_mu_;
   std::map<std::string, Transport::Blob> store_;
@@ -294,6 +286,7 @@ class Peer {
   std::mutex timeline_mu_;
   std::vector<TimelineEvent> timeline_;
   uint64_t timeline_dropped_ = 0;
+  std::function<void(TimelineEvent)> record_;  // Record, or empty when the timeline is off
 
   // Tensor fusion (null when config_.fusion_bytes is 0 or in a single process): stopped by Stop
   // after the transport closed and before the pool stops.

@@ -1,6 +1,7 @@
 // Status: the error type of the runtime. Converted to Python exceptions in the pybind11 module
 // and to TensorFlow errors in kernels, nowhere else.
 #pragma once
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -49,6 +50,10 @@ inline Status ResourceExhausted(std::string m) {
 }
 
 const char* CodeName(Code code);
+// Whether `code` is the number of an error, a Code other than kOk: what a peer may send in an
+// abort or a handshake refusal, and what Python's table of codes holds. It follows CodeName, whose
+// switch names every Code (the compiler warns of one left out), so a new code moves no bound.
+bool IsErrorCode(int64_t code);
 
 }  // namespace kungfu
 

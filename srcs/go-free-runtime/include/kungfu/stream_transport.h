@@ -2,9 +2,10 @@
 //
 // Connections: every peer dials one stream to every other peer (a Unix socket in the abstract
 // namespace when both share a host, TCP otherwise) and accepts one from each, so each ordered pair
-// has its own stream. Outgoing streams carry this peer's sends; every incoming stream has a reader
-// thread, which hands what arrives to the rendezvous (RendezvousTransport) and never waits for
-// the local operation: a posted receive is filled one recv() at a time, straight from the socket.
+// has its own stream (Connect brings them up, stream_connect.cc). Outgoing streams carry this
+// peer's sends; every incoming stream has a reader thread, which hands what arrives to the
+// rendezvous (RendezvousTransport) and never waits for the local operation: a posted receive is
+// filled one recv() at a time, straight from the socket.
 //
 // Failure: a stream that closes without a goodbye, a protocol violation, or no byte (heartbeats
 // are sent every heartbeat_ms) for peer_timeout fails the transport.
@@ -12,29 +13,33 @@
 // Peer memory: a peer's incoming stream on a Unix socket names its process (SO_PEERCRED, from the
 // kernel, not from the peer); DIRECT reads that process's memory with process_vm_readv.
 //
-// Lock order: RendezvousTransport::mu_ before nothing; each outgoing stream's send mutex is taken
-// alone.
+// Lock order: RendezvousTransport::mu_ before nothing; each outgoing stream's send mutex and
+// hs_mu_ are taken alone.
 #pragma once
 #include <atomic>
+#include <chrono>
+#include <deque>
+#include <memory>
 #include <mutex>
 #include <thread>
 
 #include "kungfu/transport.h"
 
 namespace kungfu {
+namespace net {
+struct Frame;
+}  // namespace net
 
 class StreamTransport : public RendezvousTransport {
  public:
   StreamTransport(uint64_t version, PeerList peers, int rank, TransportOptions options);
   ~StreamTransport() override;
 
-  // Dials every other peer until `deadline`, retrying while they are not up yet. `since`: when
-  // the wait for peers began, for the progress lines.
-  Status ConnectAll(TimePoint since, TimePoint deadline);
+  // Listens on this peer's address, dials every other peer and accepts every other peer's
+  // stream, each through the handshake below, until `deadline` (stream_connect.cc).
+  Status Connect(TimePoint since, TimePoint deadline) override;
   // Takes an accepted, handshaken stream from peer `src` and starts its reader.
   Status AttachIncoming(int src, int fd);
-  // Waits until every peer's incoming stream is attached.
-  Status WaitIncoming(TimePoint since, TimePoint deadline);
 
   // The pid of the process at the other end of peer src's incoming stream (a Unix socket's
   // credentials, read when it was attached), or -1 when it is not known (TCP).
@@ -46,6 +51,10 @@ class StreamTransport : public RendezvousTransport {
 
   // The handshake's frames, for the listener's side (AcceptHandshake) and for tests.
   static std::string HandshakeReply(const Status& verdict);  // a refusal, or step 4's OK
+  // How long one handshake may take on either side (the dialer's from its hello, the
+  // listener's from accept) to the end of step 4, however slowly the other side sends: a real
+  // peer needs two round trips.
+  static constexpr std::chrono::milliseconds kHandshakeTime{2000};
 
  protected:
   Status SendData(int dst, const MsgKey& key, const MsgExpect& meta, const void* data,
@@ -62,13 +71,37 @@ class StreamTransport : public RendezvousTransport {
     std::atomic<int> fd{-1};  // read without mu only by CutOutgoing
     TimePoint last_send;
   };
+  struct PendingHandshake;
+  // Dials every other peer until `deadline`, retrying while they are not up yet. `since`: when
+  // the wait for peers began, for the progress lines.
+  Status ConnectAll(TimePoint since, TimePoint deadline);
+  // Waits until every peer's incoming stream is attached.
+  Status WaitIncoming(TimePoint since, TimePoint deadline);
   Status DialHandshake(int fd, int dst);  // steps 1-4 below, the dialer's side
+  // The listener's side (stream_connect.cc): the acceptor thread runs every handshake itself, so
+  // a stranger costs no thread.
+  void AcceptLoop();
+  bool KeepHandshake(PendingHandshake& p, bool ready, TimePoint now);
+  bool StepHandshake(PendingHandshake& p);
+  void AcceptBurst(int l, TimePoint now, std::deque<std::unique_ptr<PendingHandshake>>* pending,
+                   TimePoint* listen_again);
+  int Admit(const std::string& src, const std::string& dst, uint64_t version, int* claimed,
+            Status* why);
+  void AttachAccepted(int fd, bool tcp, int src);
+  void LingerForHellos(std::chrono::milliseconds at_most);
+  void StopListening();
   // The progress line of a wait for peers that began at `since`, if one is due at `now`
   // (`*next` is when the next one is); `missing` says who is awaited.
   void ReportWait(TimePoint since, TimePoint deadline, TimePoint now, TimePoint* next,
                   const std::string& missing) const;
   void ReaderLoop(int src, int fd);
   void ReadFrames(int src, int fd);
+  bool ReadHeader(int src, int fd, const std::string& who, net::Frame* f, MsgKey* key);
+  bool ReadPayload(int fd, const std::string& who, const net::Frame& f, uint64_t max,
+                   const char* what, std::string* out);
+  bool ReadControl(int src, int fd, const std::string& who, const net::Frame& f,
+                   const MsgKey& key);
+  bool ReadData(int src, int fd, const std::string& who, const net::Frame& f, const MsgKey& key);
   void CutOutgoing(int dst);
   void HeartbeatLoop();
   Status SendFrame(int dst, uint8_t type, const MsgKey& key, const MsgExpect& meta,
@@ -84,7 +117,19 @@ class StreamTransport : public RendezvousTransport {
   std::condition_variable incoming_cv_;
   std::condition_variable stop_cv_;
   int incoming_count_ = 0;
+
+  int listen_fds_[2] = {-1, -1};  // TCP, Unix
+  std::thread acceptor_;
+  std::atomic<bool> stop_listening_{false};
+  // The acceptor notes here the peers whose hellos it has answered (see LingerForHellos).
+  std::mutex hs_mu_;
+  std::condition_variable hs_cv_;
+  std::vector<bool> hello_answered_;
 };
+
+// The default TransportFactory (PeerConfig::transport): a StreamTransport.
+std::unique_ptr<Transport> MakeStreamTransport(uint64_t version, const PeerList& peers, int rank,
+                                               const TransportOptions& options);
 
 // Stream handshake. Every stream starts with it; no other frame is parsed before it ends, and a
 // peer without the job's token (TransportOptions::job_token; empty is a token too, so peers
@@ -106,7 +151,8 @@ class StreamTransport : public RendezvousTransport {
 // status) is InvalidArgument, naming the peer: it gives up at once, as on a refusal.
 // Fresh nonces on both sides make every proof good for one stream only; the role labels keep one
 // side's proof from being replayed as the other's. The listener reads nothing beyond the frame of
-// the current step, and its peer (Peer::AcceptLoop) gives the whole handshake 2 s from accept.
+// the current step, and its acceptor (AcceptLoop) gives the whole handshake kHandshakeTime from
+// accept.
 //
 // AcceptHandshake is the listener's side as a state machine without I/O: fed the bytes that
 // arrive, it says how many more it wants and what to send, so one thread runs many handshakes

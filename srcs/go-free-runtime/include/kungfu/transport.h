@@ -3,7 +3,8 @@
 //
 // `Transport` is the interface that algorithms (Session) and Peer use. Implementations:
 //  - StreamTransport (stream_transport.h): one stream per ordered pair of peers, a Unix socket
-//    between peers on one host and TCP across hosts; what Peer builds.
+//    between peers on one host and TCP across hosts; what Peer builds unless its config names
+//    another TransportFactory (below).
 //  - InProcTransport (inproc_transport.h): the peers of one process joined through shared
 //    mailboxes; what the algorithm tests build (no sockets).
 // Both keep their rendezvous in RendezvousTransport (below), so the protocol here has one
@@ -251,6 +252,10 @@ class Transport {
     size_t aborts = 0;             // aborts of unfinished operations
   };
   virtual Stats stats() const = 0;
+  // Brings up the ways to every peer by `deadline` (`since`: when the wait for them began, for
+  // progress lines): StreamTransport listens, dials and accepts; peers in one process need
+  // nothing brought up.
+  virtual Status Connect(TimePoint /*since*/, TimePoint /*deadline*/) { return Status::OK(); }
   // Says goodbye to every peer and lets go of them; pending waits fail with Cancelled.
   virtual void Close() = 0;
 
@@ -266,6 +271,11 @@ class Transport {
   virtual const PeerList& peers() const = 0;
   virtual std::string Describe(int rank) const = 0;  // "host:port (rank r)"
 };
+
+// Makes the transport of a Peer's session (PeerConfig::transport): the peers of cluster
+// `version`, this one at `rank`. Peer calls Connect on it in Start and Close in Stop.
+using TransportFactory = std::function<std::unique_ptr<Transport>(
+    uint64_t version, const PeerList& peers, int rank, const TransportOptions& options)>;
 
 // The rendezvous that every implementation shares: slots of posted receives and filed messages,
 // operation records and signatures, finished operations, aborts, and the bound on unclaimed
