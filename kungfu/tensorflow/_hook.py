@@ -629,6 +629,8 @@ class Hook(keras.callbacks.Callback):
             recover = _elastic.context().enabled and self.data is not None
             self.model.train_function = self._keras_train_function(fn, recover)
             self.membership.recovering = recover
+            # A peer lost while the epoch's metrics are combined (callbacks.py) recovers too.
+            self.model.kungfu_recover = self._recover if recover else None
         if _peer.joining():
             self._rehearse()
             if self.data is not None:
@@ -667,6 +669,7 @@ class Hook(keras.callbacks.Callback):
                 self._output.stop()
                 self._output = None
             combine_while_training(self.model, False)
+            self.model.kungfu_recover = None
             self.model._initial_epoch = None  # a later fit counts from its own initial_epoch
         if self.detached and self.exit_on_detach:
             # A resize removed this worker: it leaves the job with exit code 0, now (an

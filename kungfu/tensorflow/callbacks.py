@@ -57,9 +57,16 @@ def _combined(model, read):
     flat = np.concatenate([np.asarray(a, np.float64).ravel() for a in local])
     try:
         total = _collective.allreduce(flat, "sum", name="kungfu/metrics")
-    except RECOVERABLE as e:  # a peer is gone: kf.Hook recovers at its next agreement
-        warnings.warn(f"kungfu: metrics not combined over the workers (a peer failed: {e})")
-        return read()
+    except RECOVERABLE as e:
+        recover = getattr(model, "kungfu_recover", None)
+        if recover is None:  # no recovery: kf.Hook fails at its next agreement
+            warnings.warn(f"kungfu: metrics not combined over the workers (a peer failed: {e})")
+            return read()
+        # A peer died after the epoch's last step (kf.Hook under kungfu-run -w): recover now,
+        # so that the callbacks decide from the survivors' combined metrics, not each from its
+        # own (ReduceLROnPlateau would lower one worker's rate only).
+        recover(e)
+        return _combined(model, read)
     offset = 0
     for v, a in zip(variables, local):
         v.assign(total[offset:offset + a.size].reshape(a.shape).astype(a.dtype))
