@@ -127,23 +127,22 @@ class Elastic:
         return ", ".join(f"{h} for {until - time.time():.0f}s more" for h, until in hosts.items())
 
     def check_size(self, n) -> int:
+        if not self.enabled:
+            raise ResizeError("kf.resize needs an elastic job: start it with kungfu-run -w")
         if isinstance(n, bool) or not isinstance(n, int):
             raise ResizeError(f"the new cluster size must be an integer, got {n!r}")
-        if n < 1:
-            raise ResizeError(f"cannot resize to {n} workers: a cluster has at least 1")
-        why = self.unavailable(n)
-        if why:
-            raise ResizeError(why)
+        if not 1 <= n <= self.max_size():
+            raise ResizeError(f"cannot resize to {n} workers: the job has 1 to {self.max_size()} "
+                              f"slots (kungfu-run -H {self.hosts})")
         return n
 
     def unavailable(self, n: int) -> str:
         """Why the job cannot have n (>= 1) workers ("" if it can): not an elastic job, or more
-        workers than it has slots."""
-        if not self.enabled:
-            return "kf.resize needs an elastic job: start it with kungfu-run -w"
-        if n > self.max_size():
-            return (f"cannot resize to {n} workers: the job has 1 to {self.max_size()} slots "
-                    f"(kungfu-run -H {self.hosts})")
+        workers than it has slots (check_size's message)."""
+        try:
+            self.check_size(n)
+        except ResizeError as e:
+            return str(e)
         return ""
 
     # -- steps of the protocol ----------------------------------------------------------------

@@ -57,7 +57,8 @@ class Schedule(kf.BasePolicy):
         if self.bad_requests and state.step == 2:
             for n in (0, -1, 99, "2"):
                 try:
-                    kf.resize(n)
+                    if kf.resize(n) is False:
+                        self.errors.append(f"refused {n}")  # more than the slots: a warning
                 except ValueError as e:
                     self.errors.append(str(e))
         if self.next < len(self.sizes):

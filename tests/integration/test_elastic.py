@@ -212,15 +212,19 @@ def test_elastic_data_over_tfrecord_files(tmp_path, stream):
 
 @pytest.mark.timeout(300)
 def test_loss_decreases_and_bad_requests_are_refused(schedule_run):
-    _, records = schedule_run
+    """Sizes below 1 and non-integers raise ResizeError in the policy; more workers than the
+    job's slots is refused (False and a warning naming the limit): training goes on."""
+    r, records = schedule_run
     steps = steps_of(records)
     losses = [rows[0]["loss"] for rows in steps.values()]
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 / 2
     errors = next(rows[-2]["errors"] for rows in records.values() if len(rows) > 2)
     assert len(errors) == 4
     assert "cannot resize to 0" in errors[0] and "1 to 4" in errors[0]
-    assert "cannot resize to -1" in errors[1] and "cannot resize to 99" in errors[2]
+    assert "cannot resize to -1" in errors[1] and errors[2] == "refused 99"
     assert "integer" in errors[3]
+    assert "kf.resize(99) refused: cannot resize to 99 workers: the job has 1 to 4" in (
+        r.stdout + r.stderr)
 
 
 @pytest.mark.timeout(200)
