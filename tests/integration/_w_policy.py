@@ -199,8 +199,9 @@ def seed_form_policy():
 
 
 def talk_gns_policy(steps: int):
-    """The KungFu talk's GNS policy, as printed but for a starting `prev`: after every step it
-    averages the noise scale and asks for one worker more while it grows, in a job that is not
+    """The KungFu talk's GNS policy, as printed but for a starting `prev` and a comparison that
+    also asks while there is no estimate (NaN): after every step it averages the noise scale and
+    asks for one worker more while it grows, in a job that is not
     elastic (so every ask is beyond the job's slots). Returns the warnings, the sizes asked for,
     and the final weights' digest."""
     import warnings
@@ -215,7 +216,7 @@ def talk_gns_policy(steps: int):
         def after_step(self):
             gns = kf.grad_noise_scale()
             avg = kf.allreduce(gns, "avg")
-            if avg > self.prev:
+            if not avg <= self.prev:  # the talk's `avg > self.prev`; NaN (no estimate yet) too
                 asked.append(kf.size() + 1)
                 asked.append(kf.resize(kf.size() + 1))
             self.prev = avg
