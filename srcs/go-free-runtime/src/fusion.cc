@@ -722,13 +722,16 @@ void Fusion::RunBucket(const Bucket& b) {
 }
 
 // Each op of a bucket that ran ends with the bucket's status and records its own event: the
-// bucket's time, split in proportion to bytes so that one track's events never overlap.
+// bucket's time, split in proportion to bytes so that one track's events never overlap. The
+// bucket's span is measured on the wall clock its start was read from (a steady-clock duration
+// added to that start could reach past the next bucket's start when the thread was preempted
+// between the two clock reads).
 void Fusion::FinishBucket(const Bucket& b, const Status& s, TimePoint started, int64_t start_us,
                           int64_t wait_us) {
   OpTiming tm;
   tm.strategy = StrategyName(b.strategy >= 0 ? static_cast<StrategyKind>(b.strategy)
                                              : session_->Default().first);
-  const int64_t total_us = Micros(Clock::now() - started);
+  const int64_t total_us = std::max<int64_t>(0, WallMicros() - start_us);
   const double total_bytes = static_cast<double>(std::max<size_t>(1, b.count * DTypeSize(b.dtype)));
   size_t before = 0;
   for (size_t i = 0; i < b.ops.size(); ++i) {
