@@ -172,3 +172,21 @@ def mixed_precision_checks(order):
     return {"wrapper": type(lso).__name__, "applied": applied,
             "scale": float(lso.dynamic_scale.numpy()),
             "digest": _digest(_weights(model.trainable_variables))}
+
+
+def accumulation_disagreement():
+    """Rank 0 accumulates 2 passes per step, rank 1 3: every worker fails, naming both."""
+    import time
+
+    kf, tf, keras = _setup()
+    r = kf.rank()
+    x, y = _data(r, 12 * BATCH)
+    model = _mlp(keras, seed=1)
+    model.compile(kf.Optimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2 + r),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    start = time.monotonic()
+    try:
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        return {"error": None, "digest": _digest(_weights(model.trainable_variables))}
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}

@@ -94,3 +94,14 @@ def test_builtin_config_port_auto(tmp_path):
     assert urls and int(urls[0][1]) > 0, r.stdout + r.stderr
     for rank in range(2):
         assert f"rank {rank} of 2 {urls[0][0]}" in r.stdout, r.stdout
+
+
+def test_workers_that_accumulate_different_numbers_of_passes_fail_at_once(spawn):
+    """backward_passes_per_step 2 on rank 0 and 3 on rank 1 averaged different windows under
+    one name (a silent wrong result); now every worker fails, naming both counts."""
+    outs = spawn(2, W.accumulation_disagreement, env={**ENV, "KUNGFU_OP_TIMEOUT": "60s"},
+                 timeout=150)
+    for o in outs:
+        assert o["error"] is not None, o
+        assert "every-2-passes" in o["error"] and "every-3-passes" in o["error"], o["error"]
+        assert o["seconds"] < 30

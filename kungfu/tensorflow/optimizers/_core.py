@@ -277,15 +277,16 @@ class _SynchronousSGD(Optimizer):
         """The gradient monitor (None without monitor=...)."""
         return self.__dict__.get("_kf_gradient_monitor")
 
-    def _kf_average(self, grads) -> Averaged:
-        """The gradients averaged over the workers; records the wait (kungfu_allreduce_wait)."""
+    def _kf_average(self, grads, prefix: Optional[str] = None) -> Averaged:
+        """The gradients averaged over the workers (under `prefix`, default _kf_prefix());
+        records the wait (kungfu_allreduce_wait)."""
         stamps = []
 
         def ready(local):
             with tf.control_dependencies(local):
                 stamps.append(tf.timestamp())
 
-        averaged = _average_gradients(grads, self._kf_prefix(), self._kf_bucket_bytes,
+        averaged = _average_gradients(grads, prefix or self._kf_prefix(), self._kf_bucket_bytes,
                                       self._kf_strategy, self._kf_compression,
                                       self._kf_sparse_as_dense, before=ready)
         with tf.control_dependencies(averaged.averaged):
@@ -335,7 +336,8 @@ class _SynchronousSGD(Optimizer):
         """backward_passes_per_step = k: adds this pass's gradients to the sums; every k-th pass
         averages sum / k over the workers (one allreduce for the k passes), applies it as one
         step of the wrapped optimizer and clears the sums. Every worker counts the same passes,
-        so all take the same branch."""
+        so all take the same branch. k is in the averages' names: workers given different k
+        fail at once on a name mismatch naming both, instead of averaging different windows."""
         self._kf_build_if_needed(trainable_variables)
         variables = list(self._trainable_variables if trainable_variables is None
                          else trainable_variables)
@@ -349,7 +351,8 @@ class _SynchronousSGD(Optimizer):
         def update():
             mean = [None if g is None else tf.convert_to_tensor(total) / k
                     for total, g in zip(sums, grads)]
-            self._kf_apply_averaged(self._kf_average(mean), variables)
+            averaged = self._kf_average(mean, f"{self._kf_prefix()}/every-{k}-passes")
+            self._kf_apply_averaged(averaged, variables)
             for total in sums:
                 total.assign(tf.zeros_like(total))
             return tf.constant(True)
