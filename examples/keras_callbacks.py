@@ -183,7 +183,8 @@ def main(argv=None) -> int:
                         callbacks=callbacks, shuffle=False, verbose=2)
 
     stopped = early_stopping.stopped_epoch
-    rates = ",".join(f"{lr:g}" for lr in history.history["learning_rate"])
+    # A worker that joined in the last epoch's last steps may have ended no epoch of its own.
+    rates = ",".join(f"{lr:g}" for lr in history.history.get("learning_rate", []))
     lr = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
     print(f"rank {kf.rank()}: final weights digest {weights_digest(model)}, "
           f"learning rates {rates}, then {lr:g}, early stop at epoch {stopped or 'none'}",
