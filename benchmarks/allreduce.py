@@ -112,6 +112,9 @@ def strategy_names() -> List[str]:
         k += 1
 
 
+MODES = ("fused", "per-tensor", "fresh")
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(
         description="kungfu allreduce benchmark (run each worker under kungfu-run)",
@@ -122,9 +125,14 @@ def parse_args(argv=None):
     ap.add_argument("--factor", type=int, default=4, help="step of a LO..HI size range")
     ap.add_argument("--model", choices=sorted(MODELS), default=None,
                     help="allreduce a model's whole gradient set per iteration")
-    ap.add_argument("--mode", choices=["fused", "per-tensor", "both"], default="both",
-                    help="model case: one buffer of all values (fused), one named async "
-                         "allreduce per tensor then wait all (per-tensor), or both")
+    ap.add_argument("--mode", default="both",
+                    help="model case, a comma list of: fused (one buffer of all values), "
+                         "per-tensor (one named async allreduce per tensor into a preallocated "
+                         "out=, then wait all), fresh (the same without out=: what users write, "
+                         "each result a new array); both = fused,per-tensor; all = every mode")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="model case: time every mode and strategy this many times, in turn "
+                         "(interleaved arms; each round is its own JSON line)")
     ap.add_argument("--fuse", action="store_true", help="same as --mode fused")
     ap.add_argument("--api", choices=["numpy", "tf"], default="numpy",
                     help="model case through the numpy API, or through TensorFlow ops inside a "
@@ -158,6 +166,14 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.fuse:
         args.mode = "fused"
+    args.modes = {"both": list(MODES[:2]), "all": list(MODES)}.get(
+        args.mode, [m.strip() for m in args.mode.split(",")])
+    if not args.modes or any(m not in MODES for m in args.modes):
+        ap.error(f"--mode: choose from {', '.join(MODES)}, both or all (got {args.mode!r})")
+    if args.api == "tf" and "fresh" in args.modes:
+        ap.error("--api tf: TensorFlow always makes new output tensors; use per-tensor")
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
     if args.api == "tf" and args.sizes:
         ap.error("--api tf times the model case only: drop --sizes")
     if args.sizes is None and args.model is None:
@@ -293,13 +309,16 @@ def tables_at(n: int, rows: List[dict]) -> str:
     if model:
         modes = list(dict.fromkeys(r["mode"] for r in model))
         keys = list(dict.fromkeys((r["case"], r["impl"], r["strategy"]) for r in model))
-        cell = {(r["case"], r["impl"], r["strategy"], r["mode"]): r for r in model}
+        cell, rounds = {}, {}
+        for r in model:  # with --repeat, a cell lists every round's median
+            key = (r["case"], r["impl"], r["strategy"], r["mode"])
+            cell[key] = r
+            rounds.setdefault(key, []).append(f"{r['time_s'] * 1e3:.1f}")
         body = []
         for case, impl, strat in keys:
             line = [case, impl, strat]
             for m in modes:
-                r = cell.get((case, impl, strat, m))
-                line.append(f"{r['time_s'] * 1e3:.1f}" if r else "-")
+                line.append(" / ".join(rounds.get((case, impl, strat, m), ["-"])))
             r = cell.get((case, impl, strat, "fused"))
             line.append(f"{r['busbw_GBps']:.3f}" if r else "-")
             body.append(line)
@@ -414,10 +433,15 @@ def kungfu_buffer(x: np.ndarray, out: np.ndarray, label: str, strategy: Optional
     return lambda: kf.allreduce(x, op="sum", name=name, strategy=strategy, out=out)
 
 
-def kungfu_per_tensor(views: List[np.ndarray], outs: List[np.ndarray], label: str,
+def kungfu_per_tensor(views: List[np.ndarray], outs: Optional[List[np.ndarray]], label: str,
                       strategy: Optional[str]) -> Callable:
-    """An async allreduce per tensor (distinct names), then a wait on every handle."""
+    """An async allreduce per tensor (distinct names), then a wait on every handle. outs=None:
+    no out= (each result a new array, as users write it); the run returns the results."""
     names = [f"bench:pt:{label}:{j}" for j in range(len(views))]
+    if outs is None:
+        return lambda: [h.wait() for h in [
+            kf.allreduce_async(v, op="sum", name=nm, strategy=strategy)
+            for v, nm in zip(views, names)]]
 
     def run():
         handles = [kf.allreduce_async(v, op="sum", name=nm, strategy=strategy, out=o)
@@ -507,27 +531,34 @@ def run_model(args, strategies, rep: Reporter, gloo) -> None:
     views = split_views(x, tensors)
     out = np.empty_like(x)
     outs = split_views(out, tensors)
-    modes = ["fused", "per-tensor"] if args.mode == "both" else [args.mode]
+    modes = args.modes
     extra = dict(tensors=len(tensors), api=args.api)
-    if gloo is not None and args.compare_first:
-        model_gloo(gloo, x, want, tensors, modes, args, rep)
-    for label, strat in strategies:
-        tf_cases = tf_model_cases(views, label, strat) if args.api == "tf" else {}
-        for mode in modes:
-            if args.api == "tf":
-                run = tf_cases[mode]
-                got = np.concatenate([t.numpy().ravel() for t in run()])
-            else:
-                run = (kungfu_buffer(x, out, label, strat, f"fused:{args.model}")
-                       if mode == "fused" else kungfu_per_tensor(views, outs, label, strat))
-                out.fill(-1)
-                run()
-                got = out
-            agree(np.array_equal(got, want), f"kungfu {label} {args.model} {mode}")
-            times, iters = measure(run, args)
-            rep.add("kungfu", label, args.model, nbytes, times, iters, mode=mode, **extra)
-    if gloo is not None and not args.compare_first:
-        model_gloo(gloo, x, want, tensors, modes, args, rep)
+    gloo_modes = [m for m in modes if m != "fresh"]  # gloo reduces its tensors in place
+    tf_cases = {label: tf_model_cases(views, label, strat) if args.api == "tf" else {}
+                for label, strat in strategies}
+    for _ in range(args.repeat):
+        if gloo is not None and args.compare_first:
+            model_gloo(gloo, x, want, tensors, gloo_modes, args, rep)
+        for label, strat in strategies:
+            for mode in modes:
+                if args.api == "tf":
+                    run = tf_cases[label][mode]
+                    got = np.concatenate([t.numpy().ravel() for t in run()])
+                elif mode == "fresh":
+                    run = kungfu_per_tensor(views, None, label, strat)
+                    got = np.concatenate([t.ravel() for t in run()])
+                else:
+                    run = (kungfu_buffer(x, out, label, strat, f"fused:{args.model}")
+                           if mode == "fused" else kungfu_per_tensor(views, outs, label, strat))
+                    out.fill(-1)
+                    run()
+                    got = out
+                agree(np.array_equal(got, want), f"kungfu {label} {args.model} {mode}")
+                del got
+                times, iters = measure(run, args)
+                rep.add("kungfu", label, args.model, nbytes, times, iters, mode=mode, **extra)
+        if gloo is not None and not args.compare_first:
+            model_gloo(gloo, x, want, tensors, gloo_modes, args, rep)
 
 
 def model_gloo(gloo, x, want, tensors, modes, args, rep: Reporter) -> None:

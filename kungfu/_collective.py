@@ -10,13 +10,14 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from kungfu import _native, _peer
+from kungfu import _env, _native, _peer
 from kungfu._process_set import ProcessSet, members as _members
 from kungfu.errors import InvalidArgumentError, OpTimeoutError, raise_for_status
 
 _NO_TIMEOUT = -1
 
 
+@functools.lru_cache(maxsize=64)  # called per operation: dtype.name is slow to build
 def _dtype_code(dtype: np.dtype) -> int:
     codes = _native.table("dtype_codes")
     code = codes.get(np.dtype(dtype).name)
@@ -89,10 +90,39 @@ class _Input:
         return result.reshape(()).item()
 
 
+# Results smaller than this come from np.empty: malloc serves them from memory it keeps
+# (no page faults once a loop runs); larger ones would be mapped and faulted in afresh per call.
+_POOLED_FROM = 1 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _result_pool():
+    """The native pool of result memory (its size limit read from the environment once), or
+    None where KUNGFU_RESULT_POOL_BYTES=0 turned it off."""
+    cap = _env.RESULT_POOL_BYTES.get()
+    if cap == 0:
+        return None
+    native = _native.lib()
+    native.set_result_pool_bytes(cap)
+    return native
+
+
+def _new_result(shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """An uninitialized array for a result (np.empty's contract), its memory reused from
+    earlier results of the same size once those are freed (see _POOLED_FROM, ResultPool in
+    srcs/cpp/python/module.cc)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    pool = _result_pool() if nbytes >= _POOLED_FROM else None
+    if pool is None:
+        return np.empty(shape, dtype)
+    return pool.pooled_empty(nbytes).view(dtype).reshape(shape)
+
+
 def _output(inp: "_Input", out) -> np.ndarray:
     """The buffer a result is written to: `out` (checked) or a new array like the input."""
     if out is None:
-        return np.empty_like(inp.array)
+        return _new_result(inp.array.shape, inp.array.dtype)
     if not isinstance(out, np.ndarray):
         raise InvalidArgumentError(f"out must be a numpy array, got {type(out).__name__}")
     if out.shape != inp.array.shape or out.dtype != inp.array.dtype:
@@ -248,7 +278,8 @@ def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Op
         if exact is not None:
             exact.into(into, recv)
         elif average:
-            recv[...] = recv.astype(np.float64) / n
+            # in float64, a block at a time (no temporary the size of the result)
+            np.divide(recv, n, out=recv, dtype=np.float64, casting="unsafe")
         return inp.back(recv)
 
     return Handle(native, result)
@@ -280,7 +311,7 @@ def reduce_async(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
         inp = _Input(x)
         peer = _peer.get()
         send = inp.array
-        recv = np.empty_like(send)
+        recv = _new_result(send.shape, send.dtype)
         native = peer.reduce(send.reshape(-1).view(np.uint8), recv.reshape(-1).view(np.uint8),
                              send.size, inp.code, ops[op], _root(root), name or "",
                              _strategy_code(strategy), _timeout_ms(timeout), ranks)
@@ -445,7 +476,7 @@ def reducescatter_async(x, op: str = "sum", name: Optional[str] = None,
         n, me = len(ranks) or peer.size, _set_rank(peer, ranks)
         parts = _even_parts(rows, n)
         shape = (parts[me],) + inp.array.shape[1:]
-        recv = np.empty(shape, inp.array.dtype)
+        recv = _new_result(shape, inp.array.dtype)
         send, into, code, exact = inp.array, recv, inp.code, None
         if average and np.issubdtype(inp.array.dtype, np.integer):
             # The exact mean's (q, r) pairs, kept row by row so that rows split as x's do.
@@ -463,7 +494,7 @@ def reducescatter_async(x, op: str = "sum", name: Optional[str] = None,
         if exact is not None:
             exact.into(into, recv)
         elif average:
-            recv[...] = recv.astype(np.float64) / n
+            np.divide(recv, n, out=recv, dtype=np.float64, casting="unsafe")
         return recv
 
     return Handle(native, result)

@@ -205,6 +205,11 @@ FUSION_BYTES = Var("KUNGFU_FUSION_BYTES", _count, 256 << 10,
                    "workers and run together, one allreduce over all their buffers, those of at "
                    "most this many bytes packed into one buffer first (0: off, each runs on its "
                    "own thread)")
+RESULT_POOL_BYTES = Var("KUNGFU_RESULT_POOL_BYTES", _count, 1 << 30,
+                        "results of numpy collectives called without out= (of at least 1 MiB) "
+                        "take their memory from a pool that keeps freed results by size, up to "
+                        "this many bytes in all, so a loop that reduces the same shapes every "
+                        "step does not fault fresh pages in each time (0: off, np.empty)")
 
 # Observability.
 TIMELINE = Var("KUNGFU_TIMELINE", str, None,
@@ -254,6 +259,7 @@ ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKE
        ETCD_CREDENTIALS, WATCHDOG_FD,
        EXIT_NOTE_FD, RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT,
        PEER_TIMEOUT, MISMATCH_GRACE, CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, FUSION_BYTES,
+       RESULT_POOL_BYTES,
        TIMELINE, GPU_COUNT, SAMPLE_TIME, SAMPLE_JITTER, SLOWDOWN]
 
 

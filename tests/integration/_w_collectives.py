@@ -205,7 +205,7 @@ def reduce_cases(strategy: str, n: int):
 
 STRATEGY_KINDS = ["allreduce", "broadcast", "reduce"]
 OTHER_GROUPS = ["allgather", "gather", "barrier", "consensus", "scalars", "name_reuse",
-                "identity", "compat"]
+                "identity", "compat", "results"]
 
 
 class Batch:
@@ -539,6 +539,59 @@ def _run_compat(b: Batch):
     b.case("compat", "compat/kungfu.python", one)
 
 
+def _run_results(b: Batch):
+    """Results without out= of at least 1 MiB come from a pool of reused memory (kungfu/
+    _collective.py, _new_result): a result never shares memory with one still alive, or with
+    a view that outlives its array, and a freed result's memory serves the next one."""
+    from kungfu import _native
+
+    n, r = b.n, b.rank
+    tri = n * (n + 1) // 2
+    count = (1 << 20) // 4 + 3  # float32: just over 1 MiB
+    held = _native.lib().result_pool_held
+
+    def alive_results_are_apart():
+        a = kf.allreduce(np.full(count, r + 1, np.float32), name="pool/a", timeout=CASE_TIMEOUT)
+        keep = a[5:9]  # a view outliving its array keeps the memory
+        a_ptr = a.__array_interface__["data"][0]
+        del a
+        c = kf.allreduce(np.full(count, 2 * (r + 1), np.float32), name="pool/c",
+                         timeout=CASE_TIMEOUT)
+        d = kf.allreduce(np.full(count, 3 * (r + 1), np.float32), name="pool/d",
+                         timeout=CASE_TIMEOUT)
+        problems = []
+        if not np.array_equal(keep, np.full(4, tri, np.float32)):
+            problems.append(f"a view of a freed result changed: {keep}")
+        if np.may_share_memory(c, d) or a_ptr in (c.__array_interface__["data"][0],
+                                                  d.__array_interface__["data"][0]):
+            problems.append("two live results (or a live view) share memory")
+        if not (np.array_equal(c, np.full(count, 2 * tri, np.float32))
+                and np.array_equal(d, np.full(count, 3 * tri, np.float32))):
+            problems.append("wrong values")
+        return "; ".join(problems) or None
+
+    def freed_memory_is_reused():
+        x = np.arange(count, dtype=np.float32) % 7 * (r + 1)
+        a = kf.allreduce(x, op="avg", name="pool/e", timeout=CASE_TIMEOUT)
+        ptr = a.__array_interface__["data"][0]
+        want = (np.arange(count, dtype=np.float64) % 7 * tri / n).astype(np.float32)
+        problems = [] if np.array_equal(a, want) else ["avg: wrong values"]
+        before = held()
+        del a
+        after = held()
+        if after[0] - before[0] != count * 4:
+            problems.append(f"the freed result did not go back to the pool: {before} -> {after}")
+        b2 = kf.allreduce(x, op="avg", name="pool/e", timeout=CASE_TIMEOUT)
+        if b2.__array_interface__["data"][0] != ptr or held() != before:
+            problems.append("the next result of that size did not reuse the freed memory")
+        if not np.array_equal(b2, want):
+            problems.append("avg from reused memory: wrong values")
+        return "; ".join(problems) or None
+
+    b.case("results", "alive results are apart", alive_results_are_apart)
+    b.case("results", "freed memory is reused", freed_memory_is_reused)
+
+
 def run_batch():
     """Every case of test_collectives.py for this world size, in one process per rank."""
     b = Batch()
@@ -554,6 +607,7 @@ def run_batch():
     _run_scalars(b)
     _run_name_reuse(b)
     _run_compat(b)
+    _run_results(b)
     return b.result()
 
 
@@ -572,6 +626,7 @@ def expected_counts(n: int) -> Dict[str, int]:
     counts["name_reuse"] = 4
     counts["identity"] = 1
     counts["compat"] = 1
+    counts["results"] = 2
     return counts
 
 

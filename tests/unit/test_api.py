@@ -150,6 +150,25 @@ def test_allreduce_out_alone():
         kf.allreduce(x, out=ro)
 
 
+@pytest.mark.parametrize("pool", ["default", "0"])
+def test_result_pool_setting(pool):
+    """KUNGFU_RESULT_POOL_BYTES: large results without out= come from the native pool (their
+    memory owned by it, reused once freed) unless 0 turns it off (plain np.empty)."""
+    code = ("import os, numpy as np, kungfu\n"
+            + ("" if pool == "default" else f"os.environ['KUNGFU_RESULT_POOL_BYTES'] = '{pool}'\n")
+            + "from kungfu import _native\n"
+            "x = np.ones(1 << 19, np.float32)\n"
+            "a = kungfu.allreduce(x); ptr = a.__array_interface__['data'][0]\n"
+            "print(a.base is None, a.sum() == x.size); del a\n"
+            "b = kungfu.allreduce(x)\n"
+            "print(b.__array_interface__['data'][0] == ptr, _native.lib().result_pool_held())\n")
+    first, second = _python(code).splitlines()
+    if pool == "0":
+        assert first == "True True"
+    else:
+        assert first == "False True" and second == "True (0, 0)", (first, second)
+
+
 def test_bool_min_max_alone():
     x = np.array([True, False, True])
     for op in ("min", "max"):
