@@ -154,6 +154,9 @@ def parse_args(argv=None):
                         "after model.fit: adds TensorFlow's teardown (up to a minute, see the "
                         "README) to the stop part of (c)")
     p.add_argument("--no-restart", action="store_true", help="skip (c), the restart jobs")
+    p.add_argument("--spares", type=int, default=0,
+                   help="the elastic job keeps this many warm spares (kungfu-run -spares K): "
+                        "a grow takes them instead of starting its joiners")
     p.add_argument("--resize-timeout", type=float, default=120.0,
                    help="KUNGFU_RESIZE_TIMEOUT: seconds a resize waits for its joiners")
     p.add_argument("--timeout", type=float, default=360.0,
@@ -488,8 +491,10 @@ def print_table(rows: List[dict]) -> None:
     _print_rows(head, table)
     for r in rows:
         if r["measure"] == "resize_to_first_step" and r.get("joiners"):
-            print(f"  (b) {r['change']} #{r['cycle']}: ask -> first joiner process "
-                  f"{_f(r['launch_s'])}, -> all joiners ready (in model.fit, step rehearsed) "
+            launch = (f"ask -> first joiner process {_f(r['launch_s'])}" if r["launch_s"] >= 0
+                      else f"first joiner process (a warm spare) {_f(-r['launch_s'])} before "
+                           "the ask")
+            print(f"  (b) {r['change']} #{r['cycle']}: {launch}, -> all joiners ready (in model.fit, step rehearsed) "
                   f"{_f(r['all_ready_s'])}, -> switch (rank 0's step end) "
                   f"+{_f(r['ready_to_switch_s'])}, -> joiners' first step end "
                   f"+{_f(r['switch_to_first_step_s'])} (joiners synced "
@@ -654,7 +659,7 @@ def main(argv=None) -> int:
             args, "elastic job",
             ["-w", "-np", str(args.small), "-H", f"127.0.0.1:{args.big}",
              "-builtin-config-port", str(free_ports(1)[0]), "-port-range",
-             free_port_range(args.big)],
+             free_port_range(args.big), "-spares", str(args.spares)],
             worker_args(args, "elastic", "elastic", out) + ["--save", ckpt_a],
             os.path.join(out, "elastic.log"))
         procs = read_procs(out, "elastic")

@@ -140,6 +140,9 @@ CONFIG_SERVER = Var("KUNGFU_CONFIG_SERVER", str, None,
 ELASTIC_HOSTS = Var("KUNGFU_ELASTIC_HOSTS", str, None,
                     "an elastic job's hosts and slots (kungfu-run's -H); bounds kf.resize")
 PORT_RANGE = Var("KUNGFU_PORT_RANGE", str, None, "the ports workers listen on (kungfu-run's -port-range)")
+SPARE_FD = Var("KUNGFU_SPARE_FD", int, None,
+               "set by kungfu-run -spares: this worker is a warm spare, which waits on this file "
+               "descriptor for its place in the cluster (kungfu/_spare.py)")
 ELASTIC_JOINING = Var("KUNGFU_ELASTIC_JOINING", _bool, False,
                       "this worker joins a running elastic job (it syncs state before training)")
 ETCD_CACERT = Var("KUNGFU_ETCD_CACERT", str, None,
@@ -255,7 +258,7 @@ SLOWDOWN = Var("KUNGFU_SLOWDOWN", _slowdown, [],
                "on (default 0; later entries of a rank replace earlier ones)")
 
 ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
-       ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, ETCD_CACERT, ETCD_CERT, ETCD_KEY,
+       ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, SPARE_FD, ETCD_CACERT, ETCD_CERT, ETCD_KEY,
        ETCD_CREDENTIALS, WATCHDOG_FD,
        EXIT_NOTE_FD, RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT,
        PEER_TIMEOUT, MISMATCH_GRACE, CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, FUSION_BYTES,
@@ -267,6 +270,11 @@ ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKE
 # place when it starts. In an elastic job they go stale after a resize; kf.rank() and friends
 # are always current.
 STANDARD_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+# What worker_env gives: a warm spare (kungfu/_spare.py) starts without them.
+IDENTITY_VARS = (SELF_SPEC.name, INIT_PEERS.name, INIT_CLUSTER_VERSION.name, ELASTIC_JOINING.name,
+                 *STANDARD_RANK_VARS)
 
 
 def worker_env(self_spec: str, peers: list[str], version: int, strategy: str) -> dict:

@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-from kungfu import _env, _native, _watchdog, timeline
+from kungfu import _env, _native, _spare, _watchdog, timeline
 from kungfu.errors import raise_for_status
 
 
@@ -47,6 +47,10 @@ class Identity:
 
 
 def identity_from_env(environ=None) -> Identity:
+    """The identity kungfu-run gave this worker (`environ`: another environment to read). A
+    warm spare waits here for its place first (kungfu/_spare.py)."""
+    if environ is None:
+        _spare.wait()
     spec = _env.SELF_SPEC.get(environ)
     peers_raw = _env.INIT_PEERS.get(environ)
     if not spec:
@@ -149,7 +153,12 @@ def joining() -> bool:
     """Whether this is a worker of an elastic job that joins a running cluster and has not
     connected yet (it connects on its first collective, which reports it ready first: kf.Hook
     does so when it syncs it, not on import)."""
-    return _peer is None and bool(_env.ELASTIC_JOINING.get())
+    return _peer is None and started_as_joiner()
+
+
+def started_as_joiner() -> bool:
+    """Whether this worker was started to join a running elastic job (a warm spare always is)."""
+    return _spare.pending() or bool(_env.ELASTIC_JOINING.get())
 
 
 def replace(self_spec: str, peers: List[str], version: int) -> None:

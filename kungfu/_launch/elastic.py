@@ -31,11 +31,12 @@ from typing import Dict, List, Optional, Sequence, Set
 
 from kungfu import _env
 from kungfu._hosts import HostSpec, Worker, _is_loopback
-from kungfu._launch.flags import GRACE_SECONDS, Options
+from kungfu._launch.flags import EXIT_USAGE, GRACE_SECONDS, Options
 from kungfu._launch.launcher import Launcher
 from kungfu._launch.output import _fmt_seconds, _plural
 from kungfu._launch.processes import _describe_exit, _exit_code
 from kungfu._launch.resize_progress import ResizeProgress
+from kungfu._launch.spares import Spares
 from kungfu.store import (
     DONE_KEY,
     RECOVERED_PREFIX,
@@ -85,6 +86,8 @@ class ElasticLauncher(Launcher):
         self.seen = -1  # the latest cluster version seen
         self.done = False  # training finished (see _conclude)
         self.progress = ResizeProgress(self.info, self._store_trouble)  # lines of a resize
+        self.spares = Spares(self, opts.spares, sorted(here)[0] if here else "127.0.0.1",
+                             self._job_env)
 
     def _store_trouble(self, e: Optional[Exception]) -> None:
         """Reports a store error once per change of message, and the recovery; not every poll."""
@@ -144,6 +147,26 @@ class ElasticLauncher(Launcher):
                 out.append(Worker(rank, host, int(port), int(port) - self.opts.port_range[0]))
         return out
 
+    def _job_env(self) -> Dict[str, str]:
+        """The job's variables every worker of this launcher gets (besides its identity)."""
+        extra = {_env.CONFIG_SERVER.name: self.url,
+                 _env.ELASTIC_HOSTS.name: self._hosts_text(),
+                 _env.PORT_RANGE.name: "{}-{}".format(*self.opts.port_range)}
+        if self.opts.min_np is not None:
+            extra[_env.MIN_SIZE.name] = str(self.opts.min_np)
+        if self.opts.max_restarts is not None:
+            extra[_env.MAX_RESTARTS.name] = str(self.opts.max_restarts)
+        if self.opts.replace is not None:
+            extra[_env.REPLACE.name] = "1" if self.opts.replace else "0"
+        return extra
+
+    def _free_slots(self) -> int:
+        """This host's slots that the latest version does not use."""
+        if self.latest is None:
+            return 0
+        slots = sum(h.slots for h in self.hosts if h.host in self.here)
+        return max(0, slots - len(self._local(self.latest)))
+
     def _apply(self, store, cfg: ClusterConfig) -> Optional[int]:
         wanted = {w.spec for w in self._local(cfg)}
         for w in self._local(cfg):
@@ -151,33 +174,33 @@ class ElasticLauncher(Launcher):
                 continue  # running, or finished in this version (a later one may want it again)
             if not self._may_start(store, w, cfg):
                 continue
-            extra = {_env.CONFIG_SERVER.name: self.url,
-                     _env.ELASTIC_HOSTS.name: self._hosts_text(),
-                     _env.PORT_RANGE.name: "{}-{}".format(*self.opts.port_range)}
-            if self.opts.min_np is not None:
-                extra[_env.MIN_SIZE.name] = str(self.opts.min_np)
-            if self.opts.max_restarts is not None:
-                extra[_env.MAX_RESTARTS.name] = str(self.opts.max_restarts)
-            if self.opts.replace is not None:
-                extra[_env.REPLACE.name] = "1" if self.opts.replace else "0"
-            if cfg.version > 0:
-                extra[_env.ELASTIC_JOINING.name] = "1"
-            try:
-                run = self._spawn(w, list(cfg.peers), cfg.version, extra)
-            except OSError as e:
-                self.error(f"cannot start worker {w.rank} ({w.spec}): {e}")
-                return 127 if isinstance(e, FileNotFoundError) else 126
-            key = next(self.ids)
+            joining = {_env.ELASTIC_JOINING.name: "1"} if cfg.version > 0 else {}
+            spare = None
+            if joining:  # a joiner: a warm spare, if one is alive, becomes it
+                spare = self.spares.take(w, {**_env.worker_env(w.spec, list(cfg.peers),
+                                                               cfg.version, self.opts.strategy),
+                                             **joining})
+            if spare is not None:
+                key, run, number = spare
+                how = f"spare {number}, started {time.monotonic() - run.started:.1f}s ago, is"
+            else:
+                try:
+                    run = self._spawn(w, list(cfg.peers), cfg.version,
+                                      {**self._job_env(), **joining})
+                except OSError as e:
+                    self.error(f"cannot start worker {w.rank} ({w.spec}): {e}")
+                    return 127 if isinstance(e, FileNotFoundError) else 126
+                key, how = next(self.ids), "started"
+                self._watch(run, key)
             self.running[key] = run
             self.by_spec[w.spec] = key
             self.version_of[key] = cfg.version
-            self._watch(run, key)
             lost = [f for f in self.failures if f[2] == w.spec and f[5] is None]
             if lost:
                 lost[0][5] = cfg.version  # replaced
                 self.unreported.append((w.spec, -1))  # the new worker there is not dead
                 self._flush_dead(store)
-            self.info(f"version {cfg.version}: started worker {w.rank} ({w.spec})"
+            self.info(f"version {cfg.version}: {how} worker {w.rank} ({w.spec})"
                       + (" in place of the lost one" if lost else ""))
         now = time.monotonic()
         for spec, key in self.by_spec.items():
@@ -331,13 +354,21 @@ class ElasticLauncher(Launcher):
     POLL_SECONDS = 0.1
 
     def _begin(self) -> Optional[int]:
+        if self.opts.spares and self.opts.gpu_per_worker and (
+                self.gpus or self.user_devices is not None):
+            # The device of a slot is chosen before the process starts (CUDA_VISIBLE_DEVICES),
+            # and a spare does not know its slot until it is taken.
+            self.error("-spares on a host with GPUs needs -gpu-per-worker=false (each worker "
+                       "then chooses its device itself, e.g. from kf.local_rank())")
+            return EXIT_USAGE
         try:
             self.store = self._open_store()
         except (StoreError, OSError) as e:
             self.error(f"elastic job: {e}")
             return 1
+        spares = f", {_plural(self.opts.spares, 'warm spare')} here" if self.opts.spares else ""
         self.info(f"elastic job: {_plural(len(self.peers), 'worker')} to start with, at most "
-                  f"{sum(h.slots for h in self.hosts)}; {self.opts.command[0]} ...")
+                  f"{sum(h.slots for h in self.hosts)}{spares}; {self.opts.command[0]} ...")
         return None
 
     def _poll(self, now: float) -> None:
@@ -363,6 +394,8 @@ class ElasticLauncher(Launcher):
                 return
         if self.latest is not None:
             self.progress.poll(store, self.latest, now)
+            if not self.done_seen:
+                self.spares.fill(self._free_slots())
         for key, when in list(self.leaving.items()):
             run = self.running[key]
             if run.returncode is None and now >= when and key not in self.stopped:
@@ -384,6 +417,8 @@ class ElasticLauncher(Launcher):
         """A worker exited: expected (finished, or left out by a version), a joiner that failed
         before the switch (its resize is abandoned), or a failure the others recover from."""
         _, key, rc, _ = event
+        if self.spares.exited(key, rc):
+            return
         store = self.store
         run = self.running[key]
         run.returncode = rc
@@ -415,6 +450,7 @@ class ElasticLauncher(Launcher):
         self.done = self.result is None and self._done(self.store)
 
     def _close(self) -> None:
+        self.spares.stop()
         if self.server is not None:
             self.server.stop()
 

@@ -55,6 +55,7 @@ class Options:
     max_restarts: Optional[int] = None  # -w: how many failures the job survives
     replace: Optional[bool] = None  # -w: start new workers in place of lost ones
     host_cooldown: Optional[float] = None  # -w: seconds a host that failed twice gets no worker
+    spares: int = 0  # -w: warm spare processes this launcher keeps (kungfu/_launch/spares.py)
 
 
 _HELP = """\
@@ -117,6 +118,12 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
                       (failures seconds apart count once: a host lost at once) gets no new
                       worker for DURATION; meanwhile replacements go to other hosts' free
                       slots, or wait (default 60s; 0: hosts are never left out)
+  -spares K           -w: keep K warm spares on this host (at most its free slots): worker
+                      processes started ahead of need, which import and run the script up to
+                      the first call that needs their place in the cluster (kf.rank(),
+                      kf.size(), a collective; kf.Hook rehearses a joiner's step first) and
+                      wait there. A grow or a replacement on this host takes a spare, and
+                      another is started (default 0: joiners start from scratch)
   -job-token-file F   the job's secret, read from file F. Workers prove it to each other in
                       every handshake and the builtin config store answers only requests that
                       carry it, so no other process can join or change the job. Default:
@@ -198,6 +205,7 @@ _VALUE_FLAGS = {
     "min-np": "min_np",
     "max-restarts": "max_restarts",
     "host-cooldown": "host_cooldown",
+    "spares": "spares",
 }
 # Flags that take no value, or =true / =false.
 _BOOL_FLAGS = {"q": "quiet", "v": "verbose", "gpu-per-worker": "gpu_per_worker", "w": "elastic",
@@ -305,6 +313,10 @@ def _set_value(opts: Options, name: str, value: str) -> None:
         if not value.isdigit():
             raise UsageError(f"-max-restarts needs a number >= 0, got {value!r}")
         opts.max_restarts = int(value)
+    elif attr == "spares":
+        if not value.isdigit():
+            raise UsageError(f"-spares needs a number >= 0, got {value!r}")
+        opts.spares = int(value)
     elif attr == "host_cooldown":
         opts.host_cooldown = _parse_timeout(value, "host-cooldown", zero=True)
     elif attr == "port_range":
@@ -351,9 +363,10 @@ def _check_together(opts: Options) -> None:
                          "(-config-server etcd://HOST:P or etcds://HOST:P)")
     if not opts.elastic and (opts.builtin_config_port is not None or opts.config_server
                              or opts.min_np is not None or opts.max_restarts is not None
-                             or opts.replace is not None or opts.host_cooldown is not None):
+                             or opts.replace is not None or opts.host_cooldown is not None
+                             or opts.spares):
         raise UsageError("-builtin-config-port, -config-server, -min-np, -max-restarts, "
-                         "-replace and -host-cooldown are for elastic jobs (-w)")
+                         "-replace, -host-cooldown and -spares are for elastic jobs (-w)")
     if opts.config_server is not None and not opts.config_server.startswith(
             ("http://", "etcd://", "etcds://")):
         raise UsageError(f"-config-server must be http://HOST:P, etcd://HOST:P or etcds://HOST:P, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import BinaryIO, Optional, Sequence
+from typing import BinaryIO, Callable, Optional, Sequence
 
 from kungfu._hosts import Worker
 
@@ -34,15 +34,15 @@ def _binary(stream) -> BinaryIO:
     return getattr(stream, "buffer", stream)
 
 
-def copy_lines(rank: int, pipe: BinaryIO, sink: _Output, log: Optional[BinaryIO],
+def copy_lines(label: Callable[[], str], pipe: BinaryIO, sink: _Output, log: Optional[BinaryIO],
                log_lock: threading.Lock) -> None:
-    """Copies a worker's pipe to `sink` line by line with "[rank] " in front, and to its -logdir
-    file `log` as it is, until the pipe ends."""
-    prefix = f"[{rank}] ".encode()
+    """Copies a worker's pipe to `sink` line by line with "[label] " in front (its rank; it may
+    change: a warm spare gets a rank when it is taken), and to its -logdir file `log` as it is,
+    until the pipe ends."""
     for line in iter(pipe.readline, b""):
         if not line.endswith(b"\n"):
             line += b"\n"
-        sink.write(prefix + line)
+        sink.write(f"[{label()}] ".encode() + line)
         if log is not None:
             with log_lock:
                 try:

@@ -80,6 +80,11 @@ class _Running:
         self.readers: List[threading.Thread] = []
         self.returncode: Optional[int] = None
         self.started = time.monotonic()
+        self.spare: Optional[int] = None  # a warm spare's number until it is taken (spares.py)
+
+    def label(self) -> str:
+        """What its output lines are prefixed with: its rank, or "spare N"."""
+        return str(self.worker.rank) if self.spare is None else f"spare {self.spare}"
 
 
 def _exit_code(returncode: int) -> int:
@@ -145,10 +150,19 @@ class Processes:
 
     # workers ----------------------------------------------------------------------------
     def _spawn(self, worker: Worker, peers: Optional[List[str]] = None, version: int = 0,
-               extra_env: Optional[Dict[str, str]] = None) -> _Running:
+               extra_env: Optional[Dict[str, str]] = None, spare: Optional[tuple] = None
+               ) -> _Running:
+        """Starts a worker. `spare`: (number, read end of its pipe) for a warm spare, which gets
+        no identity, only the pipe it waits on for one (kungfu/_launch/spares.py)."""
         env = dict(os.environ)
         peers = [p.spec for p in self.peers] if peers is None else peers
-        env.update(_env.worker_env(worker.spec, peers, version, self.opts.strategy))
+        if spare is None:
+            env.update(_env.worker_env(worker.spec, peers, version, self.opts.strategy))
+        else:
+            for name in _env.IDENTITY_VARS:
+                env.pop(name, None)
+            env[_env.ALLREDUCE_STRATEGY.name] = self.opts.strategy
+            env[_env.SPARE_FD.name] = str(spare[1])
         env.update(extra_env or {})
         if self.opts.gpu_per_worker:
             devices = visible_devices(worker.local_rank, self.gpus, self.user_devices)
@@ -170,7 +184,8 @@ class Processes:
             env[_env.TIMELINE.name] = self.opts.timeline
         log = None
         if self.opts.logdir is not None:
-            log = open(os.path.join(self.opts.logdir, f"rank-{worker.rank}.log"), "wb")
+            name = f"rank-{worker.rank}.log" if spare is None else f"spare-{spare[0]}.log"
+            log = open(os.path.join(self.opts.logdir, name), "wb")
         try:
             proc = subprocess.Popen(
                 self.opts.command,
@@ -180,13 +195,15 @@ class Processes:
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # own process group: signals reach its children too
                 preexec_fn=_preexec_parent_death_signal(),
-                pass_fds=(self._watchdog[0], notes),
+                pass_fds=(self._watchdog[0], notes) + (() if spare is None else (spare[1],)),
             )
         except BaseException:
             if log is not None:
                 log.close()
             raise
-        return _Running(worker, proc, log)
+        run = _Running(worker, proc, log)
+        run.spare = None if spare is None else spare[0]
+        return run
 
     def _wait(self, run: _Running, key=None) -> None:
         code = run.proc.wait()
@@ -298,7 +315,7 @@ class Processes:
             self._notes_reader.start()
         for pipe, sink in ((run.proc.stdout, self.out), (run.proc.stderr, self.err)):
             t = threading.Thread(target=copy_lines, daemon=True,
-                                 args=(run.worker.rank, pipe, sink, run.log, run.log_lock))
+                                 args=(run.label, pipe, sink, run.log, run.log_lock))
             t.start()
             run.readers.append(t)
         threading.Thread(target=self._wait, args=(run, key), daemon=True).start()

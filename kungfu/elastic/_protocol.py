@@ -90,12 +90,37 @@ class Elastic:
         self.hosts = _env.ELASTIC_HOSTS.get()
         self.port_range = _env.PORT_RANGE.get()
         self.timeout = _env.RESIZE_TIMEOUT.get()
-        ident = _peer.identity_from_env()
-        self.self_spec = ident.self_spec
-        self.current = ClusterConfig(ident.version, ident.peers) if ident.peers else None
+        # This worker's address and cluster, read at first use: a warm spare has neither until
+        # it is given its place (kungfu/_spare.py), and it makes its context before that.
+        self._self_spec: Optional[str] = None
+        self._current: Optional[ClusterConfig] = None
+        self._identified = False
         self.pending: Optional[ClusterConfig] = None
         self.pending_since = 0.0
         self.driver = None  # the Membership whose trainer runs resizes at its step boundaries
+
+    def _identify(self) -> None:
+        if not self._identified:
+            ident = _peer.identity_from_env()
+            self._self_spec = ident.self_spec
+            self._current = ClusterConfig(ident.version, ident.peers) if ident.peers else None
+            self._identified = True
+
+    @property
+    def self_spec(self) -> Optional[str]:
+        self._identify()
+        return self._self_spec
+
+    @property
+    def current(self) -> Optional[ClusterConfig]:
+        """The cluster this worker is a member of (None outside a cluster)."""
+        self._identify()
+        return self._current
+
+    @current.setter
+    def current(self, config: Optional[ClusterConfig]) -> None:
+        self._identify()
+        self._current = config
 
     @property
     def enabled(self) -> bool:

@@ -227,7 +227,9 @@ class RankZeroOutput:
         """Progress output on if this worker is rank 0 (and it was on before start())."""
         from keras.src.utils import io_utils
 
-        if self._interactive and _peer.identity().rank == 0:
+        # A joiner is never rank 0 (joiners take rank 0's state), and a warm spare that has no
+        # place yet must not wait for one here (kungfu/_spare.py).
+        if self._interactive and not _peer.joining() and _peer.identity().rank == 0:
             io_utils.enable_interactive_logging()
         else:
             io_utils.disable_interactive_logging()

@@ -39,6 +39,34 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)
 
 
+# A worker started to join a running job; under kungfu-run -spares, a warm spare always is (it
+# learns its place at its first kf.rank(), so nothing here asks before model.fit).
+JOINING = (os.environ.get("KUNGFU_ELASTIC_JOINING") == "1"
+           or os.environ.get("KUNGFU_SPARE_FD") is not None)
+
+
+class Records:
+    """DIR/<host_port>.jsonl, opened at the first record (by then a spare has its address)."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.file = None
+
+    def write(self, text):
+        if self.file is None:
+            me = os.environ.get("KUNGFU_SELF_SPEC", "single").replace(":", "_")
+            self.file = open(os.path.join(self.directory, f"{me}.jsonl"), "a")
+        self.file.write(text)
+
+    def flush(self):
+        if self.file is not None:
+            self.file.flush()
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+
 class Schedule(kf.BasePolicy):
     def __init__(self, sizes, gap, tail, model, bad_requests=False):
         self.sizes = list(sizes)
@@ -180,7 +208,7 @@ def main():
     x = rng.standard_normal((args.samples, 8)).astype(np.float32)
     y = (x @ np.linspace(-1, 1, 8).astype(np.float32))[:, None]
     keras.utils.set_random_seed(1)
-    width = args.joiner_width if os.environ.get("KUNGFU_ELASTIC_JOINING") == "1" else 16
+    width = args.joiner_width if JOINING else 16
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(width, activation="tanh"),
                               keras.layers.Dense(1)])
     opt = kf.Optimizer(keras.optimizers.SGD(0.05), monitor=["gns", "variance"],
@@ -230,12 +258,11 @@ def main():
         data = kf.ElasticData(x, y, batch_size=args.batch_size, seed=2, record=True)
     sizes = [int(s) for s in args.schedule.split(",") if s]
     policy = Schedule(sizes, args.gap, args.tail, model, args.bad_requests)
-    me = os.environ.get("KUNGFU_SELF_SPEC", "single").replace(":", "_")
-    out = open(os.path.join(args.out, f"{me}.jsonl"), "a")
+    out = Records(args.out)
 
     def faults(spec_list):
         """{step: signal} for this worker, from RANK@STEP specs (first cluster only)."""
-        if os.environ.get("KUNGFU_ELASTIC_JOINING") == "1":
+        if JOINING or not any(spec for spec, _ in spec_list):
             return {}
         out = {}
         for spec, sig in spec_list:
@@ -295,7 +322,7 @@ def main():
 
     hook = kf.Hook(policy, data=data, checkpoint=args.checkpoint,
                    checkpoint_every=args.checkpoint_every)
-    if args.kill_while_lending == kf.rank() and os.environ.get("KUNGFU_ELASTIC_JOINING") != "1":
+    if args.kill_while_lending >= 0 and not JOINING and args.kill_while_lending == kf.rank():
         binding = hook.membership.variables
         lend = binding.lend
 
@@ -304,7 +331,7 @@ def main():
             fault(signal.SIGKILL)  # lent: the joiners are about to request them
 
         binding.lend = lend_and_die
-    if args.kill_after_check_in == kf.rank() and os.environ.get("KUNGFU_ELASTIC_JOINING") != "1":
+    if args.kill_after_check_in >= 0 and not JOINING and args.kill_after_check_in == kf.rank():
         store = kf.elastic.context().store
         mark_alive = store.mark_alive
 
@@ -313,7 +340,7 @@ def main():
             fault(signal.SIGKILL)  # the others saw it alive: its launcher now says it died
 
         store.mark_alive = check_in_and_die
-    if args.kill_after_decision == kf.rank() and os.environ.get("KUNGFU_ELASTIC_JOINING") != "1":
+    if args.kill_after_decision >= 0 and not JOINING and args.kill_after_decision == kf.rank():
         from kungfu import _peer
 
         def die_instead(*a, **kw):  # Elastic.recover swaps in the agreed cluster's peer here

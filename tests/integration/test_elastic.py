@@ -253,3 +253,29 @@ def test_a_joiner_that_fails_is_given_up_and_training_goes_on(tmp_path):
     steps = steps_of(records)
     assert len(steps) == 80 and all(len(rows) == 1 and rows[0]["size"] == 1
                                      for rows in steps.values())
+
+
+@pytest.mark.timeout(300)
+def test_warm_spares_become_joiners_and_leave_when_the_job_ends(tmp_path):
+    """kungfu-run -spares 1: the grow 1 -> 3 takes the spare for one joiner and starts the other
+    afresh; the shrink to 2 frees a slot, so the launcher starts another spare, which the job's
+    end stops. Every step's workers agree on the weights, every sample is trained once per
+    epoch, and no process of the job outlives the launcher."""
+    r, records = run_elastic(tmp_path, 1, 3, "--schedule", "3,2", "--gap", "40", "--tail", "10",
+                             launcher_args=("-spares", "1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    log = r.stderr
+    assert "1 warm spare here" in log and "spare 0 started" in log, log[-3000:]
+    took = re.findall(r"version 1: spare 0, started \d+\.\ds ago, is worker (\d) \(", log)
+    fresh = re.findall(r"version 1: started worker (\d) \(", log)
+    assert len(took) == 1 and len(fresh) == 1 and {took[0], fresh[0]} == {"1", "2"}, log[-3000:]
+    # (a shrink's switch is not announced: it waits for no one)
+    assert log.index("switched to 3 workers") < log.index("spare 1 started"), log[-3000:]
+    assert "elastic job finished" in log and "before it was needed" not in log
+    assert sizes_of(steps_of(records)) == [1, 3, 2]
+    assert _every_sample_once_per_epoch(records) >= 1
+    # The spare wrote its records under the address it was given (none before: "single").
+    assert len(records) == 3 and "single" not in records, sorted(records)
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "records")], capture_output=True,
+                          text=True)
+    assert left.stdout.strip() == "", f"processes of the job still running: {left.stdout}"

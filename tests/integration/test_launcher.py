@@ -653,6 +653,17 @@ def test_a_bad_gpu_count_is_a_usage_error(script):
     assert "KUNGFU_GPU_COUNT='two' is invalid" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_spares_on_a_host_with_gpus_need_gpu_per_worker_off(script):
+    """A slot's GPU is chosen before its process starts; a warm spare does not know its slot
+    until it is taken, so kungfu-run -spares refuses (no worker started) unless the workers
+    choose their devices themselves."""
+    args = ("-w", "-np", "1", "-H", "127.0.0.1:2", "-builtin-config-port", "auto", "-spares", "1")
+    r = run_launcher(*args, PY, script(SHOW_DEVICES), env=env_with_repo(KUNGFU_GPU_COUNT="2"))
+    assert r.returncode == 2, r.stderr
+    assert "-spares on a host with GPUs needs -gpu-per-worker=false" in r.stderr, r.stderr
+    assert "started worker" not in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM", "timeout"])
 @pytest.mark.parametrize("store", ["refused", "silent"])
 def test_a_launcher_waiting_for_its_store_honours_signals_and_timeout(stop, store):

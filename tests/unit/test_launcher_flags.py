@@ -488,6 +488,8 @@ def test_failure_flags_of_elastic_jobs():
     opts = flags.parse_args(["-w", "-builtin-config-port", "9", "prog"])
     assert (opts.min_np, opts.max_restarts, opts.replace) == (None, None, None)  # env defaults
     assert opts.host_cooldown is None  # the launcher's default
+    assert opts.spares == 0
+    assert flags.parse_args(["-w", "-builtin-config-port", "9", "-spares", "3", "prog"]).spares == 3
 
 
 @pytest.mark.parametrize("args, message", [
@@ -497,6 +499,8 @@ def test_failure_flags_of_elastic_jobs():
     (["-replace=maybe"], "replace"),
     (["-host-cooldown", "-5"], "-host-cooldown"),
     (["-host-cooldown", "soon"], "-host-cooldown: "),
+    (["-spares", "-1"], "-spares needs a number >= 0"),
+    (["-spares", "two"], "-spares needs a number >= 0"),
 ])
 def test_failure_flags_reject(args, message):
     with pytest.raises(_hosts.UsageError, match=message):
@@ -505,7 +509,7 @@ def test_failure_flags_reject(args, message):
 
 def test_failure_flags_need_an_elastic_job():
     for flag in (["-min-np", "2"], ["-max-restarts", "1"], ["-replace"],
-                 ["-host-cooldown", "5s"]):
+                 ["-host-cooldown", "5s"], ["-spares", "1"]):
         with pytest.raises(_hosts.UsageError, match="for elastic jobs"):
             flags.parse_args(["-np", "2", *flag, "prog"])
 

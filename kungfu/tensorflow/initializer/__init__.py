@@ -123,12 +123,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.done = True
 
     def on_train_begin(self, logs=None):
-        from kungfu import _env
-
         prepare_fit(self.model, (self.params or {}).get("steps"))
         # A worker that joins a running elastic job takes the others' state from kf.Hook; a
         # broadcast of its own would wait for peers that are not in it.
-        if _env.ELASTIC_JOINING.get():
+        if _peer.started_as_joiner():
             self.done = True
         if not self.done and model_built(self.model):
             self.broadcast()
@@ -176,7 +174,8 @@ def prepare_fit(model, steps: Optional[int] = None) -> None:
 
 
 def _check_equal_steps(steps: Optional[int]) -> None:
-    if _peer.identity().size == 1 or _peer.joining():
+    # (joining() first: a warm spare has no size until it is given its place, kungfu/_spare.py)
+    if _peer.joining() or _peer.identity().size == 1:
         return  # a joiner continues the others' epoch (kf.Hook's data)
     counts = _collective.allgather_object(steps, name="kungfu/fit/steps-per-epoch")
     if None in counts or len(set(counts)) == 1:
