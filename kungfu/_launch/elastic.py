@@ -72,6 +72,7 @@ class ElasticLauncher(Launcher):
         self.stopped: Set[int] = set()  # workers this launcher stopped (expected exits)
         self.store_problem: Optional[str] = None  # the store error last reported, if any
         # [seconds since start, rank, spec, how, exit code, version that replaced it or None]
+        # (+ whether the cluster switched to that version, once the job ended)
         self.failures: List[list] = []
         self.done_seen = False  # rank 0 wrote DONE_KEY (see _done)
         # (peer, version) of dead workers the store lacks; version -1: a new worker replaced it
@@ -337,11 +338,26 @@ class ElasticLauncher(Launcher):
             return False
         return any(v.isdigit() and int(v) >= self.version_of[key] for v in versions)
 
+    def _replacements_joined(self) -> None:
+        """Notes on each failure whose replacement was started whether the cluster switched to
+        it (the store says; read before a builtin store stops): a replacement whose resize was
+        abandoned (training ended first, say) never took the lost worker's place."""
+        for failure in self.failures:
+            version = failure[5]
+            if version is not None and len(failure) == 6:
+                try:
+                    failure.append(self.store.switched(version))
+                except StoreError:
+                    pass
+
     def _summary(self, done: bool) -> Optional[int]:
         """The failures, last: survived when training finished, else lost (the job ended
         with them); the exit code if training did not finish."""
-        for t, rank, spec, how, _, version in self.failures:
-            by = "not replaced" if version is None else f"replaced in version {version}"
+        for t, rank, spec, how, _, version, *joined in self.failures:
+            by = ("not replaced" if version is None
+                  else f"a replacement started in version {version} never joined (its resize "
+                       f"was abandoned)" if joined == [False]
+                  else f"replaced in version {version}")
             self.info(f"{'survived' if done else 'lost'}: worker {rank} ({spec}) {how} at "
                       f"{t:.1f}s; {by}")
         if done or not self.failures:
@@ -448,6 +464,7 @@ class ElasticLauncher(Launcher):
     def _conclude(self) -> None:
         # Before the builtin store goes with _close.
         self.done = self.result is None and self._done(self.store)
+        self._replacements_joined()
 
     def _close(self) -> None:
         self.spares.stop()

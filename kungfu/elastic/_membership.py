@@ -145,6 +145,12 @@ class Trainer(abc.ABC):
     def check_resize(self, n: int, leave: Sequence[str]) -> None:
         """Raises if this trainer cannot go on in a cluster of n workers without `leave`."""
 
+    def step_follows(self) -> bool:
+        """Whether a training step follows the decision round being agreed. Joiners are switched
+        in only then: one switched in when training ends would wait in its first step for
+        workers that have left."""
+        return True
+
 
 def mismatch(ours: list, theirs: list, here: str = "this joiner", there: str = "rank 0") -> str:
     """Why `here`'s variables (described) cannot take those of `there`; "" if they can (the same
@@ -269,6 +275,8 @@ class Membership:
         data = self.trainer.data
         if data is not None and data.epoch_done(self.trainer.state.samples_in_epoch):
             return  # never after an epoch's last step: a joiner's first epoch would be empty
+        if not self.trainer.step_follows():
+            return  # nor where training ends (Trainer.step_follows); finish() abandons it
         decision = ctx.pending_decision()
         if decision is not None:
             decisions["elastic"] = decision

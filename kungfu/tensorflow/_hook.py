@@ -188,8 +188,14 @@ class Hook(keras.callbacks.Callback):
         self.state.metrics.update(monitor_metrics(self.optimizer))
         self.round.run(hook)
 
-    def _agree_and_apply(self) -> None:
-        reports = self.round.agree(self._report)
+    def _agree_and_apply(self, step_follows: bool = False) -> None:
+        """The round's agreement; `step_follows`: a training step comes after it (after_step,
+        unless training ends there), the only rounds that may switch joiners in."""
+        self._step_follows = step_follows
+        try:
+            reports = self.round.agree(self._report)
+        finally:
+            self._step_follows = False
         self._report = None
         if all(r is not None for r in reports):  # every worker's, in rank order
             self.state.metrics["compute_times"] = [r["compute_time"] for r in reports]
@@ -197,6 +203,22 @@ class Hook(keras.callbacks.Callback):
 
     # What the decision round and the membership machine need of their trainer
     # (kungfu.elastic.Trainer).
+
+    _step_follows = False
+
+    def step_follows(self) -> bool:
+        return self._step_follows
+
+    def _training_ends_here(self) -> bool:
+        """At a step's end: whether it was the last (fit stops, or the last epoch's steps ran
+        out; with kungfu's data, an epoch's last step never switches anyway)."""
+        model = getattr(self, "model", None)
+        if model is not None and model.stop_training:
+            return True
+        steps = (getattr(self, "params", None) or {}).get("steps")
+        s = self.state
+        return (self.epochs_total is not None and steps is not None
+                and s.epoch + 1 >= self.epochs_total and s.step_in_epoch >= steps)
 
     def set_batch_size(self, b: int) -> None:
         if self.data is not None:
@@ -543,7 +565,7 @@ class Hook(keras.callbacks.Callback):
             s.logs = logs
         self._run("after_step")
         try:
-            self._agree_and_apply()
+            self._agree_and_apply(step_follows=not self._training_ends_here())
         except RECOVERABLE as e:
             # Rolled back to before this step: train it again, then come back here.
             self._recover(e)

@@ -571,18 +571,24 @@ def _run_results(b: Batch):
         return "; ".join(problems) or None
 
     def freed_memory_is_reused():
-        x = np.arange(count, dtype=np.float32) % 7 * (r + 1)
+        size = count + 1  # a size of its own: the other case's blocks come back meanwhile
+        x = np.arange(size, dtype=np.float32) % 7 * (r + 1)
         a = kf.allreduce(x, op="avg", name="pool/e", timeout=CASE_TIMEOUT)
         ptr = a.__array_interface__["data"][0]
-        want = (np.arange(count, dtype=np.float64) % 7 * tri / n).astype(np.float32)
+        want = (np.arange(size, dtype=np.float64) % 7 * tri / n).astype(np.float32)
         problems = [] if np.array_equal(a, want) else ["avg: wrong values"]
-        before = held()
+        before = held(size * 4)
         del a
-        after = held()
-        if after[0] - before[0] != count * 4:
+        # The operation's own reference to its output goes when its completion callback has
+        # run (on a runtime thread, which needs the GIL: waiting here lets it).
+        deadline = time.monotonic() + CASE_TIMEOUT
+        while held(size * 4) == before and time.monotonic() < deadline:
+            time.sleep(0.001)
+        after = held(size * 4)
+        if after != (before[0] + size * 4, before[1] + 1):
             problems.append(f"the freed result did not go back to the pool: {before} -> {after}")
         b2 = kf.allreduce(x, op="avg", name="pool/e", timeout=CASE_TIMEOUT)
-        if b2.__array_interface__["data"][0] != ptr or held() != before:
+        if b2.__array_interface__["data"][0] != ptr or held(size * 4) != before:
             problems.append("the next result of that size did not reuse the freed memory")
         if not np.array_equal(b2, want):
             problems.append("avg from reused memory: wrong values")

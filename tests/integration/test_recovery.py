@@ -10,6 +10,7 @@ without the lost peer.
 """
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 import numpy as np
@@ -49,12 +50,12 @@ def _check_epochs(steps):
 
 
 def _recovered(tmp_path, np_: int, *faults: str, env=None, expect_lost: int = 1,
-               steps_after: bool = True, steps_before: bool = True):
-    """A run that goes on with the survivors (-replace=false; test_lost_workers_are_replaced
-    has replacement)."""
+               steps_after: bool = True, steps_before: bool = True, replace: bool = False):
+    """A run that goes on with the survivors (-replace=false unless `replace`;
+    test_lost_workers_are_replaced has a replacement that joins)."""
     r, records = run_elastic(tmp_path, np_, np_, "--schedule", str(np_), "--tail", "1000",
                              "--max-steps", str(STEPS), "--step-sleep", "0.02", *faults,
-                             env_extra=env, launcher_args=("-replace=false",))
+                             env_extra=env, launcher_args=() if replace else ("-replace=false",))
     log = r.stdout[-3000:] + r.stderr[-6000:]
     assert r.returncode == 0, log
     assert "survived" in r.stderr or expect_lost == 0, log
@@ -128,8 +129,13 @@ def test_the_last_rank_killed_at_the_end_of_an_epoch(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_a_worker_killed_after_the_last_step(tmp_path):
-    r, _, _ = _recovered(tmp_path, 3, "--kill", f"1@{STEPS}+", steps_after=False)
+    """Its replacement is started but training ends before it is ready: the closing summary
+    says it never joined (not "replaced")."""
+    r, _, _ = _recovered(tmp_path, 3, "--kill", f"1@{STEPS}+", steps_after=False, replace=True)
     assert "elastic job finished" in r.stderr
+    assert re.search(r"survived: worker 1 \(127\.0\.0\.1:\d+\) was killed by SIGKILL "
+                     r"\(exit code 137\) at [\d.]+s; a replacement started in version \d+ never "
+                     r"joined \(its resize was abandoned\)", r.stderr), r.stderr[-3000:]
 
 
 @pytest.mark.timeout(200)

@@ -302,3 +302,41 @@ def test_a_checkpoint_path_that_cannot_be_written_is_refused_at_once(tmp_path):
         check_writable(str(tmp_path))
     check_writable(str(tmp_path / "x.ckpt"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # the probe file is gone
+
+
+def test_joiners_are_switched_in_only_where_a_step_follows(monkeypatch):
+    """Rank 0's decision round with a resize whose joiner is ready (a real store): no switch
+    where training ends (Trainer.step_follows() False: a joiner switched in then would wait in
+    its first step for workers that have left), the switch where a step follows."""
+    import time
+
+    from kungfu import store as st
+    from kungfu.elastic import Elastic, _protocol
+
+    server = st.ConfigServer("127.0.0.1", 0).start()
+    try:
+        for k, v in {"KUNGFU_CONFIG_SERVER": server.url, "KUNGFU_ELASTIC_HOSTS": "a:2",
+                     "KUNGFU_PORT_RANGE": "10000-10010", "KUNGFU_SELF_SPEC": "a:10000",
+                     "KUNGFU_INIT_PEERS": "a:10000", "KUNGFU_INIT_CLUSTER_VERSION": "0"}.items():
+            monkeypatch.setenv(k, v)
+        e = Elastic()
+        e.store.propose(st.ClusterConfig(0, ["a:10000"]))
+        e.pending, e.pending_since = st.ClusterConfig(1, ["a:10000", "a:10001"]), time.monotonic()
+        e.store.mark_ready(1, "a:10001")
+        monkeypatch.setattr(_protocol, "_context", e)
+
+        class Ending(Loop):
+            follows = False
+
+            def step_follows(self):
+                return self.follows
+
+        loop = Ending([(3,)])
+        decisions = {}
+        loop.membership.before_agree(decisions)
+        assert decisions == {} and not e.store.switched(1)
+        loop.follows = True
+        loop.membership.before_agree(decisions)
+        assert decisions == {"elastic": {"switch": 1}} and e.store.switched(1)
+    finally:
+        server.stop()

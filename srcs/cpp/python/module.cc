@@ -164,12 +164,14 @@ class ResultPool {
     for (void* p : drop) std::free(p);
   }
 
-  // (cached bytes, cached blocks)
-  std::pair<size_t, size_t> Held() {
+  // (cached bytes, cached blocks): in all, or of blocks of `bytes` (> 0) only.
+  std::pair<size_t, size_t> Held(size_t bytes) {
     std::lock_guard<std::mutex> lk(mu_);
     size_t n = 0;
-    for (auto& kv : free_) n += kv.second.size();
-    return {cached_, n};
+    for (auto& kv : free_) {
+      if (bytes == 0 || kv.first == bytes) n += kv.second.size();
+    }
+    return {bytes == 0 ? cached_ : n * bytes, n};
   }
 
  private:
@@ -264,7 +266,8 @@ PYBIND11_MODULE(_kungfu, m) {
   });
   m.def("pooled_empty", [](size_t bytes) { return Results().Take(bytes); }, py::arg("bytes"));
   m.def("set_result_pool_bytes", [](size_t cap) { Results().SetCap(cap); }, py::arg("cap"));
-  m.def("result_pool_held", [] { return Results().Held(); });
+  m.def("result_pool_held", [](size_t bytes) { return Results().Held(bytes); },
+        py::arg("bytes") = 0);
   m.def("strategy_name", [](int k) { return std::string(StrategyName(static_cast<StrategyKind>(k))); });
   // The code tables, from their one source (the runtime's enums): Python builds its own from these.
   m.def("status_codes", [] {
