@@ -189,9 +189,7 @@ class Hook(keras.callbacks.Callback):
         self.round.run(hook)
 
     def _agree_and_apply(self, step_follows: bool = False) -> None:
-        """The round's agreement; `step_follows`: a training step comes after it (after_step,
-        unless training ends there), the only rounds that may switch joiners in."""
-        self._step_follows = step_follows
+        self._step_follows = step_follows  # (Trainer.step_follows: switch joiners in?)
         try:
             reports = self.round.agree(self._report)
         finally:
@@ -212,13 +210,11 @@ class Hook(keras.callbacks.Callback):
     def _training_ends_here(self) -> bool:
         """At a step's end: whether it was the last (fit stops, or the last epoch's steps ran
         out; with kungfu's data, an epoch's last step never switches anyway)."""
-        model = getattr(self, "model", None)
-        if model is not None and model.stop_training:
-            return True
+        model, s = getattr(self, "model", None), self.state
         steps = (getattr(self, "params", None) or {}).get("steps")
-        s = self.state
-        return (self.epochs_total is not None and steps is not None
-                and s.epoch + 1 >= self.epochs_total and s.step_in_epoch >= steps)
+        return (model is not None and model.stop_training) or (
+            None not in (self.epochs_total, steps)
+            and s.epoch + 1 >= self.epochs_total and s.step_in_epoch >= steps)
 
     def set_batch_size(self, b: int) -> None:
         if self.data is not None:
