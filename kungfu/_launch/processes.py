@@ -172,7 +172,8 @@ class Processes:
             ident = " ".join(f"{k}={env[k]}" for k in (
                 _env.SELF_SPEC.name, _env.INIT_CLUSTER_VERSION.name, *_env.STANDARD_RANK_VARS,
                 "CUDA_VISIBLE_DEVICES") if k in env)
-            logger.debug(f"worker {worker.rank}: {ident}: {shlex.join(self.opts.command)}")
+            who = f"worker {worker.rank}" if spare is None else f"spare {spare[0]}"
+            logger.debug(f"{who}: {ident}: {shlex.join(self.opts.command)}")
         env[_env.JOB_TOKEN.name] = self.opts.job_token
         if self.opts.config_server_credentials is not None:
             env[_env.ETCD_CREDENTIALS.name] = self.opts.config_server_credentials
