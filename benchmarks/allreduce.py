@@ -296,9 +296,12 @@ def tables_at(n: int, rows: List[dict]) -> str:
     out = []
     sweep = [r for r in rows if r["case"] == "sweep"]
     if sweep:
-        cols = list(dict.fromkeys(f"{r['impl']}:{r['strategy']}" for r in sweep))
+        def col(r):
+            return f"{r['impl']}:{r['strategy']}" + (f":{r['mode']}" if "mode" in r else "")
+
+        cols = list(dict.fromkeys(col(r) for r in sweep))
         sizes = sorted({r["bytes"] for r in sweep})
-        cell = {(r["bytes"], f"{r['impl']}:{r['strategy']}"): r for r in sweep}
+        cell = {(r["bytes"], col(r)): r for r in sweep}
         for title, fmt in (("time (median)", lambda r: human_time(r["time_s"])),
                            ("busbw GB/s", lambda r: f"{r['busbw_GBps']:.3f}")):
             out.append(f"\nallreduce float32 sum, np={n}: {title}")
@@ -487,6 +490,12 @@ def run_sweep(args, strategies, rep: Reporter, gloo) -> None:
             agree(np.array_equal(out, want), f"kungfu {label} allreduce of {nbytes} B")
             times, iters = measure(run, args)
             rep.add("kungfu", label, "sweep", nbytes, times, iters, count=count)
+            if "fresh" in args.modes:  # the same without out=: each result a new array
+                name = f"bench:sweep-fresh:{nbytes}:{label}"
+                fresh = lambda: kf.allreduce(x, op="sum", name=name, strategy=strat)  # noqa: E731
+                agree(np.array_equal(fresh(), want), f"kungfu {label} fresh allreduce of {nbytes} B")
+                times, iters = measure(fresh, args)
+                rep.add("kungfu", label, "sweep", nbytes, times, iters, count=count, mode="fresh")
         if gloo is not None and not args.compare_first:
             sweep_gloo(gloo, x, want, count, nbytes, args, rep)
         del x, want, out

@@ -118,8 +118,8 @@ struct PyHandle {
 
 // Memory for the results of collectives called without out= (kungfu/_collective.py). A training
 // loop asks for the same sizes every step, and a fresh large array is mapped, faulted in and
-// zeroed by the kernel on every call: an allreduce of 97.6 MiB took 30.6 ms into a new array
-// against 21.3 ms into a reused one (np=2, 2 cores, 456 page faults per call; benchmarks/README.md,
+// zeroed by the kernel on every call: an allreduce of 97.6 MiB took 33-36 ms into a new array
+// against 22-23 ms into a reused one (np=2, 2 cores, 456 page faults per call; benchmarks/README.md,
 // "The allocating path"). A block handed out here is owned by a capsule; numpy keeps that capsule
 // alive as long as any array or view reads the block, and its destructor (run with the GIL held)
 // gives the block back, kept by exact size while the pool holds at most cap_ bytes in all and
