@@ -145,6 +145,14 @@ class Trainer(abc.ABC):
     def check_resize(self, n: int, leave: Sequence[str]) -> None:
         """Raises if this trainer cannot go on in a cluster of n workers without `leave`."""
 
+    def shared_state(self) -> object:
+        """The framework's state every worker must hold alike that no variable carries (Keras
+        callbacks' counters): rank 0's is given to joiners (picklable; None: nothing)."""
+        return None
+
+    def load_shared_state(self, state: object) -> None:
+        """Takes rank 0's shared_state()."""
+
     def step_follows(self) -> bool:
         """Whether a training step follows the decision round being agreed. Joiners are switched
         in only then: one switched in when training ends would wait in its first step for
@@ -365,6 +373,7 @@ class Membership:
                     "epochs_total": t.epochs_total,
                     "batch_size": None if t.data is None else t.data.batch_size,
                     "policies": [p.state_dict() for p in t.policies],
+                    "trainer": t.shared_state(),
                     "variables": binding.describe(variables),
                     "commit_seq": self.commit_seq,  # the others commit next: the joiners too
                 })
@@ -386,6 +395,7 @@ class Membership:
         if rank == 0:
             return
         t.epochs_total = got["epochs_total"]
+        t.load_shared_state(got["trainer"])
         self.commit_seq = got["commit_seq"]
         self.take(got["state"], got["policies"], None if t.data is None else (
             got["state"].epoch, got["state"].samples_in_epoch, got["batch_size"],

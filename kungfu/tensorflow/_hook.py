@@ -66,8 +66,8 @@ from kungfu.policy import BasePolicy
 from kungfu.tensorflow._cluster_logs import ClusterLogs
 from kungfu.tensorflow._monitor import monitor_logs, monitor_metrics
 from kungfu.tensorflow._variables import KerasVariables
-from kungfu.tensorflow.callbacks import (RECOVERABLE, RankZeroOutput, combine_while_training,
-                                         let_hooks_arrange_callbacks)
+from kungfu.tensorflow.callbacks import (RECOVERABLE, CallbackStates, RankZeroOutput,
+                                         combine_while_training, let_hooks_arrange_callbacks)
 from kungfu.tensorflow.initializer import broadcast_variables, model_built, prepare_fit
 
 
@@ -159,6 +159,9 @@ class Hook(keras.callbacks.Callback):
         self.epochs_total: Optional[int] = None
         self._epoch_shift = 0  # a custom loop's: a joiner's or resumed job's epoch minus its own
         self._progbars: list = []  # Keras's progress bars in model.fit (kungfu_arrange)
+        self._step_follows = False  # (step_follows)
+        self._states = CallbackStates()  # the other callbacks' counters, for joiners
+        self.shared_state, self.load_shared_state = self._states.read, self._states.load
         self._resumed = False  # a joiner whose first Keras epoch continues the others' epoch
         self._train_fn = None  # Keras's own train function (the model's is wrapped)
         self._equal_after_step = False  # the model was not built at the start (_start_equal)
@@ -199,17 +202,14 @@ class Hook(keras.callbacks.Callback):
             self.state.metrics["compute_times"] = [r["compute_time"] for r in reports]
             self.state.metrics["part_sizes"] = [r["part_size"] for r in reports]
 
-    # What the decision round and the membership machine need of their trainer
-    # (kungfu.elastic.Trainer).
-
-    _step_follows = False
+    # What the decision round and the membership machine need of their trainer (kungfu.elastic.
+    # Trainer; also shared_state and load_shared_state: the other callbacks', set in __init__).
 
     def step_follows(self) -> bool:
         return self._step_follows
 
     def _training_ends_here(self) -> bool:
-        """At a step's end: whether it was the last (fit stops, or the last epoch's steps ran
-        out; with kungfu's data, an epoch's last step never switches anyway)."""
+        """At a step's end: whether it was the last (fit stops, or the last epoch ran out)."""
         model, s = getattr(self, "model", None), self.state
         steps = (getattr(self, "params", None) or {}).get("steps")
         return (model is not None and model.stop_training) or (
@@ -619,9 +619,9 @@ class Hook(keras.callbacks.Callback):
 
     def kungfu_arrange(self, callbacks: list) -> None:
         """Keras's callback list of a model.fit, before any callback's set_model: with
-        rank_zero_output, the callbacks that write files write once (RankZeroOutput.arrange);
-        Keras's progress bars get each epoch's number of steps (_count_steps)."""
+        rank_zero_output, the callbacks that write files write once (RankZeroOutput.arrange)."""
         self._progbars = [c for c in callbacks if isinstance(c, keras.callbacks.ProgbarLogger)]
+        self._states.callbacks = [c for c in callbacks if c is not self]
         if self.rank_zero_output:
             RankZeroOutput.arrange(callbacks, f"{self._name}/writers")
 
@@ -662,11 +662,13 @@ class Hook(keras.callbacks.Callback):
         self.before_train()  # a resume re-attaches the data at the checkpoint's position
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._states.apply()
         if self._output is not None:
             self._output.refresh()  # rank 0 may be another worker after a failure
         self.before_epoch(epoch)
 
     def on_train_batch_begin(self, batch, logs=None):
+        self._states.apply()
         self.before_step(batch)
         if self.data is not None:
             self._count_steps(batch)

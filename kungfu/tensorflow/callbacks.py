@@ -163,8 +163,9 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 # Keras's callbacks that write files, the attribute naming what each writes to, and the hooks of
 # it that run on every worker: under kf.Hook, when every worker names the same file or folder,
-# the other workers run only those (BackupAndRestore restores every worker from rank 0's
-# backup); a file or folder per worker stays each worker's.
+# the other workers run only those (BackupAndRestore restores every worker that starts with the
+# job from rank 0's backup; a joiner runs none: kf.Hook gives it rank 0's state); a file or
+# folder per worker stays each worker's.
 _WRITERS = ((keras.callbacks.CSVLogger, "filename", ()),
             (keras.callbacks.TensorBoard, "log_dir", ()),
             (keras.callbacks.BackupAndRestore, "backup_dir", ("set_model", "on_train_begin")))
@@ -201,6 +202,41 @@ def let_hooks_arrange_callbacks() -> None:
 
     set_model.kungfu_arranges = True
     cls.set_model = set_model
+
+
+class CallbackStates:
+    """What a joiner takes of rank 0's other Keras callbacks (kf.Hook's shared_state): each
+    one's class and its public attributes that hold a number or None (ReduceLROnPlateau's and
+    EarlyStopping's best, wait and cooldown counters, ModelCheckpoint's best, ...). Without them
+    a joiner's callbacks start over and decide differently: another learning rate, other
+    weights. Paths and other strings stay each worker's own. A joiner connects in kf.Hook's
+    on_train_begin and callbacks after it reset their counters in theirs: what it takes is set
+    at its next epoch or batch begin (apply)."""
+
+    _KINDS = (bool, int, float, np.number, type(None))
+
+    def __init__(self):
+        self.callbacks: list = []  # the model.fit's callbacks but kf.Hook
+        self.pending = None
+
+    def read(self) -> list:
+        return [(type(c).__qualname__, {k: v for k, v in vars(c).items()
+                                         if not k.startswith("_") and isinstance(v, self._KINDS)})
+                for c in self.callbacks]
+
+    def load(self, states: list) -> None:
+        self.pending = states
+
+    def apply(self) -> None:
+        """Sets the states taken into the callbacks of the same class at the same place in the
+        list (one that differs there is left as it is)."""
+        if self.pending is None:
+            return
+        for c, (kind, attrs) in zip(self.callbacks, self.pending):
+            if type(c).__qualname__ == kind:
+                for k, v in attrs.items():
+                    setattr(c, k, v)
+        self.pending = None
 
 
 class RankZeroOutput:
@@ -264,7 +300,9 @@ class RankZeroOutput:
             if me.rank == 0:
                 return
         for i, everywhere, path in found:
-            if everyone is None or all(path in theirs for theirs in everyone):
+            if everyone is None:  # a joiner: kf.Hook gives it rank 0's state (no restore)
+                callbacks[i] = _Muted(callbacks[i], ())
+            elif all(path in theirs for theirs in everyone):
                 callbacks[i] = _Muted(callbacks[i], everywhere)
 
     @staticmethod

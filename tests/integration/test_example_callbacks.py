@@ -97,3 +97,17 @@ def test_three_workers_one_killed(tmp_path, kill):
     rates, _ = check_run(tmp_path, r.stdout, 2)
     assert rates[0] == pytest.approx(0.3), rates
     assert (tmp_path / "killed").exists()
+
+
+@pytest.mark.timeout(200)
+def test_a_replacement_from_a_warm_spare_ends_with_the_same_weights(tmp_path):
+    """Worker 1 killed early; a warm spare (-spares 1) takes its place and trains to the end.
+    The joiner gets rank 0's weights and callback counters (ReduceLROnPlateau's wait and best):
+    its BackupAndRestore must not restore an older backup over them, nor its callbacks start
+    over. Every rank, the replacement too, ends with the same weights and learning rates."""
+    launcher = ["-w", "-np", "3", "-H", "127.0.0.1:4", "-port-range", free_port_range(4),
+                "-builtin-config-port", str(free_ports(1)[0]), "-spares", "1"]
+    r = run(tmp_path, launcher, "--kill-self", "1@20", "--patience", "30", "--epochs", "16")
+    assert re.search(r"spare 0, started [\d.]+s ago, is worker \d \(127\.0\.0\.1:\d+\) in "
+                     r"place of the lost one", r.stderr), r.stderr[-3000:]
+    check_run(tmp_path, r.stdout, 3)  # the replacement's result too
