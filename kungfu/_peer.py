@@ -77,7 +77,10 @@ def on_join(fn: Callable[[], None]) -> None:
     _before_join = fn
 
 
-def _create(self_spec: Optional[str], peers: List[str], version: int):
+def _create(self_spec: Optional[str], peers: List[str], version: int,
+            before_connect: Optional[Callable[[], None]] = None):
+    """The started native peer. `before_connect` runs once it listens (its port is its own: a
+    port in use fails here, before the call says anything to anyone) and before it connects."""
     _watchdog.start_from_env()
     # Before the peer: the timeline's exit handler then runs after the peer's stop (atexit
     # runs handlers last in, first out) and takes the peer's last events.
@@ -100,6 +103,9 @@ def _create(self_spec: Optional[str], peers: List[str], version: int):
         progress_ms=int(_env.PROGRESS_INTERVAL.get() * 1000),
         timeline=record,
     )
+    raise_for_status(peer.listen())
+    if before_connect is not None:
+        before_connect()
     raise_for_status(peer.start())
     atexit.register(_stop_at_exit, peer)
     if record:
@@ -127,11 +133,11 @@ def get():
     with _lock:
         if _peer is None:
             ident = identity_from_env()
-            if _env.ELASTIC_JOINING.get() and _before_join is not None:
-                # A joiner connects at its version once it said it is ready: the others switch
-                # to that version when every joiner is.
-                _before_join()
-            _peer = _create(ident.self_spec, ident.peers, ident.version)
+            # A joiner connects at its version once it said it is ready (the others switch to
+            # that version when every joiner is), and says so only once it listens: a joiner
+            # whose port is taken fails before the switch, and its resize is abandoned.
+            _peer = _create(ident.self_spec, ident.peers, ident.version,
+                            _before_join if _env.ELASTIC_JOINING.get() else None)
     return _peer
 
 

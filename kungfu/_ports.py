@@ -7,7 +7,7 @@ import os
 import random
 import socket
 import time
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
@@ -25,11 +25,26 @@ def free_ports(n: int, host: str = "127.0.0.1") -> List[int]:
             s.close()
 
 
+def _ephemeral_ports() -> Tuple[int, int]:
+    """The ports the kernel picks from for outgoing connections (Linux; else its default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port_block(count: int, hosts: Sequence[str] = ("127.0.0.1",)) -> int:
-    """The first of `count` consecutive ports that can be bound on every one of `hosts` now."""
+    """The first of `count` consecutive ports that can be bound on every one of `hosts` now.
+    They are below the ephemeral range where it leaves room (as kungfu-run's default range is):
+    a port in it may be taken by any outgoing connection (the job's own) before a worker that
+    starts later (a joiner) listens there."""
     rng = random.Random(os.getpid() * 7919 + time.monotonic_ns())
+    low = _ephemeral_ports()[0]
+    start, stop = 20000, (low if low - count > 21000 else 60000) - count
     for _ in range(500):
-        base = rng.randrange(20000, 60000 - count)
+        base = rng.randrange(start, stop)
         socks = []
         try:
             for host in hosts:

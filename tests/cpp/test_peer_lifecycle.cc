@@ -206,12 +206,49 @@ TEST(StartFailsWhenThePortIsTaken) {
   std::unique_ptr<Peer> p;
   REQUIRE_OK(Peer::Create(c, &p));
   const auto t0 = std::chrono::steady_clock::now();
-  kungfu::Status s = p->Start();
+  kungfu::Status s = p->Listen();  // Start's first step fails the same way
+  CHECK_CODE(s, Code::kUnavailable);
+  CHECK_CONTAINS(s.message(), c.self.ToString());
+  s = p->Start();
   CHECK_CODE(s, Code::kUnavailable);
   CHECK_CONTAINS(s.message(), c.self.ToString());
   CHECK_LT(SecondsSince(t0), 1.0);  // at once, not after the connect timeout
   p.reset();
   close(fd);
+}
+
+TEST(ListenTakesThePortBeforeStart) {
+  // An elastic joiner listens, reports itself ready, then starts: its port is its own from the
+  // first step, a second Listen (Start's) changes nothing, and the peers connect as usual.
+  auto ports = kftest::FreePorts({"127.0.0.1", "127.0.0.1"});
+  std::vector<std::unique_ptr<Peer>> peers(2);
+  for (int r = 0; r < 2; ++r) REQUIRE_OK(Peer::Create(TwoPeers(ports[0], ports[1], r), &peers[r]));
+  REQUIRE_OK(peers[1]->Listen());
+  CHECK_OK(peers[1]->Listen());
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a;
+  std::memset(&a, 0, sizeof(a));
+  a.sin_family = AF_INET;
+  a.sin_port = htons(ports[1]);
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  CHECK_MSG(bind(fd, reinterpret_cast<struct sockaddr*>(&a), sizeof(a)) != 0,
+            "the port of a listening peer could be bound by another socket");
+  close(fd);
+  std::vector<kungfu::Status> st(2);
+  OnEveryRank(2, [&](int r) { st[r] = peers[r]->Start(); });
+  for (int r = 0; r < 2; ++r) CHECK_OK(st[r]);
+  std::vector<float> x(4, 1.0f), y(4, 0.0f);
+  std::vector<kungfu::Status> ar(2);
+  std::vector<std::vector<float>> out(2, y);
+  OnEveryRank(2, [&](int r) {
+    ar[r] = WAIT(peers[r]->AllReduce(x.data(), out[r].data(), 4, DType::kFloat32,
+                                     ReduceOp::kSum, Named("after-listen")));
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK_OK(ar[r]);
+    CHECK(out[r][3] == 2.0f);
+  }
+  OnEveryRank(2, [&](int r) { peers[r]->Stop(); });
 }
 
 TEST(PeersOfAnotherClusterVersionDoNotConnect) {

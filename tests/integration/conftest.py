@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import pytest
 
-from kungfu._ports import free_port_range, free_ports  # noqa: F401 - for the tests
+from kungfu._ports import free_port_block, free_port_range, free_ports  # noqa: F401 - for the tests
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(os.path.dirname(HERE))

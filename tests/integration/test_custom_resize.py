@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections import defaultdict
@@ -12,18 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port_range, free_ports  # noqa: E402
+from conftest import free_port_block, free_port_range, free_ports  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
-def run(tmp_path, mode: str, schedule: str, np_: int = 2, slots: int = 3, flags=()):
+def run(tmp_path, mode: str, schedule: str, np_: int = 2, slots: int = 3, flags=(), ports=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["KUNGFU_RESIZE_TIMEOUT"] = "60"
     cmd = [sys.executable, "-m", "kungfu.cmd", "-w", "-np", str(np_), "-H", f"127.0.0.1:{slots}",
-           "-builtin-config-port", str(free_ports(1)[0]), "-port-range", free_port_range(slots),
+           "-builtin-config-port", str(free_ports(1)[0]),
+           "-port-range", ports or free_port_range(slots),
            "-timeout", "100s", *flags, sys.executable, str(HERE / "_w_custom_resize.py"),
            str(tmp_path), mode, schedule]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO), timeout=120,
@@ -35,7 +37,7 @@ def run(tmp_path, mode: str, schedule: str, np_: int = 2, slots: int = 3, flags=
 
 def check_grow_then_shrink(r, workers):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    assert len(workers) == 3, workers  # 2 initial workers and 1 joiner
+    assert len(workers) == 3, (workers, r.stderr[-5000:])  # 2 initial workers and 1 joiner
     by_step = defaultdict(list)
     for rows in workers:
         for row in rows[:-1]:
@@ -64,6 +66,27 @@ def test_custom_loop_resizes_without_a_hook(tmp_path):
 @pytest.mark.timeout(150)
 def test_propose_new_size_then_resize(tmp_path):
     check_grow_then_shrink(*run(tmp_path, "propose", "3:3,8:1"))
+
+
+@pytest.mark.timeout(150)
+def test_a_joiner_whose_port_is_taken_fails_before_the_switch(tmp_path):
+    """The joiner's port is in use by another process: it fails to listen before it reports
+    itself ready, so the resize is abandoned and the others go on at their size (before, it
+    reported ready first, the others switched to it and waited for it until the connect
+    deadline)."""
+    base = free_port_block(3)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 2))  # the joiner's slot
+        taken.listen()
+        r, workers = run(tmp_path, "resize", "3:3,8:1", ports=f"{base}-{base + 2}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert f"cannot listen on 127.0.0.1:{base + 2}: Address already in use" in r.stderr
+    assert "before the cluster switched to it; its resize will be abandoned" in r.stderr
+    started = [rows for rows in workers if rows]
+    assert len(workers) == 3 and len(started) == 2  # the joiner logged nothing
+    sizes = {row["step"]: row["size"] for rows in started for row in rows[:-1]}
+    assert sizes == {step: 2 if step < 8 else 1 for step in range(12)}
+    assert sorted(rows[-1]["end"] for rows in started) == ["detached", "done"]
 
 
 @pytest.mark.timeout(150)

@@ -339,6 +339,7 @@ PYBIND11_MODULE(_kungfu, m) {
              if (s.ok()) SetDefaultPeer(&p);  // the peer TensorFlow kernels in this process use
              return StatusTuple(s);
            })
+      .def("listen", [](Peer& p) { return StatusTuple(p.Listen()); })
       .def("stop", [](Peer& p) {
         py::gil_scoped_release release;
         p.Stop();

@@ -190,6 +190,11 @@ Status Peer::Start() {
   return session_->ProbeDirect(deadline, config_.memory_reads);
 }
 
+Status Peer::Listen() {
+  if (size() == 1) return Status::OK();
+  return session_->transport().Listen();
+}
+
 void Peer::Stop() {
   if (stopping_.exchange(true)) return;
   session_->transport().Close();  // its listening and connecting stop first

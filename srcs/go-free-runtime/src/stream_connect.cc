@@ -15,14 +15,24 @@
 
 namespace kungfu {
 
-// 1. Listen, and start the acceptor (AcceptLoop). 2. Dial every other peer (ConnectAll); a peer
-// that refused this one for good leaves it answering hellos a moment (LingerForHellos). 3. Wait
-// until every other peer's stream has been accepted (WaitIncoming).
+// 1. Listen, and start the acceptor (Listen, unless the caller did already). 2. Dial every
+// other peer (ConnectAll); a peer that refused this one for good leaves it answering hellos a
+// moment (LingerForHellos). 3. Wait until every other peer's stream has been accepted
+// (WaitIncoming).
 Status StreamTransport::Connect(TimePoint since, TimePoint deadline) {
+  KF_RETURN_IF_ERROR(Listen());
+  Status s = ConnectAll(since, deadline);
+  if (s.code() == Code::kInvalidArgument) LingerForHellos(std::chrono::milliseconds(2000));
+  KF_RETURN_IF_ERROR(s);
+  return WaitIncoming(since, deadline);
+}
+
+Status StreamTransport::Listen() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) return Cancelled("peer stopped while connecting");
   }
+  if (acceptor_.joinable()) return Status::OK();  // listening already
   {
     std::lock_guard<std::mutex> lk(hs_mu_);
     hello_answered_.assign(size(), false);
@@ -37,10 +47,7 @@ Status StreamTransport::Connect(TimePoint since, TimePoint deadline) {
     }
     return ResourceExhausted("cannot start the acceptor thread (out of threads or memory)");
   }
-  Status s = ConnectAll(since, deadline);
-  if (s.code() == Code::kInvalidArgument) LingerForHellos(std::chrono::milliseconds(2000));
-  KF_RETURN_IF_ERROR(s);
-  return WaitIncoming(since, deadline);
+  return Status::OK();
 }
 
 // The first part of Close: the acceptor stops within one poll (50 ms), closing the handshakes it

@@ -164,6 +164,9 @@ class Peer {
   // Brings up the transport's ways to every peer (Transport::Connect: a stream transport listens,
   // connects to every peer and waits until every peer has connected back).
   Status Start();
+  // Only the first step of Start: takes this peer's address (Transport::Listen), failing at
+  // once when it is in use. An elastic joiner does it before it reports itself ready.
+  Status Listen();
   // Says goodbye to every peer and releases all sockets and threads. Pending ops fail.
   void Stop();
 

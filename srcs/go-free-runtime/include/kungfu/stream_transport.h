@@ -35,7 +35,10 @@ class StreamTransport : public RendezvousTransport {
   StreamTransport(uint64_t version, PeerList peers, int rank, TransportOptions options);
   ~StreamTransport() override;
 
-  // Listens on this peer's address, dials every other peer and accepts every other peer's
+  // Binds this peer's address and starts accepting (the first step of Connect; a second call
+  // does nothing). Fails at once when the address is taken.
+  Status Listen() override;
+  // Listens (if Listen has not), dials every other peer and accepts every other peer's
   // stream, each through the handshake below, until `deadline` (stream_connect.cc).
   Status Connect(TimePoint since, TimePoint deadline) override;
   // Takes an accepted, handshaken stream from peer `src` and starts its reader.

@@ -256,6 +256,9 @@ class Transport {
   // progress lines): StreamTransport listens, dials and accepts; peers in one process need
   // nothing brought up.
   virtual Status Connect(TimePoint /*since*/, TimePoint /*deadline*/) { return Status::OK(); }
+  // Takes this peer's address, so that a failure to (a port in use) comes before anything
+  // tells the others this peer is coming; Connect does it too. Nothing to take in one process.
+  virtual Status Listen() { return Status::OK(); }
   // Says goodbye to every peer and lets go of them; pending waits fail with Cancelled.
   virtual void Close() = 0;
 
