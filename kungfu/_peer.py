@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 from kungfu import _env, _native, _spare, _watchdog, timeline
-from kungfu.errors import raise_for_status
+from kungfu.errors import PeerFailedError, raise_for_status
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,8 @@ _peer = None
 _detached = False
 _member: Optional[Identity] = None  # this worker in the last cluster it was a member of
 _before_join: Optional[Callable[[], None]] = None  # see on_join
+_gone: Optional[Callable[[List[str], int], Optional[str]]] = None  # see on_connect_wait
+GONE_POLL_SECONDS = 0.5
 
 
 def on_join(fn: Callable[[], None]) -> None:
@@ -75,6 +77,46 @@ def on_join(fn: Callable[[], None]) -> None:
     ready in the store: the core knows nothing of the store)."""
     global _before_join
     _before_join = fn
+
+
+def on_connect_wait(fn: Callable[[List[str], int], Optional[str]]) -> None:
+    """While a peer connects, `fn(peers, version)` is asked every GONE_POLL_SECONDS why waiting
+    is pointless (kungfu/elastic: a peer its launcher saw exit); an answer fails the connect
+    at once with it, instead of at the connect deadline."""
+    global _gone
+    _gone = fn
+
+
+def _start(peer, peers: List[str], version: int) -> None:
+    """peer.start(), given up as soon as the on_connect_wait function names a reason."""
+    if _gone is None or len(peers) < 2:
+        raise_for_status(peer.start())
+        return
+    done, lock, aborted = threading.Event(), threading.Lock(), []
+
+    def watch() -> None:
+        while not done.wait(GONE_POLL_SECONDS):
+            try:
+                why = _gone(peers, version)
+            except Exception:  # noqa: BLE001 - a store that cannot answer: keep waiting
+                continue
+            with lock:
+                if why and not done.is_set():
+                    aborted.append(why)
+                    peer.abort_start(why)
+                    return
+
+    watcher = threading.Thread(target=watch, name="kungfu-connect-watch", daemon=True)
+    watcher.start()
+    try:
+        status = peer.start()
+    finally:
+        with lock:
+            done.set()
+    watcher.join(timeout=GONE_POLL_SECONDS + 5)
+    if aborted and status[0] == 0:  # aborted just as it connected: the peer is failed anyway
+        raise PeerFailedError(aborted[0])
+    raise_for_status(status)
 
 
 def _create(self_spec: Optional[str], peers: List[str], version: int,
@@ -106,7 +148,7 @@ def _create(self_spec: Optional[str], peers: List[str], version: int,
     raise_for_status(peer.listen())
     if before_connect is not None:
         before_connect()
-    raise_for_status(peer.start())
+    _start(peer, peers, version)
     atexit.register(_stop_at_exit, peer)
     if record:
         where = f"rank {peer.rank} {self_spec}" if multi else "alone"

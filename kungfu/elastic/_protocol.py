@@ -457,10 +457,22 @@ class Elastic:
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
+    def gone(self, peers: Sequence[str], version: int) -> Optional[str]:
+        """While this worker connects to `peers` at `version`: why waiting is pointless (a peer
+        whose launcher saw its worker exit, with no new one started there since), or None."""
+        if not self.enabled:
+            return None
+        dead = self.store.dead_peers()
+        lost = [p for p in peers if p != self.self_spec and dead.get(p, version + 1) <= version]
+        return (f"{', '.join(lost)} exited before this worker connected to it (its launcher "
+                "saw it go)") if lost else None
+
 
 # A joiner reports ready just before it first connects, whoever connects it: the trainer
-# (Membership.join) or a program's first collective.
+# (Membership.join) or a program's first collective. Any worker that connects gives up at once
+# when a peer it waits for is known to have exited.
 _peer.on_join(lambda: context().report_ready())
+_peer.on_connect_wait(lambda peers, version: context().gone(peers, version))
 
 
 def broadcast_blob(blob: bytes, name: str, timeout: Optional[float] = None) -> bytes:

@@ -188,6 +188,28 @@ TEST(StartTimesOutWhenAPeerNeverComes) {
   p->Stop();
 }
 
+TEST(AbortStartEndsTheWaitForAPeerKnownToBeGone) {
+  // Peer 1 never comes; another thread learns that it is gone (an elastic worker asks the
+  // config store) and aborts the Start, which returns at once with that reason.
+  auto ports = kftest::FreePorts({"127.0.0.1", "127.0.0.1"});
+  PeerConfig c = TwoPeers(ports[0], ports[1], 0);
+  c.connect_timeout_ms = 20000;
+  std::unique_ptr<Peer> p;
+  REQUIRE_OK(Peer::Create(c, &p));
+  const auto t0 = std::chrono::steady_clock::now();
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    p->AbortStart("127.0.0.1:x exited before this worker connected to it");
+  });
+  kungfu::Status s = p->Start();
+  aborter.join();
+  CHECK_CODE(s, Code::kUnavailable);
+  CHECK_CONTAINS(s.message(), "exited before this worker connected");
+  CHECK_GE(SecondsSince(t0), 0.25);
+  CHECK_LT(SecondsSince(t0), 3.0);  // not the 20 s connect deadline
+  p->Stop();
+}
+
 TEST(StartFailsWhenThePortIsTaken) {
   // Something else already listens on this peer's port.
   int fd = socket(AF_INET, SOCK_STREAM, 0);

@@ -521,6 +521,39 @@ def test_workers_behind_a_wrapper_end_when_the_launcher_is_killed(tmp_path):
                 pass
 
 
+def test_an_elastic_worker_that_exits_before_connecting_fails_the_others_at_once(script):
+    """Rank 2 of an elastic job exits before it connects (a crash at import, a port in use):
+    the others, waiting for it in their first collective, learn of it from the store within
+    about a second and fail naming it (before, they waited out the 120 s connect deadline while
+    the launcher said they went on without it)."""
+    ports = free_port_range(3)
+    victim = f"127.0.0.1:{int(ports.split('-')[1])}"
+    path = script(f"""
+        import os, sys, time
+        import numpy as np
+        import kungfu as kf
+
+        if os.environ["KUNGFU_SELF_SPEC"] == "{victim}":
+            sys.exit(3)
+        t0 = time.monotonic()
+        try:
+            kf.allreduce(np.ones(1))
+        except kf.errors.PeerFailedError as e:
+            print(f"failed after {{time.monotonic() - t0:.1f}}s: {{e}}")
+            sys.exit(4)
+    """)
+    t0 = time.monotonic()
+    r = run_launcher("-w", "-np", "3", "-H", "127.0.0.1:3", "-port-range", ports,
+                     "-builtin-config-port", "auto", PY, path, timeout=60)
+    assert r.returncode != 0 and time.monotonic() - t0 < 20, r.stdout + r.stderr
+    lines = [line for line in r.stdout.splitlines() if "failed after" in line]
+    assert len(lines) == 2, r.stdout + r.stderr
+    for line in lines:
+        assert f"{victim} exited before this worker connected to it" in line, line
+        assert float(line.split("failed after ")[1].split("s:")[0]) < 5, line
+    assert f"worker 2 ({victim}) exited with code 3" in r.stderr
+
+
 def test_the_worker_that_failed_first_is_blamed(tmp_path):
     """Rank 1 exits 1; rank 0 exits 3 a moment later, of the PeerFailedError that rank 1's
     goodbye causes. The launcher must name worker 1 every time, however the two exits are

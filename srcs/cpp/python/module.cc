@@ -340,6 +340,7 @@ PYBIND11_MODULE(_kungfu, m) {
              return StatusTuple(s);
            })
       .def("listen", [](Peer& p) { return StatusTuple(p.Listen()); })
+      .def("abort_start", &Peer::AbortStart, py::arg("why"))
       .def("stop", [](Peer& p) {
         py::gil_scoped_release release;
         p.Stop();

@@ -195,6 +195,10 @@ Status Peer::Listen() {
   return session_->transport().Listen();
 }
 
+void Peer::AbortStart(const std::string& why) {
+  if (size() > 1) session_->transport().AbortConnect(Unavailable(why));
+}
+
 void Peer::Stop() {
   if (stopping_.exchange(true)) return;
   session_->transport().Close();  // its listening and connecting stop first

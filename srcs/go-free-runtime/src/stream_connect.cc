@@ -93,6 +93,7 @@ Status StreamTransport::ConnectAll(TimePoint since, TimePoint deadline) {
       {
         std::lock_guard<std::mutex> lk(mu_);
         if (closed_) return Cancelled("peer stopped while connecting");
+        if (!failure_.ok()) return failure_;  // AbortConnect
       }
       int fd = -1;
       last = net::Dial(peers_[dst], local, &fd);

@@ -167,6 +167,9 @@ class Peer {
   // Only the first step of Start: takes this peer's address (Transport::Listen), failing at
   // once when it is in use. An elastic joiner does it before it reports itself ready.
   Status Listen();
+  // Makes a Start under way on another thread fail at once with Unavailable(`why`) (a peer it
+  // waits for is known to be gone); a peer aborted so is not usable afterwards.
+  void AbortStart(const std::string& why);
   // Says goodbye to every peer and releases all sockets and threads. Pending ops fail.
   void Stop();
 

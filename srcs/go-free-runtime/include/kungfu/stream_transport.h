@@ -41,6 +41,7 @@ class StreamTransport : public RendezvousTransport {
   // Listens (if Listen has not), dials every other peer and accepts every other peer's
   // stream, each through the handshake below, until `deadline` (stream_connect.cc).
   Status Connect(TimePoint since, TimePoint deadline) override;
+  void AbortConnect(const Status& why) override { Fail(why); }
   // Takes an accepted, handshaken stream from peer `src` and starts its reader.
   Status AttachIncoming(int src, int fd);
 

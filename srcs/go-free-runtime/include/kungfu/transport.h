@@ -259,6 +259,10 @@ class Transport {
   // Takes this peer's address, so that a failure to (a port in use) comes before anything
   // tells the others this peer is coming; Connect does it too. Nothing to take in one process.
   virtual Status Listen() { return Status::OK(); }
+  // Makes a Connect under way (or a later one) fail with `why` at once: a peer it waits for is
+  // known to be gone (its launcher saw it exit), so waiting out the deadline is pointless. Any
+  // thread may call it.
+  virtual void AbortConnect(const Status& /*why*/) {}
   // Says goodbye to every peer and lets go of them; pending waits fail with Cancelled.
   virtual void Close() = 0;
 
