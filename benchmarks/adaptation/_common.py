@@ -2,6 +2,7 @@
 plots."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import List
+from typing import Iterator, List
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,6 +33,19 @@ def run_job(launcher: List[str], worker: List[str], env: dict, what: str) -> Lis
             raise RuntimeError(f"{what} failed ({r.returncode}; its whole output: {log}):\n"
                                f"{r.stderr[-3000:]}")
         return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+@contextlib.contextmanager
+def busy(n: int) -> Iterator[None]:
+    """`n` processes spinning on a core each while the block runs: a machine loaded by others
+    (the load average rises by about n)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def cell(vals, fmt: str = "{:.3f}") -> str:

@@ -5,7 +5,8 @@
 The same training (benchmarks/adaptation/_worker.py: digits with a 64-1024-1024-10 MLP, whose
 steps are compute-bound; model.fit, kf.ElasticData, kf.Hook; --epochs passes over the data) at every static size k = 1 .. --max (kungfu-run -np k),
 and with kf.policy.ScalingAutoscaler(threshold=S) from 1 worker under kungfu-run -w with --max
-slots; the arms interleaved. The throughput curve is real: the workers share this machine's
+slots and --spares warm spares (default 1: a probe's grow takes a started worker); the arms
+interleaved. The throughput curve is real: the workers share this machine's
 cores, so it flattens where the cores run out (about 2 here); --sample-time adds emulated
 compute per sample instead (sleeping workers scale until the slots run out).
 
@@ -37,7 +38,7 @@ def run(arm: str, args) -> dict:
     if arm == "autoscaler":
         launcher = ["-w", "-np", "1", "-H", f"127.0.0.1:{args.max}",
                     "-builtin-config-port", str(free_ports(1)[0]),
-                    "-port-range", free_port_range(args.max)]
+                    "-port-range", free_port_range(args.max), "-spares", str(args.spares)]
         worker += ["--policy", f"autoscale:{args.threshold}"]
     else:
         k = int(arm.split("=")[1])
@@ -64,6 +65,9 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
     p.add_argument("--sample-time", type=float, default=0.0,
                    help="emulated seconds of compute per sample (default 0: real compute)")
+    p.add_argument("--spares", type=int, default=1,
+                   help="the autoscaler's warm spares (kungfu-run -spares): a probe's grow "
+                        "takes one instead of starting a worker (default 1; 0: none)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="also write every run's numbers to this file")
     p.add_argument("--plot", help="draw the autoscaler's sizes over time here (matplotlib)")
@@ -87,8 +91,8 @@ def main() -> int:
             break
     load = os.getloadavg()[0]
     print(f"\n{args.epochs} epochs of digits, batch {args.batch_size} per worker, S = "
-          f"{args.threshold}, {args.runs} runs per arm; median [min, max]; load average at the "
-          f"end {load:.2f}")
+          f"{args.threshold}, {args.spares} warm spares, {args.runs} runs per arm; median "
+          f"[min, max]; load average at the end {load:.2f}")
     print("static throughput (samples/s): " + ", ".join(f"k={k}: {v:.0f}"
                                                          for k, v in rate.items())
           + f"; oracle k* = {oracle}")

@@ -1,15 +1,21 @@
 """Straggler replacement (Or et al.) with an emulated straggler (seed-papers.md, B6).
 
     python benchmarks/adaptation/stragglers.py [--np 4] [--factors 1.33,2,4] [--runs 2]
+        [--load N] [--spares K]
 
 Each run is `kungfu-run -w -np N -H 127.0.0.1:N+1` (one free slot for the replacement) of
 benchmarks/adaptation/_worker.py (digits MLP, model.fit, kf.ElasticData, kf.Hook) with emulated
 compute (KUNGFU_SAMPLE_TIME per sample, KUNGFU_SAMPLE_JITTER noise): from step --at, worker 1
 takes FACTOR times as long (KUNGFU_SLOWDOWN). Arms, interleaved:
 
-- replace x F:  kf.policy.StragglerReplacement() (EWMA 0.1 of speed / median < 0.8 for 10 steps);
+- replace x F:  kf.policy.StragglerReplacement() (the median over 30 steps of speed / median
+                under 0.85, and set apart from the cluster's own spread);
 - keep x F:     no policy, the straggler stays;
 - jitter only:  no straggler, +-10% noise on every worker, the policy on: false positives.
+
+--load N runs N busy processes beside every job (a machine loaded by others: the load average
+rises by about N); --spares K keeps K warm spares (kungfu-run -spares; the job then has K more
+slots), so a replacement skips its start-up.
 
 Reported: the detection delay (steps from --at to the decision), the steps until the new
 worker has switched in, the throughput (samples/s) before --at, from --at to the switch, and
@@ -24,7 +30,7 @@ import os
 import statistics
 import sys
 
-from _common import REPO, cell, run_job
+from _common import REPO, busy, cell, run_job
 
 sys.path.insert(0, str(REPO))
 
@@ -37,12 +43,15 @@ def run(arm: str, factor: float, args) -> dict:
            "KUNGFU_SAMPLE_JITTER": str(args.jitter)}
     if arm != "jitter":
         env["KUNGFU_SLOWDOWN"] = f"1:{factor}@{args.at}"
-    rows = run_job(["-w", "-np", str(n), "-H", f"127.0.0.1:{n + 1}",
-                    "-builtin-config-port", str(free_ports(1)[0]),
-                    "-port-range", free_port_range(n + 1)],
-                   ["--policy", "bsp" if arm == "keep" else "stragglers",
-                    "--epochs", str(args.epochs), "--batch-size", str(args.batch_size)],
-                   env, f"{arm} x{factor}")
+    slots = n + max(1, args.spares)
+    with busy(args.load):
+        rows = run_job(["-w", "-np", str(n), "-H", f"127.0.0.1:{slots}",
+                        "-builtin-config-port", str(free_ports(1)[0]),
+                        "-port-range", free_port_range(slots), "-spares", str(args.spares)],
+                       ["--policy", "bsp" if arm == "keep" else "stragglers",
+                        "--epochs", str(args.epochs), "--batch-size", str(args.batch_size)],
+                       env, f"{arm} x{factor}")
+        load = os.getloadavg()[0]
     steps = [r for r in rows if "step" in r and r["step_time"]]
     replaced = next((r["replaced"] for r in rows if "replaced" in r), [])
 
@@ -51,7 +60,7 @@ def run(arm: str, factor: float, args) -> dict:
         return (sum(sum(r["batch_sizes"]) for r in rows_) / sum(r["step_time"] for r in rows_)
                 if rows_ else float("nan"))
 
-    out = {"arm": arm, "factor": factor, "replaced": replaced,
+    out = {"arm": arm, "factor": factor, "replaced": replaced, "load": load,
            "before": rate([r for r in steps if r["step"] < args.at])}
     if arm == "replace" and replaced:
         decided = replaced[0]["step"]
@@ -77,6 +86,10 @@ def main() -> int:
     p.add_argument("--sample-time", type=float, default=0.003,
                    help="emulated seconds of compute per sample (default 0.003)")
     p.add_argument("--jitter", type=float, default=0.1, help="+- noise (default 0.1)")
+    p.add_argument("--load", type=int, default=0,
+                   help="busy processes beside each job: a loaded machine (default 0)")
+    p.add_argument("--spares", type=int, default=0,
+                   help="warm spares of each job (kungfu-run -spares; default 0)")
     p.add_argument("--json", help="also write every run's numbers to this file")
     args = p.parse_args()
     factors = [float(f) for f in args.factors.split(",") if f]
@@ -88,10 +101,12 @@ def main() -> int:
                 print(json.dumps(results[-1]), flush=True)
         results.append(dict(run("jitter", 1.0, args), run=i))
         print(json.dumps(results[-1]), flush=True)
-    load = os.getloadavg()[0]
+    loads = [r["load"] for r in results]
     print(f"\nnp={args.np}, batch {args.batch_size} per worker, {args.sample_time * 1000:g} ms "
           f"emulated compute per sample +-{args.jitter:.0%}, worker 1 slowed from step "
-          f"{args.at}; {args.runs} runs; median [min, max]; load average at the end {load:.2f}")
+          f"{args.at}; {args.load} busy processes beside, {args.spares} warm spares; "
+          f"{args.runs} runs; median [min, max]; load average at the end of a job "
+          f"{cell(loads, '{:.1f}')}")
     print(f"{'arm':14}{'delay (steps)':>16}{'to switch':>16}{'before (samples/s)':>26}"
           f"{'during':>26}{'after':>26}")
     for f in factors:
@@ -115,7 +130,8 @@ def main() -> int:
     jit = [r for r in results if r["arm"] == "jitter"]
     print(f"jitter only: {sum(len(r['replaced']) for r in jit)} replacements in {len(jit)} runs "
           "(false positives)")
-    print("\nOr et al.: detector EWMA(0.1) of throughput / median < 0.8; the replacement joins "
+    print("\nOr et al.: detector EWMA(0.1) of throughput / median < 0.8; here the median over 30 "
+          "steps, under 0.85 and set apart from the cluster's spread; the replacement joins "
           "before the straggler leaves")
     if args.json:
         with open(args.json, "w") as f:

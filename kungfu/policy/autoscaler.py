@@ -7,8 +7,11 @@ sizes, and computes the scaling efficiency of the added workers
 
 (1 when the new workers are as productive as the old ones on average, 0 when they add
 nothing). While s exceeds `threshold` (the paper's S) it keeps the larger size and probes
-further; when it does not, it walks back to k and settles there. The job's slots bound it
-(kungfu-run -H); a probe that cannot start (no free slot) settles too.
+further; when it does not, it walks back to k and settles there (a shrink costs no start-up).
+The job's slots bound it (kungfu-run -H), and so does the largest useful global batch
+(`max_batch`: no more than max_batch // the per-worker batch workers); a probe that cannot
+start (no free slot) settles too. A probe's grow is quick when the job keeps warm spares
+(kungfu-run -w -spares K): the new worker is already started, and only the switch is paid.
 
 Throughput is the samples trained per second of wall-clock time over `window` steps (so the
 time between steps counts too), after `settle` steps at a new size (joiners trace, caches
@@ -34,12 +37,14 @@ class ScalingAutoscaler(BasePolicy):
 
     def __init__(self, threshold: float = 0.1, step: int = 1, window: int = 10,
                  settle: int = 5, max_size: Optional[int] = None,
-                 cost: Optional[float] = None):
+                 cost: Optional[float] = None, max_batch: Optional[int] = None):
         if cost is not None:
             threshold = cost
-        if not threshold >= 0 or step < 1 or window < 1 or settle < 0:
-            raise ValueError("threshold (or cost) >= 0, step >= 1, window >= 1 and settle >= 0 "
-                             "are needed")
+        if not threshold >= 0 or step < 1 or window < 1 or settle < 0 or (
+                max_batch is not None and max_batch < 1):
+            raise ValueError("threshold (or cost) >= 0, step >= 1, window >= 1, settle >= 0 "
+                             "and max_batch >= 1 are needed")
+        self.max_batch = max_batch
         self.threshold, self.step, self.window, self.settle = float(threshold), step, window, settle
         self.max_size = max_size
         self.phase = "measure"  # measure k, then probe k + d, then settled
@@ -93,10 +98,14 @@ class ScalingAutoscaler(BasePolicy):
 
     def _probe(self, state: TrainingState, k: int, rate: float) -> None:
         limit = state.max_size if self.max_size is None else self.max_size
+        if self.max_batch is not None and state.local_batch_size:
+            limit = min(limit, max(1, self.max_batch // state.local_batch_size))
         target = min(k + self.step, limit)
-        self.trace.append({"step": state.step, "k": k, "rate": rate, "probe": target})
         if target <= k:
+            self.trace.append({"step": state.step, "k": k, "rate": rate, "settled": True,
+                               "why": "the largest size allowed"})
             self.phase = "settled"
             return
+        self.trace.append({"step": state.step, "k": k, "rate": rate, "probe": target})
         resize(target)
         self.phase = "probe"

@@ -153,6 +153,31 @@ def test_the_autoscaler_grows_while_workers_pay_then_walks_back(monkeypatch):
     assert sizes.count(4) <= 2 + 1 + 4  # the probe of 4: settle, the window's start, window
 
 
+def test_the_autoscaler_stops_at_the_largest_useful_global_batch(monkeypatch):
+    """Every worker pays (throughput 100 k), but a global batch above 96 is no use: with 32
+    per worker it probes 2 and 3 and stops there, though the job has 8 slots."""
+    from kungfu.policy import ScalingAutoscaler
+
+    asked = []
+    monkeypatch.setattr("kungfu.policy.autoscaler.resize", lambda n: asked.append(n) or True)
+    clock = {"t": 0.0}
+    monkeypatch.setattr("kungfu.policy.autoscaler.time.monotonic", lambda: clock["t"])
+    policy = ScalingAutoscaler(window=4, settle=2, max_batch=96)
+    state = TrainingState(cluster_size=1, max_size=8, local_batch_size=32)
+    for step in range(1, 60):
+        state.step = step
+        state.samples_seen += 100
+        clock["t"] += 100 / (100.0 * state.cluster_size)
+        policy.after_step(state)
+        if asked:
+            state.cluster_size = asked.pop()
+    assert [t.get("probe") for t in policy.trace if "probe" in t] == [2, 3]
+    assert policy.trace[-1]["why"] == "the largest size allowed"
+    assert policy.phase == "settled" and state.cluster_size == 3
+    with pytest.raises(ValueError, match="max_batch >= 1"):
+        ScalingAutoscaler(max_batch=0)
+
+
 def test_the_autoscaler_settles_when_no_worker_can_be_added(monkeypatch):
     from kungfu.policy import ScalingAutoscaler
 
@@ -166,10 +191,12 @@ def test_the_autoscaler_settles_when_no_worker_can_be_added(monkeypatch):
     assert policy.phase == "settled" and policy.trace[-1]["why"] == "no worker could be added"
 
 
-def straggle(policy, factors, steps, monkeypatch, jitter=0.0, seed=0, switch_after=3):
+def straggle(policy, factors, steps, monkeypatch, jitter=0.0, seed=0, switch_after=3, load=0.0):
     """4 workers with equal parts whose compute time per sample is factors(step)[r] (x 1 +-
-    jitter); a replacement asked for takes effect `switch_after` steps later with a worker of
-    factor 1 in the leaver's place. Returns the replacements asked for (step, rank)."""
+    jitter), plus on a loaded machine (`load` > 0) a wait for a core on every step, drawn from
+    an exponential distribution with mean `load` times a normal step's compute; a replacement
+    asked for takes effect `switch_after` steps later with a worker of factor 1 in the leaver's
+    place. Returns the replacements asked for (step, rank)."""
     asked = []
     monkeypatch.setattr("kungfu.policy.stragglers.resize",
                         lambda n, leave=(): asked.append((n, list(leave))))
@@ -183,7 +210,9 @@ def straggle(policy, factors, steps, monkeypatch, jitter=0.0, seed=0, switch_aft
         f = [replaced.get(r, x) for r, x in enumerate(factors(step))]
         noise = 1 + jitter * rng.uniform(-1, 1, 4)
         state.metrics["part_sizes"] = [32] * 4
-        state.metrics["compute_times"] = [0.001 * 32 * x * e for x, e in zip(f, noise)]
+        wait = 0.001 * 32 * rng.exponential(load, 4) if load else np.zeros(4)
+        state.metrics["compute_times"] = [0.001 * 32 * x * e + w
+                                          for x, e, w in zip(f, noise, wait)]
         if pending["until"] == step:
             state.resize_pending, pending["until"] = False, None
         policy.after_step(state)
@@ -197,14 +226,41 @@ def straggle(policy, factors, steps, monkeypatch, jitter=0.0, seed=0, switch_aft
     return out
 
 
-def test_a_straggler_is_replaced_after_patience_steps_once(monkeypatch):
+def test_a_straggler_is_replaced_once_half_its_window_is_slow(monkeypatch):
     from kungfu.policy import StragglerReplacement
 
-    policy = StragglerReplacement(patience=10)
+    policy = StragglerReplacement(window=20)
     got = straggle(policy, lambda s: [1, 1, 2 if s > 20 else 1, 1], 120, monkeypatch)
     assert len(got) == 1 and got[0][1] == 2
-    # EWMA(0.1) of the ratio 0.5 falls under 0.8 after 5 steps, then 10 steps of patience.
-    assert 21 + 10 <= got[0][0] <= 21 + 20, got
+    # Without noise the level is the window's median: under 0.85 once 10 of its 20 steps are
+    # slow (the median of ten 0.5s and ten 1s is 0.75), at step 30.
+    assert got[0][0] == 30, got
+    assert policy.replaced[0]["level"] == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_loaded_machine_neither_hides_a_straggler_nor_invents_one(monkeypatch, seed):
+    """Every step also waits for a core (exponential, mean half a step's compute): a x2
+    straggler from step 30 is still replaced within 50 steps, and without one, with +-10%
+    jitter on top of the load, no one is replaced in 300 steps."""
+    from kungfu.policy import StragglerReplacement
+
+    got = straggle(StragglerReplacement(), lambda s: [1, 2 if s >= 30 else 1, 1, 1], 300,
+                   monkeypatch, jitter=0.1, seed=seed, load=0.5)
+    assert got and got[0][1] == 1 and got[0][0] < 30 + 50, got
+    assert len(got) == 1, got
+    got = straggle(StragglerReplacement(), lambda s: [1, 1, 1, 1], 300, monkeypatch,
+                   jitter=0.1, seed=seed, load=0.5)
+    assert got == []
+
+
+def test_bad_straggler_settings_are_refused():
+    from kungfu.policy import StragglerReplacement
+
+    for bad in ({"threshold": 1.0}, {"threshold": 0}, {"window": 2}, {"spread": -1},
+                {"warmup": -1}, {"cooldown": -1}):
+        with pytest.raises(ValueError, match="threshold in"):
+            StragglerReplacement(**bad)
 
 
 @pytest.mark.parametrize("factor", [1.33, 4.0])
