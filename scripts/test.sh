@@ -4,13 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)
-cmake -S . -B build/cpp-tests -DKUNGFU_BUILD_TESTS=ON -DKUNGFU_BUILD_PYTHON=OFF > build-cpp-tests.log
-cmake --build build/cpp-tests -j "$jobs" >> build-cpp-tests.log || { cat build-cpp-tests.log; exit 1; }
-rm -f build-cpp-tests.log
-(cd build/cpp-tests && ctest --output-on-failure)
-# The runtime and its tests again under AddressSanitizer + UndefinedBehaviorSanitizer (every test,
-# leaks included), then under ThreadSanitizer (the tests that run threads); any report fails.
-# tests/cpp/tsan.supp says what is suppressed and why.
+# The C++ runtime tests under AddressSanitizer + UndefinedBehaviorSanitizer (every test, leaks
+# included; built -O2 like a release), then under ThreadSanitizer (the tests that run
+# threads); any report fails. tests/cpp/tsan.supp says what is suppressed and why. (A plain build
+# of the same tests would run the same code at the same optimization, without the checks: the
+# release build of the runtime is what pytest exercises.)
 sanitized() {  # $1: address or thread
   cmake -S . -B "build/sanitize-$1" -DKUNGFU_BUILD_TESTS=ON -DKUNGFU_BUILD_PYTHON=OFF \
     -DKUNGFU_SANITIZE="$1" -DCMAKE_BUILD_TYPE=RelWithDebInfo > "build-sanitize-$1.log"
