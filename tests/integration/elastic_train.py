@@ -159,6 +159,9 @@ def main():
     p.add_argument("--fail-joiner", action="store_true",
                    help="a joining worker exits with code 3 at once (a joiner that fails)")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps")
+    p.add_argument("--stop-at-version", default="", metavar="V:N",
+                   help="stop N steps after the first step at cluster version V or later (every "
+                        "member trains that step at the same version, so all stop together)")
     p.add_argument("--joiner-width", type=int, default=16,
                    help="hidden units of a joining worker's model (others: 16); another width "
                         "is a joiner whose variables differ from rank 0's")
@@ -203,6 +206,9 @@ def main():
     p.add_argument("--pause-seconds", type=float, default=3.0)
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    stop_at = None  # --stop-at-version: [V, N, the step to stop after once V was seen]
+    if args.stop_at_version:
+        stop_at = [int(x) for x in args.stop_at_version.split(":")] + [None]
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.samples, 8)).astype(np.float32)
@@ -295,6 +301,8 @@ def main():
                 out.flush()
 
         def on_train_batch_begin(self, batch, logs=None):
+            # The version this step trains at (kf.Hook may switch at its end, before the record).
+            self.version = kf.elastic.context().current.version
             sig = my_faults.pop((hook.state.step + 1, ""), None)
             if sig is not None:  # during the step: a moment after it started
                 threading.Timer(0.005, fault, (sig,)).start()
@@ -319,6 +327,11 @@ def main():
             time.sleep(args.step_sleep)
             if args.max_steps and st.step >= args.max_steps:
                 model.stop_training = True
+            if stop_at is not None and self.version >= stop_at[0]:
+                if stop_at[2] is None:
+                    stop_at[2] = st.step + stop_at[1]
+                if st.step >= stop_at[2]:
+                    model.stop_training = True
 
     hook = kf.Hook(policy, data=data, checkpoint=args.checkpoint,
                    checkpoint_every=args.checkpoint_every)

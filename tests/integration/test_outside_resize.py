@@ -177,8 +177,10 @@ def test_a_put_grows_and_shrinks_model_fit(tmp_path):
     def sizes_seen():
         return {row.get("size") for rows in records().values() for row in rows if "step" in row}
 
+    # Versions 0 (1 worker), 1 (2), 2 (1 again): the job stops 60 steps (3 s) into version 2.
     with launched(tmp_path, 1, 2, ["elastic_train.py", "--schedule", "1", "--tail", "100000",
-                                   "--max-steps", "1200", "--step-sleep", "0.05", "--out", "OUT"],
+                                   "--max-steps", "1200", "--step-sleep", "0.05",
+                                   "--stop-at-version", "2:60", "--out", "OUT"],
                   220) as job:
         proc, out, url, first = job.proc, job.out, job.url, job.first
         wait_for("step 3", lambda: any(row.get("step", -1) >= 3 for rows in records().values()

@@ -210,9 +210,12 @@ def test_a_host_that_fails_twice_gets_no_new_worker_while_it_cools_down(tmp_path
     # after: the host has failed twice, so it gets no new worker for the cool-down (8 s); the
     # two survivors train on meanwhile, then the replacement joins: 3, 2, 3, 2, 3 workers.
     cooldown = 8.0
+    # Versions: 0 (3 workers), 1 (recovered, 2), 2 (replaced, 3), 3 (2), 4 (3): the job stops
+    # 5 steps into version 4.
     r, records = run_elastic(tmp_path, 3, 3, "--schedule", "3", "--tail", "100000",
                              "--max-steps", "200", "--step-sleep", "0.2", "--kill", "2@4+",
-                             "--kill", "1@60+", launcher_args=("-host-cooldown", "8s"))
+                             "--kill", "1@60+", "--stop-at-version", "4:5",
+                             launcher_args=("-host-cooldown", "8s"))
     log = r.stderr[-6000:]
     assert r.returncode == 0, log
     assert "host 127.0.0.1: its workers failed 2 times in" in r.stderr, log
@@ -254,7 +257,8 @@ def test_lost_workers_are_replaced(tmp_path):
     # launcher starts a new worker in the freed slot, which joins as in a resize. Steps are
     # slowed down so that it has time to start (TensorFlow's import) before training ends.
     r, records = run_elastic(tmp_path, 3, 3, "--schedule", "3", "--tail", "100000",
-                             "--max-steps", "100", "--step-sleep", "0.25", "--kill", "1@5+")
+                             "--max-steps", "100", "--step-sleep", "0.25", "--kill", "1@5+",
+                             "--stop-at-version", "2:5")  # 5 steps after the replacement joined
     log = r.stdout[-3000:] + r.stderr[-6000:]
     assert r.returncode == 0, log
     assert "in place of the lost one" in r.stderr and "replaced in version 2" in r.stderr, log
