@@ -11,7 +11,10 @@ whichever worker called it) and recorded. `agree`:
 
 1. lets the membership record what the protocol needs decided (rank 0: switch to or abandon a
    pending resize, a replacement after a recovery, a cluster asked for from outside);
-2. gathers every worker's recorded decisions (JSON) and report in one allgather;
+2. gathers every worker's recorded decisions (JSON) and report in one allgather; what a
+   report holds under "same" (the learning rate, say) must be the same in every worker's, or
+   every worker fails at once naming the values (workers that drifted apart would go on
+   training to different results, silently);
 3. for each kind of action, the decision of the lowest rank that took one wins (so a decision
    taken on one worker only is applied everywhere, and two conflicting ones resolve the same way
    on every worker);
@@ -145,6 +148,7 @@ class Round:
         `report` (what it measured, riding on the round's allgather), in rank order."""
         self.membership.before_agree(self.decisions)
         winners, reports = self._gather(self.close(), report)
+        _check_same(reports)
         self.open()
         for kind, apply in ACTIONS.items():
             if kind in winners:
@@ -172,3 +176,18 @@ class Round:
             for kind, value in theirs["decisions"].items():
                 winners.setdefault(kind, value)
         return winners, reports
+
+
+def _check_same(reports: List[Optional[dict]]) -> None:
+    """Raises on every worker alike if the reports' "same" entries differ (see the doc)."""
+    seen: Dict[str, Dict[str, List[int]]] = {}
+    for rank, r in enumerate(reports):
+        for key, value in ((r or {}).get("same") or {}).items():
+            seen.setdefault(key, {}).setdefault(str(value), []).append(rank)
+    for key, values in seen.items():
+        if len(values) > 1:
+            which = "; ".join(f"{v} on rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}"
+                              for v, r in values.items())
+            raise RuntimeError(f"kungfu: the workers' {key} differ ({which}): they would train to "
+                               f"different results. Something changed it on some workers only "
+                               f"(a callback or policy that decides from a worker's own values?)")

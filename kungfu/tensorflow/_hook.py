@@ -65,6 +65,7 @@ from kungfu.elastic import Membership, Round, TrainingState
 from kungfu.policy import BasePolicy
 from kungfu.tensorflow._cluster_logs import ClusterLogs
 from kungfu.tensorflow._monitor import monitor_logs, monitor_metrics
+from kungfu.tensorflow._schedule import learning_rate
 from kungfu.tensorflow._variables import KerasVariables
 from kungfu.tensorflow.callbacks import (RECOVERABLE, CallbackStates, RankZeroOutput,
                                          combine_while_training, let_hooks_arrange_callbacks)
@@ -165,10 +166,8 @@ class Hook(keras.callbacks.Callback):
         self._resumed = False  # a joiner whose first Keras epoch continues the others' epoch
         self._train_fn = None  # Keras's own train function (the model's is wrapped)
         self._equal_after_step = False  # the model was not built at the start (_start_equal)
-        # model.fit: progress output and model.save on rank 0 only (kungfu/tensorflow/callbacks.py)
-        self.rank_zero_output = rank_zero_output
-        # model.fit: the cluster's numbers in Keras's logs (CLUSTER_LOG_KEYS).
-        self._cluster = ClusterLogs(cluster_logs)
+        self.rank_zero_output = rank_zero_output  # model.fit: output on rank 0 (callbacks.py)
+        self._cluster = ClusterLogs(cluster_logs)  # model.fit: the cluster's numbers in the logs
         self._output: Optional[RankZeroOutput] = None
         let_hooks_arrange_callbacks()  # kungfu_arrange sees each fit's callbacks first
         # Resize, recovery, commits and the checkpoint (kungfu/elastic).
@@ -268,12 +267,8 @@ class Hook(keras.callbacks.Callback):
             s.global_batch_size = sum(s.batch_sizes)
         elif s.local_batch_size is not None:
             s.global_batch_size = s.local_batch_size * s.cluster_size
-        opt = self.optimizer
-        if opt is not None:
-            try:
-                s.learning_rate = float(keras.ops.convert_to_numpy(opt.learning_rate))
-            except Exception:  # noqa: BLE001 - a schedule or no learning rate: leave it
-                pass
+        lr = learning_rate(self.optimizer)
+        s.learning_rate = s.learning_rate if lr is None else lr
 
     def on_detached(self) -> None:
         _lower_priority()
@@ -554,6 +549,8 @@ class Hook(keras.callbacks.Callback):
             part = self._part
             self._report = {"compute_time": s.metrics["compute_time"],
                             "part_size": 0 if part is None else len(part[0]) * (part[1] > 0)}
+            if s.step_in_epoch == 1:  # after the callbacks' epoch-end decisions: agreed?
+                self._report["same"] = {"learning rates": str(learning_rate(self.optimizer, 32))}
         estimates = monitor_logs(self.optimizer)
         s.metrics.update(estimates)
         if logs is not None:
@@ -675,6 +672,7 @@ class Hook(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.after_step(logs)
+        self._states.apply()  # rank 0's, taken at a switch here: before the epoch end, if any
 
     def on_epoch_end(self, epoch, logs=None):
         self.after_epoch(logs)

@@ -14,8 +14,18 @@ import numbers
 from typing import Callable, Optional, Union
 
 import keras
+import numpy as np
 
 from kungfu.elastic import check_learning_rate
+
+
+def learning_rate(optimizer, bits: int = 64) -> Optional[float]:
+    """The optimizer's learning rate now (a numpy float of `bits`: 32 prints as the variable
+    holds it); None without an optimizer or with a schedule."""
+    try:
+        return getattr(np, f"float{bits}")(keras.ops.convert_to_numpy(optimizer.learning_rate))
+    except Exception:  # noqa: BLE001 - None, a schedule, or no learning rate
+        return None
 
 
 def _check_epoch(value, what: str) -> int:

@@ -220,8 +220,10 @@ class CallbackStates:
         self.pending = None
 
     def read(self) -> list:
+        """Per callback: its class, its public numbers, and whether its lazy set-up ran."""
         return [(type(c).__qualname__, {k: v for k, v in vars(c).items()
-                                         if not k.startswith("_") and isinstance(v, self._KINDS)})
+                                         if not k.startswith("_") and isinstance(v, self._KINDS)},
+                 _set_up(c))
                 for c in self.callbacks]
 
     def load(self, states: list) -> None:
@@ -229,14 +231,26 @@ class CallbackStates:
 
     def apply(self) -> None:
         """Sets the states taken into the callbacks of the same class at the same place in the
-        list (one that differs there is left as it is)."""
+        list (one that differs there is left as it is). A callback whose set-up ran on rank 0
+        runs its own first: Keras's monitoring callbacks (ReduceLROnPlateau, EarlyStopping,
+        ModelCheckpoint) choose their comparison at their first epoch end and turn min_delta's
+        sign with it; rank 0's turned min_delta set before a set-up of the joiner's own would
+        be turned back (a near-tie counted as an improvement: another learning rate)."""
         if self.pending is None:
             return
-        for c, (kind, attrs) in zip(self.callbacks, self.pending):
+        for c, (kind, attrs, set_up) in zip(self.callbacks, self.pending):
             if type(c).__qualname__ == kind:
+                if set_up and not _set_up(c):
+                    c._set_monitor_op()
                 for k, v in attrs.items():
                     setattr(c, k, v)
         self.pending = None
+
+
+def _set_up(callback) -> bool:
+    """Whether a Keras monitoring callback chose its comparison (`_set_monitor_op`, which it
+    runs at its first epoch end); True for a callback without one."""
+    return not hasattr(callback, "_set_monitor_op") or callback.monitor_op is not None
 
 
 class RankZeroOutput:

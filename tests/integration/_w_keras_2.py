@@ -248,6 +248,35 @@ def uneven_shards(hook: bool):
         return {"error": str(e), "seconds": time.monotonic() - start}
 
 
+def drifting_learning_rate():
+    """A callback lowers the learning rate on rank 1 only at the end of epoch 1 (as one that
+    decides from a worker's own metrics would): every worker fails at the next epoch's first
+    step, naming each one's rate."""
+    import time
+
+    import keras
+
+    import kungfu as kf
+
+    x, y = np.ones((32, 4), np.float32), np.zeros((32, 1), np.float32)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(kf.Optimizer(keras.optimizers.SGD(0.1)), "mse")
+
+    def lower(epoch, logs):
+        if epoch == 1 and kf.rank() == 1:
+            model.optimizer.learning_rate = 0.05
+
+    steps = []
+    callbacks = [kf.Hook(), keras.callbacks.LambdaCallback(
+        on_epoch_end=lower, on_train_batch_end=lambda b, logs: steps.append(b))]
+    start = time.monotonic()
+    try:
+        model.fit(x, y, batch_size=8, epochs=4, verbose=0, callbacks=callbacks)
+        return {"error": None, "steps": len(steps)}
+    except RuntimeError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start, "steps": len(steps)}
+
+
 def validation_shares():
     """model.fit with validation_data=kf.validation_dataset(...) (each worker evaluates its share,
     kf.Hook combines): the epoch's val_loss is the loss over the whole validation set."""

@@ -131,6 +131,18 @@ def test_uneven_shards_fail_at_once_naming_each_workers_steps(spawn, hook):
         assert o["seconds"] < 30
 
 
+def test_learning_rates_that_drift_apart_fail_every_worker_at_once(spawn):
+    """A rate changed on one worker only would train each to other weights, silently: the
+    workers agree on their rates after each epoch end and fail together, naming them."""
+    outs = spawn(2, w.drifting_learning_rate, env=ENV, timeout=120)
+    for o in outs:
+        assert o["error"] is not None and "the workers' learning rates differ (0.1 on rank 0; " \
+            "0.05 on rank 1)" in o["error"], o
+        # 4 steps an epoch: the check after epoch 2's first step (the Hook's, before the
+        # others' on_train_batch_end).
+        assert o["steps"] == 8 and o["seconds"] < 30, o
+
+
 def test_validation_shares_cover_the_validation_set_once(spawn):
     outs = spawn(2, w.validation_shares, env=ENV, timeout=120)
     assert [o["rows"] for o in outs] == [list(range(19)), list(range(19, 37))]
