@@ -446,6 +446,8 @@ class ElasticLauncher(Launcher):
         elif rc == 0:
             self.finished[spec] = self.seen
             self.completed.add(spec)
+            if self.latest is not None and self.latest.peers[0] == spec:
+                self._rank_zero_finished(store)
         elif key in self.stopped or self.stopping:
             pass
         elif key in self.leaving:  # left out (a hung worker that woke up late)
@@ -460,6 +462,17 @@ class ElasticLauncher(Launcher):
         else:
             self._report_dead(store, key, rc)
             self.finished[spec] = self.seen
+
+    def _rank_zero_finished(self, store) -> None:
+        """Rank 0 of the latest version exited 0: training is over. kf.Hook says so itself; a
+        script without it does not, and the launchers of the other hosts would wait for the job
+        to grow onto them again."""
+        try:
+            if store.get(DONE_KEY)[0] is None:
+                store.put(DONE_KEY, str(self.latest.version))
+            self.done_seen = True
+        except StoreError as e:
+            self._store_trouble(e)
 
     def _conclude(self) -> None:
         # Before the builtin store goes with _close.

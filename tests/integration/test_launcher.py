@@ -554,6 +554,32 @@ def test_an_elastic_worker_that_exits_before_connecting_fails_the_others_at_once
     assert f"worker 2 ({victim}) exited with code 3" in r.stderr
 
 
+def test_elastic_launchers_on_two_hosts_exit_when_a_script_without_a_hook_ends(script):
+    """-w with a launcher per (loopback) host, running a script that trains without kf.Hook
+    (nothing writes that training ended): when rank 0 exits 0 its launcher says so in the store,
+    and the other host's launcher exits too (it waited for the job to grow onto it again)."""
+    from kungfu._ports import free_ports
+
+    ports = free_port_range(1, hosts=("127.0.0.1", "127.0.0.2"))
+    store_port = free_ports(1)[0]
+    path = script(ALLREDUCE)
+    common = ["-w", "-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1", "-port-range", ports, "-q"]
+    token = secrets.token_hex(32)
+    procs = [subprocess.Popen(launcher_cmd(*common, "-self", ip, *store, PY, path),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env_with_repo(KUNGFU_JOB_TOKEN=token))
+             for ip, store in (("127.0.0.1", ["-builtin-config-port", str(store_port)]),
+                               ("127.0.0.2", ["-config-server",
+                                              f"http://127.0.0.1:{store_port}"]))]
+    try:
+        results = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], results
+    assert sorted({**prefixed(results[0][0]), **prefixed(results[1][0])}) == [0, 1], results
+
+
 def test_the_worker_that_failed_first_is_blamed(tmp_path):
     """Rank 1 exits 1; rank 0 exits 3 a moment later, of the PeerFailedError that rank 1's
     goodbye causes. The launcher must name worker 1 every time, however the two exits are
