@@ -14,29 +14,35 @@ pip install --quiet "setuptools>=64" wheel "pybind11>=2.12" "cmake>=3.18" \
   "tensorflow-cpu==2.21.*" scikit-learn
 pip install --quiet --no-build-isolation -e ".[test]"
 .venv/bin/python -c "import kungfu, kungfu._kungfu; print('kungfu', kungfu.__version__, 'installed')"
-# etcd for tests/unit/test_store_etcd.py (EtcdStore against a real etcd server). Optional: where
-# it cannot be installed, that test skips and the install still succeeds.
-if ! command -v etcd >/dev/null 2>&1; then
-  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
-      && { timeout 300 apt-get update -qq \
-           && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq etcd-server; } \
-         >/dev/null 2>&1 \
-      && command -v etcd >/dev/null 2>&1; then
-    echo "etcd installed: $(command -v etcd)"
-  else
-    echo "etcd-server not installed (no apt-get, not root, or apt-get failed): the etcd test (tests/unit/test_store_etcd.py) will be skipped"
+# Debian packages for optional tests: installed as root with apt-get (their services are not
+# started: the tests start their own); where they cannot be, those tests skip and the install
+# still succeeds. optional_apt COMMAND "PACKAGES" "what skips without them".
+optional_apt() {
+  local cmd=$1 packages=$2 without=$3 policy=""
+  command -v "$cmd" >/dev/null 2>&1 && return 0
+  if ! command -v apt-get >/dev/null 2>&1 || [ "$(id -u)" != 0 ]; then
+    echo "$packages not installed (no apt-get, or not root): $without"
+    return 0
   fi
-fi
-# clang, for the libFuzzer run of the frame and handshake parsers in scripts/test.sh. Optional:
-# without it that run is skipped (the seeded random-frame tests still run under gcc).
-if ! command -v clang++ >/dev/null 2>&1; then
-  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
-      && { timeout 300 apt-get update -qq \
-           && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq clang; } \
-         >/dev/null 2>&1 \
-      && command -v clang++ >/dev/null 2>&1; then
-    echo "clang installed: $(command -v clang++)"
-  else
-    echo "clang not installed (no apt-get, not root, or apt-get failed): the libFuzzer run in scripts/test.sh will be skipped"
+  if [ ! -e /usr/sbin/policy-rc.d ]; then  # keep apt from starting the packages' services
+    policy=/usr/sbin/policy-rc.d
+    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy"
   fi
-fi
+  # shellcheck disable=SC2086 - a list of packages
+  if { timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 600 \
+         apt-get install -y -qq $packages; } >/dev/null 2>&1 \
+      && command -v "$cmd" >/dev/null 2>&1; then
+    echo "$packages installed"
+  else
+    echo "$packages not installed (apt-get failed): $without"
+  fi
+  [ -z "$policy" ] || rm -f "$policy"
+}
+# etcd: EtcdStore against a real etcd server (tests/unit/test_store_etcd.py).
+optional_apt etcd etcd-server "the etcd test (tests/unit/test_store_etcd.py) will be skipped"
+# clang: the libFuzzer run of the frame and handshake parsers in scripts/test.sh (the seeded
+# random-frame tests still run under gcc).
+optional_apt clang++ clang "the libFuzzer run in scripts/test.sh will be skipped"
+# Slurm: kungfu-run in a real two-node Slurm cluster (tests/integration/test_slurm.py).
+optional_apt slurmd "slurmctld slurmd slurm-client iproute2" \
+  "the Slurm tests (tests/integration/test_slurm.py) will be skipped"

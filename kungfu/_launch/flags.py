@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from kungfu import _env, _native, store
 from kungfu._hosts import UsageError, parse_port_range
+from kungfu._launch import slurm
 from kungfu._launch.output import PROG, logger
 
 EXIT_USAGE = 2
@@ -56,6 +57,7 @@ class Options:
     replace: Optional[bool] = None  # -w: start new workers in place of lost ones
     host_cooldown: Optional[float] = None  # -w: seconds a host that failed twice gets no worker
     spares: int = 0  # -w: warm spare processes this launcher keeps (kungfu/_launch/spares.py)
+    slurm: Optional[str] = None  # what was taken from the Slurm step (kungfu/_launch/slurm.py)
 
 
 _HELP = """\
@@ -134,6 +136,11 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
                       be its owner's alone (chmod 600)
   -V, -version        print kungfu-run's version and exit
   -h, -help, --help   print this help and exit
+
+In a Slurm job step (srun --ntasks-per-node=1 kungfu-run ...) and without -H, the hosts are the
+step's nodes, this host is the node it runs on, -np defaults to one worker per allocated GPU (else
+per node), and with -w the first node hosts the config store; the job's secret must still be the
+same on every node (KUNGFU_JOB_TOKEN, which srun passes on). See docs/slurm.md.
 
 The command is run as given; a path to an existing .py file is run with the Python that runs
 kungfu-run (kungfu-run -np 4 train.py).
@@ -265,6 +272,7 @@ def parse_args(argv: Sequence[str]) -> Options:
     """Flags up to the first non-flag argument or '--'; the rest is the worker command."""
     opts = Options()
     args = list(argv)
+    given = set()  # the value flags given (their Options attributes)
     i = 0
     while i < len(args):
         arg = args[i]
@@ -297,7 +305,9 @@ def parse_args(argv: Sequence[str]) -> Options:
             value = args[i]
             i += 1
         _set_value(opts, name, value)
+        given.add(_VALUE_FLAGS[name])
     opts.command = _command(args[i:])
+    opts.slurm = slurm.configure(opts, np_given="np" in given)
     _check_together(opts)
     return opts
 
