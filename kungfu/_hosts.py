@@ -125,3 +125,17 @@ def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     return _is_ipv4(host) and ipaddress.IPv4Address(host).is_loopback
+
+
+@dataclass
+class ManagedHosts:
+    """Where a cluster manager runs a job, one launcher on each host (kungfu/_launch/cluster.py)."""
+
+    manager: str  # "Slurm job 42", "Kubernetes job digits"
+    names: List[str]  # the hosts' names, in the manager's order
+    addresses: List[str]  # the addresses the workers use, in the same order
+    me: int  # this host's position
+    workers: int  # -np when not given
+    slots: int  # at least this many slots a host
+    elastic_slots: int  # with -w, at least this many (room to grow within the allocation)
+    store_port: int  # -w: the builtin store's port on the first host

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from kungfu import _env, _native, store
 from kungfu._hosts import UsageError, parse_port_range
-from kungfu._launch import slurm
+from kungfu._launch import cluster
 from kungfu._launch.output import PROG, logger
 
 EXIT_USAGE = 2
@@ -57,7 +57,7 @@ class Options:
     replace: Optional[bool] = None  # -w: start new workers in place of lost ones
     host_cooldown: Optional[float] = None  # -w: seconds a host that failed twice gets no worker
     spares: int = 0  # -w: warm spare processes this launcher keeps (kungfu/_launch/spares.py)
-    slurm: Optional[str] = None  # what was taken from the Slurm step (kungfu/_launch/slurm.py)
+    manager: Optional[str] = None  # what was taken from Slurm or Kubernetes (_launch/cluster.py)
 
 
 _HELP = """\
@@ -140,7 +140,8 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
 In a Slurm job step (srun --ntasks-per-node=1 kungfu-run ...) and without -H, the hosts are the
 step's nodes, this host is the node it runs on, -np defaults to one worker per allocated GPU (else
 per node), and with -w the first node hosts the config store; the job's secret must still be the
-same on every node (KUNGFU_JOB_TOKEN, which srun passes on). See docs/slurm.md.
+same on every node (KUNGFU_JOB_TOKEN, which srun passes on). See docs/slurm.md. In a pod of a
+Kubernetes Indexed Job, the same come from the Job (docs/kubernetes.md).
 
 The command is run as given; a path to an existing .py file is run with the Python that runs
 kungfu-run (kungfu-run -np 4 train.py).
@@ -307,7 +308,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         _set_value(opts, name, value)
         given.add(_VALUE_FLAGS[name])
     opts.command = _command(args[i:])
-    opts.slurm = slurm.configure(opts, np_given="np" in given)
+    opts.manager = cluster.configure(opts, np_given="np" in given)
     _check_together(opts)
     return opts
 

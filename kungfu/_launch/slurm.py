@@ -21,14 +21,13 @@ node would start its workers several times over: refused.
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import subprocess
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from kungfu._hosts import UsageError
+from kungfu._hosts import ManagedHosts, UsageError
 
 SCONTROL_SECONDS = 10.0  # a healthy controller answers in milliseconds
 STORE_PORTS = (29000, 30000)  # -w: the builtin store's port, chosen by the job's id
@@ -146,39 +145,13 @@ def node_addresses(nodes: Sequence[str]) -> Dict[str, str]:
     return found
 
 
-def configure(opts, np_given: bool, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """Sets opts' hosts, self_host, np (when not given) and, with -w, the config store from
-    the Slurm step kungfu-run runs in (see the module's doc); returns a line saying so, or
-    None when it changed nothing (not in a step, or -H given)."""
-    if opts.hosts is not None:
-        return None
+def hosts(environ: Optional[Mapping[str, str]] = None) -> Optional[ManagedHosts]:
+    """The hosts of the Slurm step kungfu-run runs in (see the module's doc), or None."""
     s = step(os.environ if environ is None else environ)
     if s is None:
         return None
-    if opts.self_host is not None or opts.nic is not None:
-        raise UsageError("in a Slurm step kungfu-run takes this host from Slurm: give -self or "
-                         "-nic only with -H")
     found = node_addresses(s.nodes)
-    addr = {n: found.get(n, n) for n in s.nodes}
-    if len(set(addr.values())) < len(s.nodes):
-        shown = ", ".join(f"{n}={a}" for n, a in addr.items())
-        raise UsageError(f"the step's nodes share addresses ({shown}): give -H and -self")
-    if not np_given:
-        opts.np = len(s.nodes) * max(s.gpus, 1)
-    slots = max(math.ceil(opts.np / len(s.nodes)), s.gpus)
-    if opts.elastic:
-        slots = max(slots, s.cpus)
-    opts.hosts = ",".join(f"{addr[n]}:{slots}" for n in s.nodes)
-    opts.self_host = addr[s.me]
-    store = ""
-    if opts.elastic and opts.builtin_config_port is None and opts.config_server is None:
-        low, high = STORE_PORTS
-        port = low + int(s.job_id) % (high - low) if s.job_id.isdigit() else low
-        if s.me == s.nodes[0]:
-            opts.builtin_config_port = port
-        else:
-            opts.config_server = f"http://{addr[s.nodes[0]]}:{port}"
-        store = f"; the config store on {s.nodes[0]}, port {port}"
-    return (f"Slurm job {s.job_id}: {opts.np} worker{'s' * (opts.np != 1)} on "
-            f"{len(s.nodes)} node{'s' * (len(s.nodes) != 1)} ({opts.hosts}), this one "
-            f"{s.me} ({addr[s.me]}){store}")
+    low, high = STORE_PORTS
+    return ManagedHosts(f"Slurm job {s.job_id}", s.nodes, [found.get(n, n) for n in s.nodes],
+                        s.nodes.index(s.me), len(s.nodes) * max(s.gpus, 1), s.gpus, s.cpus,
+                        low + int(s.job_id) % (high - low) if s.job_id.isdigit() else low)

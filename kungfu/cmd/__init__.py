@@ -36,8 +36,8 @@ def run(argv: Sequence[str]) -> int:
             return 0
         output.configure_logging(output._Output(output._binary(sys.stderr)), opts.quiet,
                                  opts.verbose)
-        if opts.slurm:
-            output.logger.info(opts.slurm)
+        if opts.manager:
+            output.logger.info(opts.manager)
         job = plan.prepare(opts)
     except UsageError as e:
         sys.stderr.write(f"{flags.PROG}: {e}\n")

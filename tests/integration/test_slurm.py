@@ -82,7 +82,7 @@ def _digests(text: str) -> dict:
 def test_one_srun_line_trains_over_two_nodes(cluster, tmp_path):
     text = _sbatch(cluster, tmp_path, "srun kungfu-run -np 2 python examples/keras_digits.py "
                    "--epochs 2")
-    assert "Slurm job" in text and "2 workers on 2 nodes (10." in text, text
+    assert "Slurm job" in text and "2 workers on 2 hosts (10." in text, text
     digests = _digests(text)
     assert sorted(digests) == [0, 1] and len(set(digests.values())) == 1, text
     # Each node ran its own worker: the launchers said which node they are.

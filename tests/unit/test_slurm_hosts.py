@@ -54,7 +54,7 @@ def test_a_step_gives_the_hosts_this_host_and_one_worker_per_node(monkeypatch):
     opts = _parse(["python", "train.py"], STEP, monkeypatch=monkeypatch)
     assert (opts.np, opts.hosts, opts.self_host) == (
         3, "10.0.0.1:1,10.0.0.2:1,10.0.0.7:1", "10.0.0.2")
-    assert "Slurm job 4242: 3 workers on 3 nodes" in opts.slurm and "this one n2" in opts.slurm
+    assert "Slurm job 4242: 3 workers on 3 hosts" in opts.manager and "this one n2" in opts.manager
     # The plan places rank 1 here, as -H and -self would.
     job = plan.prepare(_with_token(opts, monkeypatch))
     assert [(w.rank, w.host) for w in job.mine] == [(1, "10.0.0.2")]
@@ -100,13 +100,13 @@ def test_names_stand_for_addresses_when_scontrol_does_not_answer(monkeypatch):
 ])
 def test_outside_a_step_nothing_changes(monkeypatch, environ):
     opts = _parse(["-np", "2", "python", "train.py"], environ, monkeypatch=monkeypatch)
-    assert (opts.hosts, opts.self_host, opts.slurm) == (None, None, None)
+    assert (opts.hosts, opts.self_host, opts.manager) == (None, None, None)
 
 
 def test_given_hosts_win(monkeypatch):
     opts = _parse(["-H", "10.1.1.1:2", "-self", "10.1.1.1", "python", "x.py"], STEP,
                   monkeypatch=monkeypatch)
-    assert (opts.hosts, opts.self_host, opts.slurm) == ("10.1.1.1:2", "10.1.1.1", None)
+    assert (opts.hosts, opts.self_host, opts.manager) == ("10.1.1.1:2", "10.1.1.1", None)
 
 
 @pytest.mark.parametrize("argv, environ, problem", [
