@@ -111,7 +111,9 @@ def job_token(opts: Options, alone: bool) -> str:
     if not alone:
         raise UsageError("a job with a launcher on each host needs one secret on every host: "
                          "give each launcher the same -job-token-file FILE, or set "
-                         "KUNGFU_JOB_TOKEN to the same value")
+                         "KUNGFU_JOB_TOKEN to the same value (make one with python3 -c "
+                         "\"import secrets; print(secrets.token_hex(32))\"; under Slurm, "
+                         "export it before srun, which passes it on)")
     return secrets.token_hex(32)
 
 

@@ -96,3 +96,15 @@ def test_an_elastic_job_finds_its_store_on_the_first_node(cluster, tmp_path):
     assert "the config store on n1" in text, text
     digests = _digests(text)
     assert sorted(digests) == [0, 1] and len(set(digests.values())) == 1, text
+
+
+@pytest.mark.timeout(120)
+def test_a_step_without_the_jobs_secret_is_refused_saying_how_to_make_one(cluster):
+    env = _env(cluster, "")
+    del env["KUNGFU_JOB_TOKEN"]
+    r = subprocess.run(["srun", "-N", "2", "--ntasks-per-node=1", "kungfu-run", "-np", "2",
+                        "true"], capture_output=True, text=True, env=env, cwd=REPO_ROOT,
+                       timeout=100, check=False)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert r.stderr.count("needs one secret on every host") == 2, r.stderr
+    assert "secrets.token_hex(32)" in r.stderr and "export it before srun" in r.stderr, r.stderr
