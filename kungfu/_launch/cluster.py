@@ -25,6 +25,7 @@ def configure(opts, np_given: bool) -> Optional[str]:
 
 
 def place(opts, np_given: bool, h: ManagedHosts) -> str:
+    """Sets opts as -H, -self, -np and -w's store would for the hosts `h`; the line to print."""
     if opts.self_host is not None or opts.nic is not None:
         raise UsageError(f"under a cluster manager ({h.manager}) kungfu-run takes this host from "
                          f"it: give -self or -nic only with -H")
