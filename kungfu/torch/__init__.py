@@ -1,0 +1,69 @@
+"""kungfu.torch: the PyTorch binding (docs/torch.md), under the original KungFu's names.
+
+    import kungfu.torch as kf
+    kf.broadcast_parameters(model.state_dict())
+    optimizer = kf.optimizers.SynchronousSGDOptimizer(optimizer, model.named_parameters())
+
+Importing it imports torch; `import kungfu` alone never does. Launch workers with
+`kungfu-run -np N python train.py`.
+"""
+from __future__ import annotations
+
+from kungfu import _peer
+from kungfu.torch import ops, optimizers
+from kungfu.torch.ops import (
+    Handle,
+    all_gather,
+    all_reduce,
+    all_reduce_async,
+    all_reduce_fn,
+    broadcast,
+    broadcast_async,
+    broadcast_parameters,
+    inplace_all_reduce_async_op,
+    inplace_all_reduce_op,
+    wait_all_handles,
+    wait_handle,
+)
+
+
+def rank() -> int:
+    """This worker's rank, 0 <= rank < size()."""
+    return _peer.identity().rank
+
+
+def size() -> int:
+    """The number of workers in the cluster."""
+    return _peer.identity().size
+
+
+def local_rank() -> int:
+    """This worker's index among the workers on its host (e.g. its GPU)."""
+    return _peer.identity().local_rank
+
+
+def local_size() -> int:
+    """The number of workers on this worker's host."""
+    return _peer.identity().local_size
+
+
+__all__ = [
+    "ops",
+    "optimizers",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "Handle",
+    "all_gather",
+    "all_reduce",
+    "all_reduce_async",
+    "all_reduce_fn",
+    "broadcast",
+    "broadcast_async",
+    "broadcast_parameters",
+    "inplace_all_reduce_async_op",
+    "inplace_all_reduce_op",
+    "wait_all_handles",
+    "wait_handle",
+]

@@ -1,0 +1,5 @@
+"""Distributed optimizers wrapping a torch optimizer (kungfu.torch.optimizers, as in KungFu)."""
+from kungfu.torch.optimizers.sync_sgd import SynchronousSGDOptimizer
+from kungfu.torch.optimizers.sync_sma import SynchronousAveragingOptimizer
+
+__all__ = ["SynchronousSGDOptimizer", "SynchronousAveragingOptimizer"]

@@ -1,0 +1,50 @@
+"""Wrapping a user's torch optimizer: an instance of a subclass of its own class (so that
+isinstance(opt, torch.optim.SGD) and LR schedulers keep working) sharing its param_groups and
+state, with a KungFu mixin in front of it in the MRO."""
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, List, Optional, Tuple
+
+import torch
+
+from kungfu.torch.ops import agree_on
+
+# Each wrapped optimizer names its collectives with its own number: workers that build their
+# optimizers in the same order give them the same numbers.
+_numbers = itertools.count()
+
+
+def named_params(optimizer: torch.optim.Optimizer,
+                 named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]]
+                 ) -> List[Tuple[str, torch.Tensor]]:
+    """The optimizer's parameters in its param_groups' order, named by named_parameters where it
+    names them and by their place (`group{g}.{i}`) otherwise; the names are unique."""
+    names = {}
+    for n, p in (named_parameters or ()):
+        names.setdefault(id(p), str(n))
+    out, seen = [], set()
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            name = names.get(id(p), f"group{g}.{i}")
+            if name in seen:
+                name = f"{name}@group{g}.{i}"
+            seen.add(name)
+            out.append((name, p))
+    return out
+
+
+def wrap(mixin: type, optimizer, named_parameters, what: str, **options):
+    """An optimizer of class (mixin, type(optimizer)) sharing optimizer's state, set up by
+    mixin._kungfu_init(params, prefix, **options) after every worker agreed on the parameters'
+    names, shapes and dtypes (a collective: every worker must wrap its optimizer)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{what} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    params = named_params(optimizer, named_parameters)
+    prefix = f"kungfu.torch.{mixin.__name__.strip('_')}{next(_numbers)}"
+    agree_on(params, what, prefix)
+    cls = type(type(optimizer).__name__, (mixin, type(optimizer)), {"__module__": __name__})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and hooks
+    wrapped._kungfu_init(params, prefix, **options)
+    return wrapped
