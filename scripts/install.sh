@@ -14,6 +14,12 @@ pip install --quiet "setuptools>=64" wheel "pybind11>=2.12" "cmake>=3.18" \
   "tensorflow-cpu==2.21.*" scikit-learn
 pip install --quiet --no-build-isolation -e ".[test]"
 .venv/bin/python -c "import kungfu, kungfu._kungfu; print('kungfu', kungfu.__version__, 'installed')"
+# torch for kungfu.torch (docs/torch.md), optional: without it kungfu works and its tests skip.
+if pip install --quiet "torch==2.13.0"; then
+  echo "torch 2.13.0 installed (kungfu.torch)"
+else
+  echo "torch not installed: kungfu.torch and its tests (tests/integration/test_torch.py) skip"
+fi
 # Debian packages for optional tests: installed as root with apt-get (their services are not
 # started: the tests start their own); where they cannot be, those tests skip and the install
 # still succeeds. optional_apt COMMAND "PACKAGES" "what skips without them".
