@@ -444,7 +444,7 @@ class ElasticLauncher(Launcher):
         if rc == 0 and key in self.leaving:
             pass  # left out by a version: a later one may want this peer again
         elif rc == 0:
-            self.finished[spec] = self.seen
+            self.finished[spec] = self._version_now(store)
             self.completed.add(spec)
             if self.latest is not None and self.latest.peers[0] == spec:
                 self._rank_zero_finished(store)
@@ -463,16 +463,29 @@ class ElasticLauncher(Launcher):
             self._report_dead(store, key, rc)
             self.finished[spec] = self.seen
 
+    def _version_now(self, store) -> int:
+        """The latest cluster version, read now: a worker that exits 0 finished every version
+        written before its exit, also one this launcher's polls have not seen yet (else the next
+        poll would start it again there: the script run a second time)."""
+        try:
+            cfg, _ = store.config()
+        except StoreError:
+            return self.seen
+        return self.seen if cfg is None else max(self.seen, cfg.version)
+
     def _rank_zero_finished(self, store) -> None:
         """Rank 0 of the latest version exited 0: training is over. kf.Hook says so itself; a
         script without it does not, and the launchers of the other hosts would wait for the job
-        to grow onto them again."""
+        to grow onto them again. (A store that does not answer is reported by the polls; the
+        other launchers then stop waiting for it anyway.)"""
+        if all(p.rpartition(":")[0] in self.here for p in self.latest.peers):
+            return  # no other launcher to tell
         try:
             if store.get(DONE_KEY)[0] is None:
                 store.put(DONE_KEY, str(self.latest.version))
             self.done_seen = True
-        except StoreError as e:
-            self._store_trouble(e)
+        except StoreError:
+            pass
 
     def _conclude(self) -> None:
         # Before the builtin store goes with _close.

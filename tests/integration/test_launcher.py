@@ -580,6 +580,33 @@ def test_elastic_launchers_on_two_hosts_exit_when_a_script_without_a_hook_ends(s
     assert sorted({**prefixed(results[0][0]), **prefixed(results[1][0])}) == [0, 1], results
 
 
+def test_a_worker_that_finishes_right_after_a_shrink_is_not_started_again(script):
+    """Rank 0 shrinks the job to itself and exits 0 at once; rank 1, left out, takes a moment.
+    The launcher saw rank 0 exit before its poll saw the new version, which lists rank 0's
+    place: it started a new worker there, the script ran a second time (1 run in 4 here; in a
+    loaded CI, dozens of times over, each run resizing again)."""
+    path = script("""
+        import os, time
+        import numpy as np
+        import kungfu as kf
+        from kungfu.python import resize
+
+        kf.allreduce(np.ones(1))
+        print("run", kf.rank(), kf.size(), flush=True)
+        if kf.size() == 2:
+            was = kf.rank()
+            resize(1)
+            if was == 1:
+                time.sleep(1.5)  # left out: the launcher polls meanwhile
+    """)
+    for _ in range(4):
+        r = run_launcher("-w", "-np", "2", "-H", "127.0.0.1:2", "-port-range", free_port_range(2),
+                         "-builtin-config-port", "auto", "-q", PY, path, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert sorted(line for line in r.stdout.splitlines() if "run" in line) == [
+            "[0] run 0 2", "[1] run 1 2"], r.stdout + r.stderr
+
+
 def test_the_worker_that_failed_first_is_blamed(tmp_path):
     """Rank 1 exits 1; rank 0 exits 3 a moment later, of the PeerFailedError that rank 1's
     goodbye causes. The launcher must name worker 1 every time, however the two exits are
