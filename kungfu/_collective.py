@@ -565,7 +565,48 @@ def consensus(x, name: Optional[str] = None, timeout: Optional[float] = None,
     return consensus_async(x, name, timeout, process_set).wait()
 
 
+def save(name: str, x) -> None:
+    """Serves a copy of array `x` to peers as this worker's blob `name` (replacing the last one
+    saved under that name, atomically: a request sees the old or the new bytes, never a mix),
+    until it is replaced or dropped. A peer takes it with request(); nothing waits here."""
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"save: name must be a non-empty str, got {name!r}")
+    inp = _Input(x)
+    raise_for_status(_peer.get().save(name, inp.array.reshape(-1).view(np.uint8), inp.code))
+
+
+def request_async(target: int, name: str, like=None, out: Optional[np.ndarray] = None,
+                  timeout: Optional[float] = None) -> Handle:
+    """Worker `target`'s blob `name` (saved with save()), into `out` or a new array shaped and
+    typed like `like`. The blob must be exactly that large and of that dtype (else
+    InvalidArgumentError naming both); a target without it fails with NotFoundError naming the
+    target and the blob."""
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"request: name must be a non-empty str, got {name!r}")
+    if out is None:
+        if like is None:
+            raise InvalidArgumentError("request: give like= (the blob's shape and dtype) or out=")
+        like = np.asarray(like)
+        out = np.empty(like.shape, like.dtype)
+    elif not (isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable):
+        raise InvalidArgumentError("request: out must be a writable C-contiguous numpy array")
+    peer = _peer.get()
+    if isinstance(target, bool) or not isinstance(target, (int, np.integer)) \
+            or not 0 <= int(target) < peer.size:
+        raise InvalidArgumentError(f"request: target must be a rank in [0, {peer.size}), got "
+                                   f"{target!r}")
+    native = peer.request(int(target), name, out.reshape(-1).view(np.uint8),
+                          _dtype_code(out.dtype), _timeout_ms(timeout))
+    return Handle(native, lambda: out)
+
+
+def request(target: int, name: str, like=None, out: Optional[np.ndarray] = None,
+            timeout: Optional[float] = None) -> np.ndarray:
+    """request_async(...).wait(): worker `target`'s blob `name` as an array."""
+    return request_async(target, name, like, out, timeout).wait()
+
+
 def drop(name: str) -> None:
-    """Forgets this worker's stored blob `name` (kungfu.tensorflow.ops.save_variable); a later
-    request for it fails with NotFound."""
+    """Forgets this worker's stored blob `name` (save(), or kungfu.tensorflow.ops.save_variable);
+    a later request for it fails with NotFound."""
     _peer.get().drop(name)

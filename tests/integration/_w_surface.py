@@ -59,6 +59,37 @@ def numpy_surface() -> dict:
         {"from": r, "blob": b"x" * 100000} if r == n - 1 else None, root=n - 1)
     out["allgather_object"] = kf.allgather_object(("rank", r, "y" * (1000 * r)))
 
+    # The peer-to-peer store: each worker saves a blob, reads its right neighbour's.
+    from kungfu import _collective
+
+    _collective.save("p2p/x", np.arange(6, dtype=np.float64).reshape(2, 3) * (r + 1))
+    _collective.save("p2p/x", np.arange(6, dtype=np.float64).reshape(2, 3) * (r + 10))  # replaces
+    kf.barrier(name="p2p/saved")
+    right = (r + 1) % n
+    out["p2p"] = _collective.request(right, "p2p/x", like=np.zeros((2, 3))).tolist()
+    into = np.zeros((2, 3))
+    _collective.request(right, "p2p/x", out=into)
+    out["p2p/out"] = into.tolist()
+    for case, call in {"p2p/dtype": lambda: _collective.request(right, "p2p/x",
+                                                                like=np.zeros((2, 3), np.float32)),
+                       "p2p/size": lambda: _collective.request(right, "p2p/x",
+                                                               like=np.zeros(5)),
+                       "p2p/missing": lambda: _collective.request(right, "p2p/none",
+                                                                  like=np.zeros(1))}.items():
+        try:
+            call()
+            out[case] = None
+        except errors.KungFuError as e:
+            out[case] = f"{type(e).__name__}: {e}"
+    kf.barrier(name="p2p/read")
+    _collective.drop("p2p/x")
+    kf.barrier(name="p2p/dropped")
+    try:
+        _collective.request(right, "p2p/x", like=np.zeros((2, 3)))
+        out["p2p/dropped"] = None
+    except errors.NotFoundError as e:
+        out["p2p/dropped"] = str(e)
+
     # Disagreements and bad input: every rank fails, and the next op still pairs.
     cases = {
         # rows of other shapes beyond axis 0

@@ -91,6 +91,18 @@ def test_objects_travel_pickled(numpy_runs, n):
         assert res["allgather_object"] == [("rank", k, "y" * (1000 * k)) for k in range(n)]
 
 
+@pytest.mark.parametrize("n", NPS)
+def test_the_peer_to_peer_store_serves_each_workers_last_blob(numpy_runs, n):
+    for r, res in enumerate(numpy_runs(n)):
+        want = (np.arange(6, dtype=np.float64).reshape(2, 3) * ((r + 1) % n + 10)).tolist()
+        assert res["p2p"] == want and res["p2p/out"] == want, r
+        assert res["p2p/dtype"].startswith("InvalidArgumentError"), res["p2p/dtype"]
+        assert res["p2p/size"].startswith("InvalidArgumentError"), res["p2p/size"]
+        assert res["p2p/missing"].startswith("NotFoundError"), res["p2p/missing"]
+        assert "p2p/none" in res["p2p/missing"]
+        assert "p2p/x" in res["p2p/dropped"], res["p2p/dropped"]
+
+
 MISMATCH_WORDS = {"alltoall-shape": "shape", "alltoall-splits": "splits",
                   "reducescatter-shape": "shape", "reducescatter-op": "avg",
                   "reducescatter-scalar": "rank >= 1"}
