@@ -12,9 +12,12 @@ state machine.
   (training, proposing, waiting for joiners, switching, recovering), with the in-memory commits
   and the durable checkpoint; a framework binding supplies `Variables` (capture and restore).
 - `_checkpoint.py`: the checkpoint file's format (header, checksum) and its atomic write.
+- `_data.py`: `ElasticData`, training samples addressed by global offset (every sample once per
+  epoch across resizes and failures), served as numpy batches.
 
-kf.Hook (kungfu/tensorflow/_hook.py) is the TensorFlow trainer; kungfu/tensorflow/_variables.py
-its binding. Nothing here imports a framework or the launcher.
+The trainer that drives them is a `kungfu._loop.Loop`: kf.Hook (kungfu/tensorflow/_hook.py, with
+its binding kungfu/tensorflow/_variables.py) and kungfu.torch's ElasticTrainer. Nothing here
+imports a framework or the launcher.
 """
 from kungfu.elastic._actions import (  # noqa: F401
     check_batch_size,
@@ -28,6 +31,7 @@ from kungfu.elastic._actions import (  # noqa: F401
     set_tree,
 )
 from kungfu.elastic._checkpoint import CheckpointError, check_writable  # noqa: F401
+from kungfu.elastic._data import ElasticData  # noqa: F401
 from kungfu.elastic._membership import (  # noqa: F401
     Commit,
     Membership,
