@@ -4,13 +4,18 @@
     kf.broadcast_parameters(model.state_dict())
     optimizer = kf.optimizers.SynchronousSGDOptimizer(optimizer, model.named_parameters())
 
+    trainer = kf.ElasticTrainer(model, optimizer, MyPolicy(), data=kf.ElasticData(x, y))
+    trainer.fit(train_step, epochs=5)                # elastic: resize, recovery, policies
+
 Importing it imports torch; `import kungfu` alone never does. Launch workers with
 `kungfu-run -np N python train.py`.
 """
 from __future__ import annotations
 
 from kungfu import _peer
+from kungfu.elastic import ElasticData
 from kungfu.torch import ops, optimizers
+from kungfu.torch.elastic import ElasticTrainer
 from kungfu.torch.ops import (
     Handle,
     all_gather,
@@ -54,6 +59,8 @@ __all__ = [
     "size",
     "local_rank",
     "local_size",
+    "ElasticData",
+    "ElasticTrainer",
     "Handle",
     "all_gather",
     "all_reduce",

@@ -8,6 +8,7 @@ from typing import Iterable, List, Optional, Tuple
 
 import torch
 
+from kungfu import _peer
 from kungfu.torch.ops import agree_on
 
 # Each wrapped optimizer names its collectives with its own number: workers that build their
@@ -37,12 +38,14 @@ def named_params(optimizer: torch.optim.Optimizer,
 def wrap(mixin: type, optimizer, named_parameters, what: str, **options):
     """An optimizer of class (mixin, type(optimizer)) sharing optimizer's state, set up by
     mixin._kungfu_init(params, prefix, **options) after every worker agreed on the parameters'
-    names, shapes and dtypes (a collective: every worker must wrap its optimizer)."""
+    names, shapes and dtypes (a collective: every worker must wrap its optimizer; a worker
+    joining an elastic job does not take part, kungfu.torch.ElasticTrainer checks it)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{what} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     params = named_params(optimizer, named_parameters)
     prefix = f"kungfu.torch.{mixin.__name__.strip('_')}{next(_numbers)}"
-    agree_on(params, what, prefix)
+    if not _peer.joining():  # a joiner's are compared with rank 0's when it joins
+        agree_on(params, what, prefix)
     cls = type(type(optimizer).__name__, (mixin, type(optimizer)), {"__module__": __name__})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and hooks

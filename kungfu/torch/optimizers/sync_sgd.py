@@ -67,6 +67,11 @@ class _SynchronousSGD:
                 if id(p) in absent and count > 0:
                     p.grad = absent[id(p)]
 
+    def _kungfu_forget(self) -> None:
+        """After a recovery (kungfu.torch.ElasticTrainer): the averages still pending belong to
+        the cluster that lost a worker; they are dropped, not waited for."""
+        self._kungfu_pending = {}
+
     def step(self, closure=None):
         loss = None
         if closure is not None:
