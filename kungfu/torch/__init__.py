@@ -16,20 +16,7 @@ from kungfu import _peer
 from kungfu.elastic import ElasticData
 from kungfu.torch import ops, optimizers
 from kungfu.torch.elastic import ElasticTrainer
-from kungfu.torch.ops import (
-    Handle,
-    all_gather,
-    all_reduce,
-    all_reduce_async,
-    all_reduce_fn,
-    broadcast,
-    broadcast_async,
-    broadcast_parameters,
-    inplace_all_reduce_async_op,
-    inplace_all_reduce_op,
-    wait_all_handles,
-    wait_handle,
-)
+from kungfu.torch.ops import *  # noqa: F401,F403 - the collectives, under KungFu's names
 
 
 def rank() -> int:
@@ -61,16 +48,4 @@ __all__ = [
     "local_size",
     "ElasticData",
     "ElasticTrainer",
-    "Handle",
-    "all_gather",
-    "all_reduce",
-    "all_reduce_async",
-    "all_reduce_fn",
-    "broadcast",
-    "broadcast_async",
-    "broadcast_parameters",
-    "inplace_all_reduce_async_op",
-    "inplace_all_reduce_op",
-    "wait_all_handles",
-    "wait_handle",
-]
+] + [name for name in ops.__all__ if name != "agree_on"]

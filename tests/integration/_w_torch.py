@@ -108,14 +108,14 @@ def train_reference(n_workers: int, steps: int, momentum: float):
     return [p.detach().numpy().copy() for p in model.parameters()]
 
 
-def train(kind: str, steps: int, momentum: float):
+def train(kind: str, steps: int, momentum: float, **options):
     r, n = kf.rank(), kf.size()
     model = mlp(seed=r)  # different initial weights per rank: the broadcast must fix them
     kf.broadcast_parameters(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     wrap = {"sgd": kf.optimizers.SynchronousSGDOptimizer,
             "sma": kf.optimizers.SynchronousAveragingOptimizer}[kind]
-    opt = wrap(opt, named_parameters=model.named_parameters())
+    opt = wrap(opt, named_parameters=model.named_parameters(), **options)
     x, y = data(n)
     shard = slice(r * 8, (r + 1) * 8)
     for _ in range(steps):
@@ -125,14 +125,15 @@ def train(kind: str, steps: int, momentum: float):
     return [p.detach().numpy().copy() for p in model.parameters()]
 
 
-def partial_grads():
+def partial_grads(bucket_bytes: int):
     """Parameter `a` is used everywhere, `b` only on rank 0, `c` nowhere."""
     r, n = kf.rank(), kf.size()
     torch.manual_seed(0)
     a, b, c = (torch.nn.Linear(2, 2).double() for _ in range(3))
     named = [(f"{k}.{n_}", p) for k, m in zip("abc", (a, b, c)) for n_, p in m.named_parameters()]
     opt = kf.optimizers.SynchronousSGDOptimizer(
-        torch.optim.SGD([p for _, p in named], lr=1.0, weight_decay=0.5), named)
+        torch.optim.SGD([p for _, p in named], lr=1.0, weight_decay=0.5), named,
+        bucket_bytes=bucket_bytes)
     x = torch.ones(1, 2, dtype=torch.float64) * (r + 1)
     loss = a(x).sum() + (b(x).sum() if r == 0 else 0)
     loss.backward()

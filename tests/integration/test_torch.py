@@ -54,10 +54,15 @@ def test_broadcast_parameters_copies_roots_state_dict(spawn):
             np.testing.assert_array_equal(after[k], before0[k], k)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_synchronous_sgd_matches_one_process_on_the_whole_batch(spawn, n):
+# Bucket sizes: one allreduce per parameter (0); buckets of 1-2 parameters of this MLP's
+# (float64: 40, 8, 64 and 8 bytes, so 64 makes buckets [b2, w2], [b1], [w1]); one bucket for all.
+BUCKETS = [0, 64, 4 << 20]
+
+
+@pytest.mark.parametrize("n,bucket_bytes", [(2, 0), (3, 64), (3, 4 << 20)])
+def test_synchronous_sgd_matches_one_process_on_the_whole_batch(spawn, n, bucket_bytes):
     steps, momentum = 5, 0.9
-    ranks = spawn(n, w.train, "sgd", steps, momentum)
+    ranks = spawn(n, w.train, "sgd", steps, momentum, kwargs={"bucket_bytes": bucket_bytes})
     reference = w.train_reference(n, steps, momentum)
     initial = [p.detach().numpy() for p in w.mlp(seed=0).parameters()]
     for params in ranks:
@@ -77,8 +82,9 @@ def test_synchronous_averaging_with_plain_sgd_matches_one_process(spawn):
             np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
-def test_gradients_missing_on_some_workers(spawn):
-    results = spawn(3, w.partial_grads)
+@pytest.mark.parametrize("bucket_bytes", BUCKETS)
+def test_gradients_missing_on_some_workers(spawn, bucket_bytes):
+    results = spawn(3, w.partial_grads, bucket_bytes)
     for got in results:
         # a's gradient: each rank's x = (r + 1) * ones, averaged over the 3 ranks
         np.testing.assert_array_equal(got["a"], np.full((2, 2), 2.0))
