@@ -159,3 +159,24 @@ def mismatched_model(where: str):
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def pair_averaging(lr: float, steps: int):
+    """Every rank starts from its own weights (no broadcast) and pair-averages `steps` times
+    with learning rate `lr`; returns the initial and final weights and the losses."""
+    r, n = kf.rank(), kf.size()
+    model = mlp(seed=r)
+    initial = [p.detach().numpy().copy() for p in model.parameters()]
+    opt = kf.optimizers.PairAveragingOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                               model.named_parameters())
+    x, y = data(n)
+    shard = slice(r * 8, (r + 1) * 8)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x[shard]), y[shard])
+        loss.backward()
+        opt.step()
+        losses.append(float(torch.nn.functional.mse_loss(model(x), y)))
+    kf.all_reduce(torch.zeros(1), name="done")  # no worker leaves while others may fetch
+    return initial, [p.detach().numpy().copy() for p in model.parameters()], losses

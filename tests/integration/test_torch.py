@@ -82,6 +82,24 @@ def test_synchronous_averaging_with_plain_sgd_matches_one_process(spawn):
             np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
+def test_pair_averaging_pulls_the_models_together(spawn):
+    # lr 0: only the averaging moves the weights. Every value stays a mean of the workers'
+    # initial values (inside their range), and the spread between the workers shrinks.
+    n, steps = 3, 12
+    results = spawn(n, w.pair_averaging, 0.0, steps)
+    for i in range(len(results[0][0])):
+        start = np.stack([res[0][i] for res in results])
+        end = np.stack([res[1][i] for res in results])
+        assert (end >= start.min(0) - 1e-12).all() and (end <= start.max(0) + 1e-12).all()
+        assert np.ptp(end, axis=0).max() < 0.1 * np.ptp(start, axis=0).max(), i
+
+
+def test_pair_averaging_trains(spawn):
+    results = spawn(2, w.pair_averaging, 0.1, 30)
+    for _, _, losses in results:
+        assert losses[-1] < 0.5 * losses[0], losses
+
+
 @pytest.mark.parametrize("bucket_bytes", BUCKETS)
 def test_gradients_missing_on_some_workers(spawn, bucket_bytes):
     results = spawn(3, w.partial_grads, bucket_bytes)

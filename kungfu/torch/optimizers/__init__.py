@@ -1,5 +1,6 @@
 """Distributed optimizers wrapping a torch optimizer (kungfu.torch.optimizers, as in KungFu)."""
+from kungfu.torch.optimizers.pair_averaging import PairAveragingOptimizer
 from kungfu.torch.optimizers.sync_sgd import SynchronousSGDOptimizer
 from kungfu.torch.optimizers.sync_sma import SynchronousAveragingOptimizer
 
-__all__ = ["SynchronousSGDOptimizer", "SynchronousAveragingOptimizer"]
+__all__ = ["SynchronousSGDOptimizer", "SynchronousAveragingOptimizer", "PairAveragingOptimizer"]
