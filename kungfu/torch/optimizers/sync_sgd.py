@@ -11,7 +11,7 @@ from kungfu import _collective
 from kungfu.torch.ops import Handle, all_reduce_async
 from kungfu.torch.optimizers._wrap import wrap
 
-BUCKET_BYTES = 4 << 20  # measured in benchmarks/README.md, "torch_ddp.py"
+BUCKET_BYTES = 25 << 20  # as DDP's; measured in benchmarks/README.md, "torch_ddp.py"
 
 
 class _Bucket:
