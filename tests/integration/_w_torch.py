@@ -125,7 +125,7 @@ def train(kind: str, steps: int, momentum: float, **options):
     return [p.detach().numpy().copy() for p in model.parameters()]
 
 
-def partial_grads(bucket_bytes: int):
+def partial_grads(bucket_bytes=None):
     """Parameter `a` is used everywhere, `b` only on rank 0, `c` nowhere."""
     r, n = kf.rank(), kf.size()
     torch.manual_seed(0)
@@ -133,7 +133,7 @@ def partial_grads(bucket_bytes: int):
     named = [(f"{k}.{n_}", p) for k, m in zip("abc", (a, b, c)) for n_, p in m.named_parameters()]
     opt = kf.optimizers.SynchronousSGDOptimizer(
         torch.optim.SGD([p for _, p in named], lr=1.0, weight_decay=0.5), named,
-        bucket_bytes=bucket_bytes)
+        **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
     x = torch.ones(1, 2, dtype=torch.float64) * (r + 1)
     loss = a(x).sum() + (b(x).sum() if r == 0 else 0)
     loss.backward()

@@ -100,16 +100,19 @@ def test_elastic_grow_to_second_host_and_shrink(hosts, tmp_path, monkeypatch):
 def test_a_host_that_loses_all_its_workers(hosts, tmp_path, monkeypatch):
     """-np 4 over a:2,b:2; both of b's workers (ranks 2 and 3) are killed after step 5. The
     workers on a recover without them and go on; b's launcher, which keeps watching, starts
-    replacements in the freed slots, which join. Both launchers exit 0 listing what the job
-    survived."""
+    replacements in the freed slots, which join (together, in one version). Both launchers
+    exit 0 listing what the job survived."""
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "3")
     out = tmp_path / "records"
     out.mkdir()
     a, b = hosts.ip
     common = ["-w", "-np", "4", "-H", f"{a}:2,{b}:2", "-port-range", f"{PORTS[0]}-{PORTS[1]}",
               "-timeout", f"{JOB_TIMEOUT + 40}s"]
+    # Versions: 0 (4 workers), 1 (the 2 survivors), 2 (both replacements in): the job stops
+    # 5 steps into version 2.
     worker = [PY, str(SCRIPT), "--schedule", "4", "--tail", "100000", "--max-steps", "90",
-              "--step-sleep", "0.25", "--kill", "2@5+", "--kill", "3@5+", "--out", str(out)]
+              "--step-sleep", "0.25", "--kill", "2@5+", "--kill", "3@5+",
+              "--stop-at-version", "2:5", "--out", str(out)]
     results = run_on_both(hosts, [
         [*common, "-self", a, "-builtin-config-port", str(STORE_PORT), *worker],
         [*common, "-self", b, "-config-server", f"http://{a}:{STORE_PORT}", *worker],

@@ -54,15 +54,18 @@ def test_broadcast_parameters_copies_roots_state_dict(spawn):
             np.testing.assert_array_equal(after[k], before0[k], k)
 
 
-# Bucket sizes: one allreduce per parameter (0); buckets of 1-2 parameters of this MLP's
-# (float64: 40, 8, 64 and 8 bytes, so 64 makes buckets [b2, w2], [b1], [w1]); one bucket for all.
-BUCKETS = [0, 64, 4 << 20]
+# Bucket sizes: 80 bytes, buckets of several parameters and of one (in backward order; the
+# MLP's float64 b2, w2, b1, w1 are 8, 64, 64 and 320 bytes: [b2, w2], [b1], [w1]; partial_grads'
+# [c.bias, c.weight, b.bias], [b.weight, a.bias, a.weight], which mix parameters used
+# everywhere, on one worker and nowhere); the default (one bucket for all).
+BUCKETS = [80, None]
 
 
-@pytest.mark.parametrize("n,bucket_bytes", [(2, 0), (3, 64), (3, 4 << 20)])
+@pytest.mark.parametrize("n,bucket_bytes", [(2, 80), (3, None)])
 def test_synchronous_sgd_matches_one_process_on_the_whole_batch(spawn, n, bucket_bytes):
     steps, momentum = 5, 0.9
-    ranks = spawn(n, w.train, "sgd", steps, momentum, kwargs={"bucket_bytes": bucket_bytes})
+    options = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    ranks = spawn(n, w.train, "sgd", steps, momentum, kwargs=options)
     reference = w.train_reference(n, steps, momentum)
     initial = [p.detach().numpy() for p in w.mlp(seed=0).parameters()]
     for params in ranks:
