@@ -37,4 +37,5 @@ if command -v clang++ >/dev/null 2>&1; then
 else
   echo "clang++ not found: the libFuzzer run of the parsers is skipped (scripts/install.sh installs clang where it can)"
 fi
-.venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+echo "test.sh: the C++ runtime's sanitizer and fuzz runs took ${SECONDS}s"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 tests "$@"
