@@ -163,7 +163,8 @@ def mismatched_model(where: str):
 
 def pair_averaging(lr: float, steps: int):
     """Every rank starts from its own weights (no broadcast) and pair-averages `steps` times
-    with learning rate `lr`; returns the initial and final weights and the losses."""
+    with learning rate `lr`; returns the initial and final weights and the losses over the
+    whole data set (before training, then after each step)."""
     r, n = kf.rank(), kf.size()
     model = mlp(seed=r)
     initial = [p.detach().numpy().copy() for p in model.parameters()]
@@ -171,7 +172,8 @@ def pair_averaging(lr: float, steps: int):
                                                model.named_parameters())
     x, y = data(n)
     shard = slice(r * 8, (r + 1) * 8)
-    losses = []
+    with torch.no_grad():  # before any step: each worker's own initial model
+        losses = [float(torch.nn.functional.mse_loss(model(x), y))]
     for _ in range(steps):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x[shard]), y[shard])
