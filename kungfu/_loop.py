@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from typing import List, Optional
 
-from kungfu import _peer, elastic as _elastic, errors
+from kungfu import _peer, elastic as _elastic, errors, timeline
 from kungfu.elastic import Membership, Round, TrainingState, Variables
 from kungfu.policy import BasePolicy
 
@@ -274,6 +275,17 @@ class Loop(_elastic.Trainer):
     def detached(self) -> bool:
         """Whether a resize (or the survivors of a failure) left this worker out."""
         return self.membership.detached
+
+    def _exit_if_detached(self) -> None:
+        """At the end of training, with exit_on_detach: a worker a resize (or the survivors of a
+        failure) left out leaves the job with exit code 0, now (an interpreter shutdown could
+        wait on the framework's threads, tf.data's for one)."""
+        if not (self.detached and self.exit_on_detach):
+            return
+        timeline.close()  # no exit handlers run: its trace file ends here
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     @property
     def recoveries(self) -> List[dict]:

@@ -51,14 +51,12 @@ from it, at any cluster size (docs/elastic.md, "The loss of the whole job").
 """
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from typing import Optional
 
 import keras
 
-from kungfu import _peer, elastic as _elastic, timeline
+from kungfu import _peer, elastic as _elastic
 from kungfu._loop import Loop
 from kungfu.policy import BasePolicy
 from kungfu.tensorflow._monitor import monitor_logs, monitor_metrics
@@ -399,10 +397,4 @@ class Hook(Loop, keras.callbacks.Callback):
             combine_while_training(self.model, False)
             self.model.kungfu_recover = None
             self.model._initial_epoch = None  # a later fit counts from its own initial_epoch
-        if self.detached and self.exit_on_detach:
-            # A resize removed this worker: it leaves the job with exit code 0, now (an
-            # interpreter shutdown could wait on tf.data's threads).
-            timeline.close()  # no exit handlers run: its trace file ends here
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+        self._exit_if_detached()

@@ -240,13 +240,7 @@ class ElasticTrainer(Loop):
             if on_epoch_end is not None:
                 on_epoch_end(epoch, logs)
         self.after_train()
-        if self.detached and self.exit_on_detach:
-            import os
-            import sys
-
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+        self._exit_if_detached()
         return self
 
     def _batches(self):
