@@ -33,6 +33,14 @@ from kungfu.torch.ops import broadcast_parameters
 from kungfu.torch.ops._tensors import check, host_array, to_tensor
 
 
+def _state_bytes(state: dict) -> np.ndarray:
+    """An optimizer's state_dict as torch.save's bytes: what the checkpoint file (arrays) and a
+    joiner's transfer (lend) carry; _OptimizerState.write reads it back."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return np.frombuffer(buf.getvalue(), np.uint8)
+
+
 class _OptimizerState:
     """The optimizer's state_dict as one entry of the variables (it is created lazily by the
     optimizer's first step, so its tensors cannot be listed up front)."""
@@ -41,9 +49,7 @@ class _OptimizerState:
         self.optimizer = optimizer
 
     def read(self) -> np.ndarray:
-        buf = io.BytesIO()
-        torch.save(self.optimizer.state_dict(), buf)
-        return np.frombuffer(buf.getvalue(), np.uint8)
+        return _state_bytes(self.optimizer.state_dict())
 
     def write(self, blob: np.ndarray) -> None:
         state = torch.load(io.BytesIO(np.ascontiguousarray(blob).tobytes()), weights_only=True)
@@ -80,15 +86,8 @@ class TorchVariables(Variables):
                     v.copy_(s)
 
     def arrays(self, snapshot: list) -> List[np.ndarray]:
-        out = []
-        for s in snapshot:
-            if isinstance(s, dict):
-                buf = io.BytesIO()
-                torch.save(s, buf)
-                out.append(np.frombuffer(buf.getvalue(), np.uint8))
-            else:
-                out.append(host_array(check(s)).copy())
-        return out
+        return [_state_bytes(s) if isinstance(s, dict) else host_array(check(s)).copy()
+                for s in snapshot]
 
     def load(self, variables: list, arrays: Sequence[np.ndarray]) -> None:
         with torch.no_grad():
