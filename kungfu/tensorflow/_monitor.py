@@ -3,9 +3,15 @@
 A `GradientMonitor` belongs to one synchronous-SGD optimizer. Every `interval` steps, inside the
 same step as the update (no extra pass over the model), it runs:
 
-1. KungfuGradientStats: one fused pass over the local and the averaged gradients, and one
-   allreduce of four doubles, giving every worker the same statistics (srcs/cpp/tensorflow/
-   monitor.cc has the formulas);
+1. the statistics of the step, the same on every worker (srcs/cpp/tensorflow/monitor.cc has
+   the formulas):
+   - with the gradient variance: KungfuGradientStats, one fused pass over the local and the
+     averaged gradients and one allreduce of four doubles, after the gradients' allreduce
+     (|g_i - g|^2 needs the average g);
+   - the noise scale alone: KungfuLocalGradientStats, an allreduce of three doubles from the
+     local gradients, started (`start`) before the gradients are sent so that it runs while
+     they are averaged, and KungfuSquaredNorm of the averages afterwards, without another
+     round trip;
 2. KungfuNoiseScale and/or KungfuGradientVariance: the EMA-smoothed estimates, from the
    statistics and the state kept in this monitor's variables.
 
@@ -16,7 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
@@ -102,6 +108,12 @@ def gradient_stats(local: Sequence, averaged: Sequence, batch_size, name: str,
                                       op_name=name, timeout_ms=timeout_ms)
 
 
+class Started(NamedTuple):
+    """What GradientMonitor.start began before the gradients' allreduce."""
+    due: tf.Tensor  # whether the monitors run this step
+    reduced: tf.Tensor  # [sum_i s_i^2 |g_i|^2, sum_i 1/B_i, n] (NaN when not due)
+
+
 class GradientMonitor:
     """The state and ops of the monitors of one optimizer (see the module docstring)."""
 
@@ -126,8 +138,8 @@ class GradientMonitor:
         self.gns_state = _variable([0.0, 0.0, 0.0, math.nan], "kungfu_gns_state")
         self.variance_state = _variable([0.0, 0.0], "kungfu_grad_variance_state")
         self.values = {m: _variable(math.nan, f"kungfu_{LOG_KEYS[m]}") for m in self.monitors}
-        # The statistics of the last monitored step (see gradient_stats); stats[4] is the
-        # cluster size that step ran with.
+        # The statistics of the last monitored step (see gradient_stats; stats[2] is NaN
+        # without the variance monitor); stats[4] is the cluster size that step ran with.
         self.stats = _variable([math.nan] * 5, "kungfu_gradient_stats")
         for m in self.monitors:
             _LATEST[m] = self
@@ -149,15 +161,52 @@ class GradientMonitor:
     def value(self, monitor: str) -> float:
         return float(self.values[monitor].numpy())
 
-    def update(self, local: Sequence, averaged: Sequence, step, name: str):
-        """Runs the monitors if step % interval == 0; returns a bool tensor: whether they ran."""
+    def _due(self, step) -> tf.Tensor:
+        due = self.batch_size > 0  # the batch size is known
+        if self.interval != 1:
+            due = tf.logical_and(
+                due, tf.equal(tf.math.floormod(tf.cast(step, tf.int64), self.interval), 0))
+        return due
+
+    def start(self, local: Sequence, step, name: str) -> Optional[Started]:
+        """Before the gradients' allreduce: starts the statistics that need only the local
+        gradients, so that their allreduce runs alongside the gradients'. None where update()
+        computes everything after the average (the gradient variance needs it)."""
+        if VARIANCE in self.monitors or not local:
+            return None
+        due = self._due(step)
 
         def run():
+            return _lib.kungfu_local_gradient_stats(
+                [tf.convert_to_tensor(t) for t in local], tf.identity(self.batch_size),
+                tf.identity(self.local_scale), op_name=name)
+
+        return Started(due, tf.cond(due, run, lambda: tf.constant([math.nan] * 3, tf.float64)))
+
+    def update(self, local: Sequence, averaged: Sequence, step, name: str,
+               started: Optional[Started] = None):
+        """Runs the monitors if step % interval == 0, from start()'s statistics where it began
+        them; returns a bool tensor: whether they ran."""
+
+        def statistics():
+            if started is not None:
+                total, inverse_batches, n = tf.unstack(started.reduced)
+                small = total / n
+                big = _lib.kungfu_squared_norm([tf.convert_to_tensor(a) for a in averaged])
+                # The spread mean_i |g_i - g|^2 is not known: g is a weighted mean of the g_i
+                # when the workers' parts differ (kf.set_batch_sizes), so it is not
+                # mean_i |g_i|^2 - |g|^2; the noise scale does not need it.
+                return tf.stack([small, big, tf.constant(math.nan, tf.float64),
+                                 inverse_batches / n, n])
+
             def unweighted():
                 return [g * tf.cast(self.local_scale, g.dtype) for g in local]
 
             grads = tf.cond(tf.equal(self.local_scale, 1.0), lambda: list(local), unweighted)
-            stats = gradient_stats(grads, averaged, self.batch_size, name)
+            return gradient_stats(grads, averaged, self.batch_size, name)
+
+        def run():
+            stats = statistics()
             self.stats.assign(stats)
             estimators = {
                 GNS: (_lib.kungfu_noise_scale, self.gns_state),
@@ -170,10 +219,7 @@ class GradientMonitor:
                 self.values[m].assign(estimate)
             return tf.constant(True)
 
-        due = self.batch_size > 0  # the batch size is known
-        if self.interval != 1:
-            due = tf.logical_and(
-                due, tf.equal(tf.math.floormod(tf.cast(step, tf.int64), self.interval), 0))
+        due = self._due(step) if started is None else started.due
         return tf.cond(due, run, lambda: tf.constant(False))
 
 

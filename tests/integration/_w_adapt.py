@@ -6,11 +6,12 @@ import numpy as np
 from _w_tf_optim import _setup
 
 
-def uneven_split(sizes):
+def uneven_split(sizes, monitors):
     """One step of model.fit over a global batch split as `sizes` by kf.set_batch_sizes (from a
-    policy's before_train, after bad splits it must refuse). Returns the weights before and
-    after, the same step computed here without kungfu on the union batch (SGD, lr 1), this
-    worker's own mean gradient (flattened), the monitor's statistics and what the Hook saw."""
+    policy's before_train, after bad splits it must refuse), with kf.Optimizer(monitor=
+    monitors). Returns the weights before and after, the same step computed here without kungfu
+    on the union batch (SGD, lr 1), this worker's own mean gradient (flattened), the monitor's
+    statistics and what the Hook saw."""
     kf, tf, keras = _setup()
     n = kf.size()
     total = sum(sizes)
@@ -25,7 +26,7 @@ def uneven_split(sizes):
         return m
 
     model = build()
-    opt = kf.Optimizer(keras.optimizers.SGD(1.0), monitor=["gns"])
+    opt = kf.Optimizer(keras.optimizers.SGD(1.0), monitor=list(monitors))
     model.compile(optimizer=opt, loss="mse", jit_compile=False)
     w0 = [w.copy() for w in model.get_weights()]
     data = kf.ElasticData(x, y, batch_size=total // n, seed=1, record=True)

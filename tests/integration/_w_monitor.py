@@ -16,24 +16,29 @@ def _flat64(tensors):
     return np.concatenate([np.asarray(t, dtype=np.float64).ravel() for t in tensors])
 
 
-def stats_steps(steps: int, decay: float, interval: int):
-    """Runs a GradientMonitor over `steps` steps of random gradients (three tensors of three
-    float dtypes, batch size 4 + 3 * rank) inside a tf.function. Returns per step: this worker's
-    local and averaged gradients (float64, flattened), its batch size, and the estimates."""
+def stats_steps(steps: int, decay: float, interval: int, monitors=("gns", "variance")):
+    """Runs a GradientMonitor of `monitors` over `steps` steps of random gradients (three
+    tensors of three float dtypes, batch size 4 + 3 * rank) inside a tf.function, as
+    kf.Optimizer does: start() before the gradients' allreduce, update() after. Returns per
+    step: this worker's local and averaged gradients (float64, flattened), its batch size, the
+    estimates (NaN where not monitored) and whether the statistics were started early."""
     kf, tf, _ = _setup()
     from kungfu.tensorflow import _monitor, ops
 
     rank, size = kf.rank(), kf.size()
     batch = 4 + 3 * rank
-    monitor = _monitor.GradientMonitor(["gns", "variance"], interval=interval, decay=decay,
+    monitor = _monitor.GradientMonitor(list(monitors), interval=interval, decay=decay,
                                        batch_size=batch)
     shapes = [((5, 3), tf.float32), ((7,), tf.float64), ((4, 2), tf.float16)]
+    early = []
 
     @tf.function
     def step(local, i):
+        started = monitor.start(local, i, "test/monitor")
+        early.append(started is not None)
         averaged = [ops.all_reduce(g, name=f"test/avg/{k}") / tf.cast(size, g.dtype)
                     for k, g in enumerate(local)]
-        ran = monitor.update(local, averaged, i, "test/monitor")
+        ran = monitor.update(local, averaged, i, "test/monitor", started)
         return averaged, ran
 
     out = []
@@ -52,8 +57,10 @@ def stats_steps(steps: int, decay: float, interval: int):
             "batch": batch,
             "ran": bool(ran.numpy()),
             "gns": monitor.value("gns"),
-            "variance": monitor.value("variance"),
-            "api": (kf.grad_noise_scale(), kf.grad_variance()),
+            "variance": monitor.value("variance") if "variance" in monitors else math.nan,
+            "api": (kf.grad_noise_scale(),
+                    kf.grad_variance() if "variance" in monitors else math.nan),
+            "early": early[-1],
         })
     return out
 

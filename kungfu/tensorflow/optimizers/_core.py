@@ -280,18 +280,22 @@ class _SynchronousSGD(Optimizer):
     def _kf_average(self, grads, prefix: Optional[str] = None) -> Averaged:
         """The gradients averaged over the workers (under `prefix`, default _kf_prefix());
         records the wait (kungfu_allreduce_wait)."""
-        stamps = []
+        stamps, started = [], []
+        monitor = self.kungfu_monitor
 
         def ready(local):
             with tf.control_dependencies(local):
                 stamps.append(tf.timestamp())
+            if monitor is not None:  # its statistics' allreduce runs alongside the gradients'
+                started.append(monitor.start(local, _value(self._iterations),
+                                             f"{self._kf_prefix()}/monitor"))
 
         averaged = _average_gradients(grads, prefix or self._kf_prefix(), self._kf_bucket_bytes,
                                       self._kf_strategy, self._kf_compression,
                                       self._kf_sparse_as_dense, before=ready)
         with tf.control_dependencies(averaged.averaged):
             self.__dict__["_kf_wait"].assign(tf.timestamp() - stamps[0])
-        return averaged
+        return averaged._replace(started=started[0] if started else None)
 
     def build(self, variables):
         super().build(variables)
@@ -368,7 +372,7 @@ class _SynchronousSGD(Optimizer):
         result = super().apply(averaged.grads, trainable_variables)
         if monitor is not None and averaged.local:
             monitor.update(averaged.local, averaged.averaged, step,
-                           f"{self._kf_prefix()}/monitor")
+                           f"{self._kf_prefix()}/monitor", averaged.started)
         return result
 
 

@@ -41,6 +41,8 @@ class Averaged(NamedTuple):
     grads: list  # the gradients as given, each replaced by its average (None stays None)
     local: List[tf.Tensor]  # the dense local gradients that were averaged together
     averaged: List[tf.Tensor]  # their averages (what the gradient monitor compares)
+    # What the gradient monitor began before the allreduce (GradientMonitor.start), or None.
+    started: object = None
 
 
 def average_gradients(grads: Sequence, prefix: str, bucket_bytes: Optional[int] = None,

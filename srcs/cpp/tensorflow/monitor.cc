@@ -10,6 +10,13 @@
 // n is counted by the allreduce itself: it is the size of the cluster that ran the step, read
 // when the op runs (never when the graph was built), so it follows a resize.
 //
+// The gradient noise scale needs neither g before its allreduce nor |g_i - g|^2, so it can do
+// without a round trip after the gradients' allreduce: KungfuLocalGradientStats (a collective)
+// reduces [s^2 |g_i|^2, 1/B_i, 1] from the local gradients alone (s: the worker's weight of its
+// own samples, see kungfu/tensorflow/_monitor.py), so it runs while the gradients are being
+// averaged, and KungfuSquaredNorm gives |g| afterwards from the averages, locally (every worker
+// holds the same averages, so the same |g|^2).
+//
 // KungfuNoiseScale and KungfuGradientVariance turn stats into smoothed estimates. They are pure:
 // their state (EMAs, number of updates, last valid value) goes in and comes out as a tensor that
 // the caller keeps in a variable, so it is checkpointed and can be sent to a joining worker.
@@ -19,6 +26,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -30,20 +38,34 @@ namespace tfops {
 namespace {
 
 constexpr int kStats = 5;      // mean |g_i|^2, |g|^2, mean |g_i - g|^2, mean 1/B_i, n
-constexpr int kReduced = 4;    // what each worker contributes to the allreduce
 constexpr int64_t kBlock = 1 << 15;  // elements per partial sum: fixed, so sums are reproducible
 
-// Partial sums of one block: |l|^2, |g|^2, |l - g|^2.
+// Partial sums of one block of a local and an averaged gradient: |l|^2, |g|^2, |l - g|^2.
 struct Sums {
   double local = 0, global = 0, diff = 0;
+  Sums& operator+=(const Sums& o) {
+    local += o.local;
+    global += o.global;
+    diff += o.diff;
+    return *this;
+  }
 };
+
+// Every element as float (half and bfloat16 widen exactly), then double.
+template <typename T>
+double Wide(T x) {
+  return static_cast<double>(static_cast<float>(x));
+}
+template <>
+double Wide<double>(double x) {
+  return x;
+}
 
 template <typename T>
 Sums SumBlock(const T* l, const T* g, int64_t begin, int64_t end) {
   Sums s;
   for (int64_t k = begin; k < end; ++k) {
-    const double a = static_cast<double>(static_cast<float>(l[k]));
-    const double b = static_cast<double>(static_cast<float>(g[k]));
+    const double a = Wide(l[k]), b = Wide(g[k]);
     s.local += a * a;
     s.global += b * b;
     s.diff += (a - b) * (a - b);
@@ -51,25 +73,92 @@ Sums SumBlock(const T* l, const T* g, int64_t begin, int64_t end) {
   return s;
 }
 
-template <>
-Sums SumBlock<double>(const double* l, const double* g, int64_t begin, int64_t end) {
-  Sums s;
+template <typename T>
+double SquaresBlock(const T* x, int64_t begin, int64_t end) {
+  double s = 0;
   for (int64_t k = begin; k < end; ++k) {
-    s.local += l[k] * l[k];
-    s.global += g[k] * g[k];
-    s.diff += (l[k] - g[k]) * (l[k] - g[k]);
+    const double a = Wide(x[k]);
+    s += a * a;
   }
   return s;
 }
 
-Sums SumBlockOf(const tf::Tensor& l, const tf::Tensor& g, int64_t begin, int64_t end) {
-  switch (l.dtype()) {
-    case tf::DT_HALF: return SumBlock(l.flat<Eigen::half>().data(), g.flat<Eigen::half>().data(), begin, end);
-    case tf::DT_BFLOAT16:
-      return SumBlock(l.flat<tf::bfloat16>().data(), g.flat<tf::bfloat16>().data(), begin, end);
-    case tf::DT_FLOAT: return SumBlock(l.flat<float>().data(), g.flat<float>().data(), begin, end);
-    default: return SumBlock(l.flat<double>().data(), g.flat<double>().data(), begin, end);
+// Calls f with the data of tensor t as its element type (one of the ops' float types).
+template <typename F>
+auto WithData(const tf::Tensor& t, F f) {
+  switch (t.dtype()) {
+    case tf::DT_HALF: return f(t.flat<Eigen::half>().data());
+    case tf::DT_BFLOAT16: return f(t.flat<tf::bfloat16>().data());
+    case tf::DT_FLOAT: return f(t.flat<float>().data());
+    default: return f(t.flat<double>().data());
   }
+}
+
+// sum(tensor i, begin, end) over fixed blocks of every tensor of `sizes`, in parallel on the
+// op's CPU threads; the partial sums are added in block order, so the total is the same
+// whatever the threads (reproducible, and the same on every worker for the same inputs).
+template <typename S, typename F>
+S SumBlocks(tf::OpKernelContext* ctx, const std::vector<int64_t>& sizes, F sum) {
+  struct Block {
+    int tensor;
+    int64_t begin, end;
+  };
+  std::vector<Block> blocks;
+  for (int i = 0; i < static_cast<int>(sizes.size()); ++i) {
+    for (int64_t b = 0; b < sizes[i]; b += kBlock) {
+      blocks.push_back({i, b, std::min(b + kBlock, sizes[i])});
+    }
+  }
+  std::vector<S> partial(blocks.size());
+  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  pool->ParallelFor(static_cast<int64_t>(blocks.size()), kBlock * 8,
+                    [&](int64_t first, int64_t last) {
+                      for (int64_t j = first; j < last; ++j) {
+                        partial[j] = sum(blocks[j].tensor, blocks[j].begin, blocks[j].end);
+                      }
+                    });
+  S total{};
+  for (const S& p : partial) total += p;
+  return total;
+}
+
+std::vector<int64_t> Sizes(const tf::OpInputList& tensors) {
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < tensors.size(); ++i) sizes.push_back(tensors[i].NumElements());
+  return sizes;
+}
+
+// |x|^2 of a list of tensors, in double precision.
+double SquaredNorm(tf::OpKernelContext* ctx, const tf::OpInputList& x) {
+  return SumBlocks<double>(ctx, Sizes(x), [&](int i, int64_t begin, int64_t end) {
+    return WithData(x[i], [&](auto* p) { return SquaresBlock(p, begin, end); });
+  });
+}
+
+// Reads a positive batch size (a float64 scalar input).
+bool ReadBatchSize(tf::OpKernelContext* ctx, int index, double* batch) {
+  *batch = ctx->input(index).scalar<double>()();
+  if (std::isfinite(*batch) && *batch > 0) return true;
+  ctx->SetStatus(tf::errors::InvalidArgument(
+      "gradient statistics: the batch size must be positive, got ", *batch));
+  return false;
+}
+
+// Allreduces `values` (sum) under `options`; then finish(values) fills the op's output.
+template <typename F>
+void ReduceThen(tf::OpKernelContext* ctx, Peer* peer, const OpOptions& options,
+                std::vector<double> values, tf::AsyncOpKernel::DoneCallback done, F finish) {
+  auto reduced = std::make_shared<std::vector<double>>(std::move(values));
+  Handle h = peer->AllReduce(reduced->data(), reduced->data(), reduced->size(),
+                             DType::kFloat64, ReduceOp::kSum, options);
+  h.OnComplete([ctx, done, reduced, finish](const Status& s) {
+    if (!s.ok()) {
+      ctx->SetStatus(ToTF(s));
+    } else {
+      finish(*reduced);
+    }
+    done();
+  });
 }
 
 REGISTER_OP("KungfuGradientStats")
@@ -87,12 +176,9 @@ REGISTER_OP("KungfuGradientStats")
       return tf::OkStatus();
     });
 
-class GradientStatsOp : public tf::AsyncOpKernel {
+class GradientStatsOp : public CollectiveKernel {
  public:
-  explicit GradientStatsOp(tf::OpKernelConstruction* c) : AsyncOpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("op_name", &options_.name));
-    OP_REQUIRES_OK(c, c->GetAttr("timeout_ms", &options_.timeout_ms));
-  }
+  using CollectiveKernel::CollectiveKernel;
 
   void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
     Peer* peer = GetPeer(ctx);
@@ -100,18 +186,8 @@ class GradientStatsOp : public tf::AsyncOpKernel {
     tf::OpInputList local, averaged;
     OP_REQUIRES_OK_ASYNC(ctx, ctx->input_list("local", &local), done);
     OP_REQUIRES_OK_ASYNC(ctx, ctx->input_list("averaged", &averaged), done);
-    const double batch = ctx->input(2 * local.size()).scalar<double>()();
-    OP_REQUIRES_ASYNC(ctx, std::isfinite(batch) && batch > 0,
-                      tf::errors::InvalidArgument("gradient statistics: the batch size must be "
-                                                  "positive, got ", batch),
-                      done);
-
-    // Fixed blocks, summed in parallel, partial sums added in block order.
-    struct Block {
-      int tensor;
-      int64_t begin, end;
-    };
-    std::vector<Block> blocks;
+    double batch = 0;
+    if (!ReadBatchSize(ctx, 2 * local.size(), &batch)) return done();
     for (int i = 0; i < local.size(); ++i) {
       OP_REQUIRES_ASYNC(ctx, local[i].NumElements() == averaged[i].NumElements(),
                         tf::errors::InvalidArgument(
@@ -119,54 +195,95 @@ class GradientStatsOp : public tf::AsyncOpKernel {
                             local[i].NumElements(), " elements, its average ",
                             averaged[i].NumElements()),
                         done);
-      for (int64_t b = 0; b < local[i].NumElements(); b += kBlock) {
-        blocks.push_back({i, b, std::min(b + kBlock, local[i].NumElements())});
-      }
     }
-    std::vector<Sums> partial(blocks.size());
-    auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    pool->ParallelFor(static_cast<int64_t>(blocks.size()), kBlock * 8,
-                      [&](int64_t first, int64_t last) {
-                        for (int64_t j = first; j < last; ++j) {
-                          const Block& b = blocks[j];
-                          partial[j] = SumBlockOf(local[b.tensor], averaged[b.tensor], b.begin, b.end);
-                        }
-                      });
-    Sums total;
-    for (const Sums& s : partial) {
-      total.local += s.local;
-      total.global += s.global;
-      total.diff += s.diff;
-    }
+    const Sums total = SumBlocks<Sums>(ctx, Sizes(local), [&](int i, int64_t begin, int64_t end) {
+      return WithData(local[i], [&](auto* l) {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(l)>>;
+        return SumBlock(l, averaged[i].flat<T>().data(), begin, end);
+      });
+    });
 
     tf::Tensor* out = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, tf::TensorShape({kStats}), &out), done);
-    auto reduced = std::make_shared<std::vector<double>>(
-        std::vector<double>{total.local, 1.0 / batch, total.diff, 1.0});
     const double global = total.global;
-    Handle h = peer->AllReduce(reduced->data(), reduced->data(), kReduced, DType::kFloat64,
-                               ReduceOp::kSum, options_);
-    h.OnComplete([ctx, done, reduced, global, out](const Status& s) {
-      if (!s.ok()) {
-        ctx->SetStatus(ToTF(s));
-        return done();
-      }
-      const std::vector<double>& r = *reduced;
-      const double n = r[3];
-      auto stats = out->flat<double>();
-      stats(0) = r[0] / n;
-      stats(1) = global;
-      stats(2) = r[2] / n;
-      stats(3) = r[1] / n;
-      stats(4) = n;
-      done();
-    });
+    ReduceThen(ctx, peer, options_, {total.local, 1.0 / batch, total.diff, 1.0}, done,
+               [global, out](const std::vector<double>& r) {
+                 const double n = r[3];
+                 auto stats = out->flat<double>();
+                 stats(0) = r[0] / n;
+                 stats(1) = global;
+                 stats(2) = r[2] / n;
+                 stats(3) = r[1] / n;
+                 stats(4) = n;
+               });
   }
-
- private:
-  OpOptions options_;
 };
 REGISTER_KERNEL_BUILDER(Name("KungfuGradientStats").Device(tf::DEVICE_CPU), GradientStatsOp);
+
+REGISTER_OP("KungfuLocalGradientStats")
+    .Input("local: T")
+    .Input("batch_size: float64")
+    .Input("scale: float64")
+    .Output("reduced: float64")
+    .Attr("T: list({half, bfloat16, float, double}) >= 1")
+    .Attr("op_name: string")
+    .Attr("timeout_ms: int = -1")
+    .SetIsStateful()
+    .SetIsDistributedCommunication()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(3));
+      return tf::OkStatus();
+    });
+
+// [sum_i s_i^2 |g_i|^2, sum_i 1/B_i, n] over the workers, from each one's local gradients g_i,
+// batch size B_i and weight s_i.
+class LocalGradientStatsOp : public CollectiveKernel {
+ public:
+  using CollectiveKernel::CollectiveKernel;
+
+  void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
+    Peer* peer = GetPeer(ctx);
+    if (!peer) return done();
+    tf::OpInputList local;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->input_list("local", &local), done);
+    double batch = 0;
+    if (!ReadBatchSize(ctx, local.size(), &batch)) return done();
+    const double scale = ctx->input(local.size() + 1).scalar<double>()();
+    const double norm = scale * scale * SquaredNorm(ctx, local);
+    tf::Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, tf::TensorShape({3}), &out), done);
+    ReduceThen(ctx, peer, options_, {norm, 1.0 / batch, 1.0}, done,
+               [out](const std::vector<double>& r) {
+                 std::copy(r.begin(), r.end(), out->flat<double>().data());
+               });
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuLocalGradientStats").Device(tf::DEVICE_CPU),
+                        LocalGradientStatsOp);
+
+REGISTER_OP("KungfuSquaredNorm")
+    .Input("x: T")
+    .Output("norm: float64")
+    .Attr("T: list({half, bfloat16, float, double}) >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return tf::OkStatus();
+    });
+
+// |x|^2 of a list of tensors, summed in double precision over fixed blocks (reproducible).
+class SquaredNormOp : public tf::OpKernel {
+ public:
+  explicit SquaredNormOp(tf::OpKernelConstruction* c) : OpKernel(c) {}
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    tf::OpInputList x;
+    OP_REQUIRES_OK(ctx, ctx->input_list("x", &x));
+    tf::Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &out));
+    out->scalar<double>()() = SquaredNorm(ctx, x);
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("KungfuSquaredNorm").Device(tf::DEVICE_CPU), SquaredNormOp);
 
 // ---------------------------------------------------------------------------------------------
 
