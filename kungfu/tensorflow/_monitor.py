@@ -93,11 +93,13 @@ def _variable(value, name: str) -> tf.Variable:
 
 
 def gradient_stats(local: Sequence, averaged: Sequence, batch_size, name: str,
-                   timeout_ms: int = -1) -> tf.Tensor:
-    """[mean_i |g_i|^2, |g|^2, mean_i |g_i - g|^2, mean_i 1/B_i, n], the same on every worker.
+                   timeout_ms: int = -1, scale=1.0) -> tf.Tensor:
+    """[mean_i |g_i|^2, |g|^2, mean_i |g_i - g|^2, mean_i 1/B_i, n, 1/B_big], the same on every
+    worker (srcs/cpp/tensorflow/monitor.cc).
 
-    local: this worker's gradients; averaged: their average over the workers; batch_size: this
-    worker's batch size B_i. A collective: every worker must run it with the same name."""
+    local: this worker's gradients, which times `scale` are the mean gradient g_i of its
+    batch_size samples B_i; averaged: the average g over the workers, in which this worker's
+    weighs 1 / (n scale). A collective: every worker must run it with the same name."""
     local, averaged = list(local), list(averaged)
     if len(local) != len(averaged) or not local:
         raise ValueError(f"gradient statistics need as many averaged as local gradients "
@@ -105,13 +107,14 @@ def gradient_stats(local: Sequence, averaged: Sequence, batch_size, name: str,
     local = [tf.convert_to_tensor(t) for t in local]
     averaged = [tf.cast(tf.convert_to_tensor(a), t.dtype) for a, t in zip(averaged, local)]
     return _lib.kungfu_gradient_stats(local, averaged, tf.cast(batch_size, tf.float64),
-                                      op_name=name, timeout_ms=timeout_ms)
+                                      tf.cast(scale, tf.float64), op_name=name,
+                                      timeout_ms=timeout_ms)
 
 
 class Started(NamedTuple):
     """What GradientMonitor.start began before the gradients' allreduce."""
     due: tf.Tensor  # whether the monitors run this step
-    reduced: tf.Tensor  # [sum_i s_i^2 |g_i|^2, sum_i 1/B_i, n] (NaN when not due)
+    reduced: tf.Tensor  # [sum_i |g_i|^2, sum_i 1/B_i, n, n^2/B_big] (NaN when not due)
 
 
 class GradientMonitor:
@@ -140,7 +143,7 @@ class GradientMonitor:
         self.values = {m: _variable(math.nan, f"kungfu_{LOG_KEYS[m]}") for m in self.monitors}
         # The statistics of the last monitored step (see gradient_stats; stats[2] is NaN
         # without the variance monitor); stats[4] is the cluster size that step ran with.
-        self.stats = _variable([math.nan] * 5, "kungfu_gradient_stats")
+        self.stats = _variable([math.nan] * 6, "kungfu_gradient_stats")
         for m in self.monitors:
             _LATEST[m] = self
 
@@ -181,7 +184,7 @@ class GradientMonitor:
                 [tf.convert_to_tensor(t) for t in local], tf.identity(self.batch_size),
                 tf.identity(self.local_scale), op_name=name)
 
-        return Started(due, tf.cond(due, run, lambda: tf.constant([math.nan] * 3, tf.float64)))
+        return Started(due, tf.cond(due, run, lambda: tf.constant([math.nan] * 4, tf.float64)))
 
     def update(self, local: Sequence, averaged: Sequence, step, name: str,
                started: Optional[Started] = None):
@@ -190,20 +193,17 @@ class GradientMonitor:
 
         def statistics():
             if started is not None:
-                total, inverse_batches, n = tf.unstack(started.reduced)
+                total, inverse_batches, n, big_batch = tf.unstack(started.reduced)
                 small = total / n
                 big = _lib.kungfu_squared_norm([tf.convert_to_tensor(a) for a in averaged])
                 # The spread mean_i |g_i - g|^2 is not known: g is a weighted mean of the g_i
                 # when the workers' parts differ (kf.set_batch_sizes), so it is not
                 # mean_i |g_i|^2 - |g|^2; the noise scale does not need it.
                 return tf.stack([small, big, tf.constant(math.nan, tf.float64),
-                                 inverse_batches / n, n])
+                                 inverse_batches / n, n, big_batch / (n * n)])
 
-            def unweighted():
-                return [g * tf.cast(self.local_scale, g.dtype) for g in local]
-
-            grads = tf.cond(tf.equal(self.local_scale, 1.0), lambda: list(local), unweighted)
-            return gradient_stats(grads, averaged, self.batch_size, name)
+            return gradient_stats(local, averaged, self.batch_size, name,
+                                  scale=tf.identity(self.local_scale))
 
         def run():
             stats = statistics()

@@ -36,13 +36,15 @@ def test_an_uneven_split_trains_on_the_mean_gradient_of_the_union_batch(spawn, s
     served = sorted(i for r in results for i in r["served"])
     assert served == list(range(sum(sizes)))  # every sample of the step once
     # The gradient noise scale's statistics use each worker's own mean gradient and batch size
-    # (the sample weights that make the average exact are taken out again). The noise scale
-    # alone reduces them alongside the gradients, without the spread around the average (NaN).
+    # (the sample weights that make the average exact are taken out again), and the average's
+    # noise is that of the union batch: 1/B_big = 1/sum(sizes), not mean(1/B_i)/n as for an
+    # unweighted average. The noise scale alone reduces them alongside the gradients, without
+    # the spread around the average (NaN).
     g = np.array([r["own_grad"] for r in results])
     union = np.array(results[0]["union_grad"])
     spread = np.mean(np.sum((g - union) ** 2, axis=1)) if "variance" in monitors else np.nan
     want = [np.mean(np.sum(g * g, axis=1)), union @ union, spread,
-            np.mean([1 / b for b in sizes]), n]
+            np.mean([1 / b for b in sizes]), n, 1 / sum(sizes)]
     for r in results:
         np.testing.assert_allclose(r["stats"], want, rtol=1e-4)
 

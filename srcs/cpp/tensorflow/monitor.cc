@@ -1,21 +1,25 @@
 // Monitoring ops: statistics of the gradients, computed inside the training step.
 //
-// KungfuGradientStats (a collective) takes this worker's local gradients g_i (from its local
-// batch of B_i samples) and the averaged gradients g = (1/n) sum_i g_i of the same step. One
-// pass over both, accumulating in double precision, gives |g_i|^2, |g|^2 and |g_i - g|^2; one
-// allreduce of four doubles [|g_i|^2, 1/B_i, |g_i - g|^2, 1] then gives every worker the same
+// KungfuGradientStats (a collective) takes this worker's local gradients (scaled by s_i, they
+// are g_i, the mean gradient of its batch of B_i samples) and the averaged gradients g of the
+// same step: g = sum_i w_i g_i with weights w_i = 1 / (n s_i) that sum to 1 (w_i = 1/n when
+// every s_i = 1; kf.ElasticData weighs the workers' parts by their samples, see
+// kungfu/tensorflow/_monitor.py). One pass over both, accumulating in double precision, gives
+// |g_i|^2, |g|^2 and |g_i - g|^2; one allreduce of five doubles [|g_i|^2, 1/B_i, |g_i - g|^2,
+// 1, n^2 w_i^2 / B_i] then gives every worker the same
 //
-//   stats = [mean_i |g_i|^2, |g|^2, mean_i |g_i - g|^2, mean_i 1/B_i, n].
+//   stats = [mean_i |g_i|^2, |g|^2, mean_i |g_i - g|^2, mean_i 1/B_i, n, 1/B_big]
 //
-// n is counted by the allreduce itself: it is the size of the cluster that ran the step, read
-// when the op runs (never when the graph was built), so it follows a resize.
+// with 1/B_big = sum_i w_i^2 / B_i, the noise of g relative to one sample's (mean_i 1/B_i / n
+// for equal weights; 1 / sum_i B_i when each part weighs as its samples). n is counted by the
+// allreduce itself: it is the size of the cluster that ran the step, read when the op runs
+// (never when the graph was built), so it follows a resize.
 //
 // The gradient noise scale needs neither g before its allreduce nor |g_i - g|^2, so it can do
 // without a round trip after the gradients' allreduce: KungfuLocalGradientStats (a collective)
-// reduces [s^2 |g_i|^2, 1/B_i, 1] from the local gradients alone (s: the worker's weight of its
-// own samples, see kungfu/tensorflow/_monitor.py), so it runs while the gradients are being
-// averaged, and KungfuSquaredNorm gives |g| afterwards from the averages, locally (every worker
-// holds the same averages, so the same |g|^2).
+// reduces [|g_i|^2, 1/B_i, 1, n^2 w_i^2 / B_i] from the local gradients alone, so it runs while
+// the gradients are being averaged, and KungfuSquaredNorm gives |g|^2 afterwards from the
+// averages, locally (every worker holds the same averages, so the same |g|^2).
 //
 // KungfuNoiseScale and KungfuGradientVariance turn stats into smoothed estimates. They are pure:
 // their state (EMAs, number of updates, last valid value) goes in and comes out as a tensor that
@@ -37,7 +41,7 @@ namespace kungfu {
 namespace tfops {
 namespace {
 
-constexpr int kStats = 5;      // mean |g_i|^2, |g|^2, mean |g_i - g|^2, mean 1/B_i, n
+constexpr int kStats = 6;  // mean |g_i|^2, |g|^2, mean |g_i - g|^2, mean 1/B_i, n, 1/B_big
 constexpr int64_t kBlock = 1 << 15;  // elements per partial sum: fixed, so sums are reproducible
 
 // Partial sums of one block of a local and an averaged gradient: |l|^2, |g|^2, |l - g|^2.
@@ -62,10 +66,10 @@ double Wide<double>(double x) {
 }
 
 template <typename T>
-Sums SumBlock(const T* l, const T* g, int64_t begin, int64_t end) {
+Sums SumBlock(const T* l, double scale, const T* g, int64_t begin, int64_t end) {
   Sums s;
   for (int64_t k = begin; k < end; ++k) {
-    const double a = Wide(l[k]), b = Wide(g[k]);
+    const double a = scale * Wide(l[k]), b = Wide(g[k]);
     s.local += a * a;
     s.global += b * b;
     s.diff += (a - b) * (a - b);
@@ -135,13 +139,29 @@ double SquaredNorm(tf::OpKernelContext* ctx, const tf::OpInputList& x) {
   });
 }
 
-// Reads a positive batch size (a float64 scalar input).
-bool ReadBatchSize(tf::OpKernelContext* ctx, int index, double* batch) {
+// Reads the positive batch size B_i and the scale s_i >= 0 (float64 scalar inputs `index` and
+// `index` + 1).
+bool ReadBatchAndScale(tf::OpKernelContext* ctx, int index, double* batch, double* scale) {
   *batch = ctx->input(index).scalar<double>()();
-  if (std::isfinite(*batch) && *batch > 0) return true;
-  ctx->SetStatus(tf::errors::InvalidArgument(
-      "gradient statistics: the batch size must be positive, got ", *batch));
-  return false;
+  *scale = ctx->input(index + 1).scalar<double>()();
+  if (!(std::isfinite(*batch) && *batch > 0)) {
+    ctx->SetStatus(tf::errors::InvalidArgument(
+        "gradient statistics: the batch size must be positive, got ", *batch));
+    return false;
+  }
+  if (!(std::isfinite(*scale) && *scale >= 0)) {
+    ctx->SetStatus(tf::errors::InvalidArgument(
+        "gradient statistics: the scale of the local gradients must be finite and >= 0, got ",
+        *scale));
+    return false;
+  }
+  return true;
+}
+
+// n^2 w_i^2 / B_i with w_i = 1 / (n s_i): this worker's part of n^2 / B_big (0 for s_i = 0, a
+// worker whose gradient does not count in the average).
+double BigBatchPart(double batch, double scale) {
+  return scale > 0 ? 1.0 / (scale * scale * batch) : 0.0;
 }
 
 // Allreduces `values` (sum) under `options`; then finish(values) fills the op's output.
@@ -165,6 +185,7 @@ REGISTER_OP("KungfuGradientStats")
     .Input("local: T")
     .Input("averaged: T")
     .Input("batch_size: float64")
+    .Input("scale: float64")
     .Output("stats: float64")
     .Attr("T: list({half, bfloat16, float, double}) >= 1")
     .Attr("op_name: string")
@@ -186,8 +207,8 @@ class GradientStatsOp : public CollectiveKernel {
     tf::OpInputList local, averaged;
     OP_REQUIRES_OK_ASYNC(ctx, ctx->input_list("local", &local), done);
     OP_REQUIRES_OK_ASYNC(ctx, ctx->input_list("averaged", &averaged), done);
-    double batch = 0;
-    if (!ReadBatchSize(ctx, 2 * local.size(), &batch)) return done();
+    double batch = 0, scale = 0;
+    if (!ReadBatchAndScale(ctx, 2 * local.size(), &batch, &scale)) return done();
     for (int i = 0; i < local.size(); ++i) {
       OP_REQUIRES_ASYNC(ctx, local[i].NumElements() == averaged[i].NumElements(),
                         tf::errors::InvalidArgument(
@@ -199,14 +220,15 @@ class GradientStatsOp : public CollectiveKernel {
     const Sums total = SumBlocks<Sums>(ctx, Sizes(local), [&](int i, int64_t begin, int64_t end) {
       return WithData(local[i], [&](auto* l) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(l)>>;
-        return SumBlock(l, averaged[i].flat<T>().data(), begin, end);
+        return SumBlock(l, scale, averaged[i].flat<T>().data(), begin, end);
       });
     });
 
     tf::Tensor* out = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, tf::TensorShape({kStats}), &out), done);
     const double global = total.global;
-    ReduceThen(ctx, peer, options_, {total.local, 1.0 / batch, total.diff, 1.0}, done,
+    ReduceThen(ctx, peer, options_,
+               {total.local, 1.0 / batch, total.diff, 1.0, BigBatchPart(batch, scale)}, done,
                [global, out](const std::vector<double>& r) {
                  const double n = r[3];
                  auto stats = out->flat<double>();
@@ -215,6 +237,7 @@ class GradientStatsOp : public CollectiveKernel {
                  stats(2) = r[2] / n;
                  stats(3) = r[1] / n;
                  stats(4) = n;
+                 stats(5) = r[4] / (n * n);
                });
   }
 };
@@ -231,12 +254,12 @@ REGISTER_OP("KungfuLocalGradientStats")
     .SetIsStateful()
     .SetIsDistributedCommunication()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(3));
+      c->set_output(0, c->Vector(4));
       return tf::OkStatus();
     });
 
-// [sum_i s_i^2 |g_i|^2, sum_i 1/B_i, n] over the workers, from each one's local gradients g_i,
-// batch size B_i and weight s_i.
+// [sum_i |g_i|^2, sum_i 1/B_i, n, sum_i n^2 w_i^2 / B_i] over the workers, from each one's local
+// gradients (g_i / s_i), batch size B_i and scale s_i.
 class LocalGradientStatsOp : public CollectiveKernel {
  public:
   using CollectiveKernel::CollectiveKernel;
@@ -246,13 +269,12 @@ class LocalGradientStatsOp : public CollectiveKernel {
     if (!peer) return done();
     tf::OpInputList local;
     OP_REQUIRES_OK_ASYNC(ctx, ctx->input_list("local", &local), done);
-    double batch = 0;
-    if (!ReadBatchSize(ctx, local.size(), &batch)) return done();
-    const double scale = ctx->input(local.size() + 1).scalar<double>()();
+    double batch = 0, scale = 0;
+    if (!ReadBatchAndScale(ctx, local.size(), &batch, &scale)) return done();
     const double norm = scale * scale * SquaredNorm(ctx, local);
     tf::Tensor* out = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, tf::TensorShape({3}), &out), done);
-    ReduceThen(ctx, peer, options_, {norm, 1.0 / batch, 1.0}, done,
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, tf::TensorShape({4}), &out), done);
+    ReduceThen(ctx, peer, options_, {norm, 1.0 / batch, 1.0, BigBatchPart(batch, scale)}, done,
                [out](const std::vector<double>& r) {
                  std::copy(r.begin(), r.end(), out->flat<double>().data());
                });
@@ -355,14 +377,17 @@ class EstimatorOp : public tf::OpKernel {
 //
 // With the workers' batch sizes B_i, E|g_i|^2 = |G|^2 + tr(S) / B_i, so the averaged squared
 // local norm estimates |G|^2 + tr(S) / B_small with 1 / B_small = mean_i 1/B_i, and the
-// (unweighted) average gradient gives E|g|^2 = |G|^2 + tr(S) / B_big with B_big = n B_small.
-// With equal batches B, B_small = B and B_big = n B. The two-batch estimators:
+// average gradient g = sum_i w_i g_i gives E|g|^2 = |G|^2 + tr(S) / B_big with
+// 1 / B_big = sum_i w_i^2 / B_i (stats[5]). With equal batches B and weights, B_small = B and
+// B_big = n B; with parts weighted by their samples, B_big = sum_i B_i. The two-batch
+// estimators:
 //   |G|^2 = (B_big |g|^2 - B_small mean|g_i|^2) / (B_big - B_small)
 //   tr(S) = (mean|g_i|^2 - |g|^2) / (1/B_small - 1/B_big)
 // are smoothed separately; the estimate is EMA(tr(S)) / EMA(|G|^2), a ratio of EMAs.
 //
 // state = [EMA tr(S), EMA |G|^2, samples, last valid estimate]. Defined cases:
-// - n == 1 (B_big == B_small): no sample is taken;
+// - n == 1, or B_big <= B_small (the average is no less noisy than one worker's gradient): no
+//   sample is taken;
 // - a non-finite sample (NaN or infinite gradients) is skipped, so it cannot poison the EMAs;
 // - EMA |G|^2 <= 0: no valid ratio.
 // In each case the estimate is the last valid one, NaN if there has been none.
@@ -376,8 +401,8 @@ class NoiseScaleOp : public EstimatorOp {
                 std::vector<double>* state) const override {
     std::vector<double>& st = *state;
     const double small_sq = stats[0], big_sq = stats[1], n = stats[4];
-    const double b_small = 1.0 / stats[3], b_big = n * b_small;
-    if (n >= 2 && std::isfinite(b_small)) {
+    const double b_small = 1.0 / stats[3], b_big = 1.0 / stats[5];
+    if (n >= 2 && std::isfinite(b_small) && std::isfinite(b_big) && b_big > b_small) {
       const double g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small);
       const double trace = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big);
       if (std::isfinite(g2) && std::isfinite(trace)) {
