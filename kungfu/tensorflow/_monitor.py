@@ -6,9 +6,9 @@ same step as the update (no extra pass over the model), it runs:
 1. the statistics of the step, the same on every worker (srcs/cpp/tensorflow/monitor.cc has
    the formulas):
    - with the gradient variance: KungfuGradientStats, one fused pass over the local and the
-     averaged gradients and one allreduce of four doubles, after the gradients' allreduce
+     averaged gradients and one allreduce of five doubles, after the gradients' allreduce
      (|g_i - g|^2 needs the average g);
-   - the noise scale alone: KungfuLocalGradientStats, an allreduce of three doubles from the
+   - the noise scale alone: KungfuLocalGradientStats, an allreduce of four doubles from the
      local gradients, started (`start`) before the gradients are sent so that it runs while
      they are averaged, and KungfuSquaredNorm of the averages afterwards, without another
      round trip;
