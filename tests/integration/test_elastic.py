@@ -199,10 +199,12 @@ def test_elastic_data_over_tfrecord_files(tmp_path, stream):
     """kf.ElasticData over 3 TFRecord files, never loaded whole: by position (kf.RecordFiles),
     or as a tf.data.TFRecordDataset stream that every worker reads in order. Resizes mid-epoch
     (1 -> 2 -> 3 -> 2) keep every sample once per epoch, and each batch equals the arrays the
-    files were written from (checked in the workers)."""
+    files were written from (checked in the workers). The joiners are warm spares (-spares 2),
+    so that no resize waits for TensorFlow's start-up."""
     files = _write_tfrecord(tmp_path)
     r, records = run_elastic(tmp_path, 1, 3, "--schedule", "2,3,2", "--gap", "4", "--tail",
-                             "40", "--tfrecord", str(files), *(["--stream"] if stream else []))
+                             "40", "--tfrecord", str(files), *(["--stream"] if stream else []),
+                             launcher_args=("-spares", "2"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     steps = steps_of(records)
     assert sizes_of(steps) == [1, 2, 3, 2]
