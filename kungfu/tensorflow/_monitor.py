@@ -6,12 +6,13 @@ same step as the update (no extra pass over the model), it runs:
 1. the statistics of the step, the same on every worker (srcs/cpp/tensorflow/monitor.cc has
    the formulas):
    - with the gradient variance: KungfuGradientStats, one fused pass over the local and the
-     averaged gradients and one allreduce of five doubles, after the gradients' allreduce
+     averaged gradients and one allreduce of six doubles, after the gradients' allreduce
      (|g_i - g|^2 needs the average g);
-   - the noise scale alone: KungfuLocalGradientStats, an allreduce of four doubles from the
-     local gradients, started (`start`) before the gradients are sent so that it runs while
-     they are averaged, and KungfuSquaredNorm of the averages afterwards, without another
-     round trip;
+   - the noise scale alone: KungfuLocalGradientStats, an allreduce of six doubles from the
+     local gradients, started (`start`) before the gradients are sent so that in a
+     tf.function it runs while they are averaged (eagerly, before them), and
+     KungfuGradientStatsOfSums with |g|^2 of the averages afterwards, without another round
+     trip;
 2. KungfuNoiseScale and/or KungfuGradientVariance: the EMA-smoothed estimates, from the
    statistics and the state kept in this monitor's variables.
 
@@ -114,7 +115,7 @@ def gradient_stats(local: Sequence, averaged: Sequence, batch_size, name: str,
 class Started(NamedTuple):
     """What GradientMonitor.start began before the gradients' allreduce."""
     due: tf.Tensor  # whether the monitors run this step
-    reduced: tf.Tensor  # [sum_i |g_i|^2, sum_i 1/B_i, n, n^2/B_big] (NaN when not due)
+    reduced: tf.Tensor  # the six sums of KungfuLocalGradientStats (NaN when not due)
 
 
 class GradientMonitor:
@@ -171,38 +172,39 @@ class GradientMonitor:
                 due, tf.equal(tf.math.floormod(tf.cast(step, tf.int64), self.interval), 0))
         return due
 
-    def start(self, local: Sequence, step, name: str) -> Optional[Started]:
+    def _batch(self, passes: int) -> tf.Tensor:
+        """The samples behind this worker's gradient: its batch size times the backward passes
+        averaged into it (kf.Optimizer's backward_passes_per_step)."""
+        return self.batch_size * float(passes)
+
+    def start(self, local: Sequence, step, name: str, passes: int = 1) -> Optional[Started]:
         """Before the gradients' allreduce: starts the statistics that need only the local
-        gradients, so that their allreduce runs alongside the gradients'. None where update()
-        computes everything after the average (the gradient variance needs it)."""
+        gradients, so that their allreduce runs alongside the gradients' (in a tf.function;
+        eagerly it runs first). None where update() computes everything after the average
+        (the gradient variance needs it)."""
         if VARIANCE in self.monitors or not local:
             return None
         due = self._due(step)
 
         def run():
             return _lib.kungfu_local_gradient_stats(
-                [tf.convert_to_tensor(t) for t in local], tf.identity(self.batch_size),
+                [tf.convert_to_tensor(t) for t in local], self._batch(passes),
                 tf.identity(self.local_scale), op_name=name)
 
-        return Started(due, tf.cond(due, run, lambda: tf.constant([math.nan] * 4, tf.float64)))
+        return Started(due, tf.cond(due, run, lambda: tf.constant([math.nan] * 6, tf.float64)))
 
     def update(self, local: Sequence, averaged: Sequence, step, name: str,
-               started: Optional[Started] = None):
+               started: Optional[Started] = None, passes: int = 1):
         """Runs the monitors if step % interval == 0, from start()'s statistics where it began
-        them; returns a bool tensor: whether they ran."""
+        them; returns a bool tensor: whether they ran. passes: the backward passes averaged
+        into each local gradient."""
 
         def statistics():
             if started is not None:
-                total, inverse_batches, n, big_batch = tf.unstack(started.reduced)
-                small = total / n
-                big = _lib.kungfu_squared_norm([tf.convert_to_tensor(a) for a in averaged])
-                # The spread mean_i |g_i - g|^2 is not known: g is a weighted mean of the g_i
-                # when the workers' parts differ (kf.set_batch_sizes), so it is not
-                # mean_i |g_i|^2 - |g|^2; the noise scale does not need it.
-                return tf.stack([small, big, tf.constant(math.nan, tf.float64),
-                                 inverse_batches / n, n, big_batch / (n * n)])
-
-            return gradient_stats(local, averaged, self.batch_size, name,
+                # mean_i |g_i - g|^2 is not known there (NaN): the noise scale does not need it.
+                return _lib.kungfu_gradient_stats_of_sums(
+                    started.reduced, [tf.convert_to_tensor(a) for a in averaged])
+            return gradient_stats(local, averaged, self._batch(passes), name,
                                   scale=tf.identity(self.local_scale))
 
         def run():

@@ -65,6 +65,7 @@ def uneven_split(sizes, monitors):
             "expected": [w.tolist() for w in expected],
             "own_grad": own.tolist(), "union_grad": grads(ref, np.arange(total))[0].tolist(),
             "stats": opt.kungfu_monitor.stats.numpy().tolist(),
+            "gns": opt.kungfu_monitor.value("gns"),
             "batch_sizes": hook.state.batch_sizes,
             "local": hook.state.local_batch_size, "global": hook.state.global_batch_size,
             "compute_times": hook.state.metrics.get("compute_times"),

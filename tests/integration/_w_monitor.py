@@ -16,12 +16,16 @@ def _flat64(tensors):
     return np.concatenate([np.asarray(t, dtype=np.float64).ravel() for t in tensors])
 
 
-def stats_steps(steps: int, decay: float, interval: int, monitors=("gns", "variance")):
+def stats_steps(steps: int, decay: float, interval: int, monitors=("gns", "variance"),
+                scales=None):
     """Runs a GradientMonitor of `monitors` over `steps` steps of random gradients (three
     tensors of three float dtypes, batch size 4 + 3 * rank) inside a tf.function, as
-    kf.Optimizer does: start() before the gradients' allreduce, update() after. Returns per
-    step: this worker's local and averaged gradients (float64, flattened), its batch size, the
-    estimates (NaN where not monitored) and whether the statistics were started early."""
+    kf.Optimizer does: start() before the gradients' allreduce, update() after. With `scales`
+    (one per rank) this worker's local gradient is its own mean gradient divided by its scale
+    (0 for a scale of 0: no samples of its own), as kf.ElasticData's weighted parts give it.
+    Returns per step: this worker's local and averaged gradients (float64, flattened), its
+    batch size, the estimates (NaN where not monitored) and whether the statistics were
+    started early."""
     kf, tf, _ = _setup()
     from kungfu.tensorflow import _monitor, ops
 
@@ -29,6 +33,8 @@ def stats_steps(steps: int, decay: float, interval: int, monitors=("gns", "varia
     batch = 4 + 3 * rank
     monitor = _monitor.GradientMonitor(list(monitors), interval=interval, decay=decay,
                                        batch_size=batch)
+    scale = 1.0 if scales is None else float(scales[rank])
+    monitor.local_scale.assign(scale)
     shapes = [((5, 3), tf.float32), ((7,), tf.float64), ((4, 2), tf.float16)]
     early = []
 
@@ -49,7 +55,8 @@ def stats_steps(steps: int, decay: float, interval: int, monitors=("gns", "varia
         for k, (shape, dt) in enumerate(shapes):
             common = np.random.default_rng(k).standard_normal(shape)
             noise = rng.standard_normal(shape) / math.sqrt(batch)
-            local.append(tf.constant(common + noise, dtype=dt))
+            own = common + noise
+            local.append(tf.constant(own / scale if scale > 0 else 0 * own, dtype=dt))
         averaged, ran = step(local, tf.constant(i, tf.int64))
         out.append({
             "local": _flat64([t.numpy() for t in local]),
@@ -65,9 +72,11 @@ def stats_steps(steps: int, decay: float, interval: int, monitors=("gns", "varia
     return out
 
 
-def linear_regression(d: int, sigma: float, batch: int, steps: int, decay: float):
+def linear_regression(d: int, sigma: float, batch: int, steps: int, decay: float,
+                      passes: int = 1):
     """model.fit of y = x.w* + sigma * noise at a fixed point w = w* + delta (|delta| = 1,
-    learning rate 0, so the noise scale does not drift), with gns monitored every step.
+    learning rate 0, so the noise scale does not drift), with gns monitored every step and
+    `passes` backward passes of `batch` samples averaged into each.
 
     The true simple noise scale of the MSE gradient (x ~ N(0, I_d)) is
     ((d + 1) |delta|^2 + d sigma^2) / |delta|^2. Returns the estimate, History's gns values and
@@ -82,7 +91,7 @@ def linear_regression(d: int, sigma: float, batch: int, steps: int, decay: float
     model = keras.Sequential([keras.Input((d,)), keras.layers.Dense(1, use_bias=False)])
     model.layers[0].kernel.assign((w_star + delta)[:, None].astype(np.float32))
     opt = kf.Optimizer(keras.optimizers.SGD(0.0), monitor="gns", batch_size=batch,
-                       monitor_decay=decay)
+                       monitor_decay=decay, backward_passes_per_step=passes)
     model.compile(optimizer=opt, loss="mse", jit_compile=False)
     history = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
                         callbacks=[kf.Hook()])

@@ -47,6 +47,14 @@ def test_an_uneven_split_trains_on_the_mean_gradient_of_the_union_batch(spawn, s
             np.mean([1 / b for b in sizes]), n, 1 / sum(sizes)]
     for r in results:
         np.testing.assert_allclose(r["stats"], want, rtol=1e-4)
+    # The step's noise-scale sample, from the two batch sizes B_small = 1/mean(1/B_i) and
+    # B_big = sum(sizes) (the one step sets the EMAs; NaN where |G|^2 comes out <= 0).
+    small, big, b_small, b_big = want[0], want[1], 1 / want[3], sum(sizes)
+    g2 = (b_big * big - b_small * small) / (b_big - b_small)
+    trace = (small - big) / (1 / b_small - 1 / b_big)
+    expected = trace / g2 if g2 > 0 else np.nan
+    for r in results:
+        assert r["gns"] == pytest.approx(expected, rel=1e-4, nan_ok=True), (r["gns"], expected)
 
 
 def test_policies_compose_in_one_hook_under_an_emulated_straggler(spawn):

@@ -288,7 +288,8 @@ class _SynchronousSGD(Optimizer):
                 stamps.append(tf.timestamp())
             if monitor is not None:  # its statistics' allreduce runs alongside the gradients'
                 started.append(monitor.start(local, _value(self._iterations),
-                                             f"{self._kf_prefix()}/monitor"))
+                                             f"{self._kf_prefix()}/monitor",
+                                             self._kf_backward_passes_per_step))
 
         averaged = _average_gradients(grads, prefix or self._kf_prefix(), self._kf_bucket_bytes,
                                       self._kf_strategy, self._kf_compression,
@@ -372,7 +373,8 @@ class _SynchronousSGD(Optimizer):
         result = super().apply(averaged.grads, trainable_variables)
         if monitor is not None and averaged.local:
             monitor.update(averaged.local, averaged.averaged, step,
-                           f"{self._kf_prefix()}/monitor", averaged.started)
+                           f"{self._kf_prefix()}/monitor", averaged.started,
+                           self._kf_backward_passes_per_step)
         return result
 
 

@@ -5,21 +5,22 @@
 // same step: g = sum_i w_i g_i with weights w_i = 1 / (n s_i) that sum to 1 (w_i = 1/n when
 // every s_i = 1; kf.ElasticData weighs the workers' parts by their samples, see
 // kungfu/tensorflow/_monitor.py). One pass over both, accumulating in double precision, gives
-// |g_i|^2, |g|^2 and |g_i - g|^2; one allreduce of five doubles [|g_i|^2, 1/B_i, |g_i - g|^2,
-// 1, n^2 w_i^2 / B_i] then gives every worker the same
+// |g_i|^2, |g|^2 and |g_i - g|^2; one allreduce of six doubles then gives every worker the same
 //
 //   stats = [mean_i |g_i|^2, |g|^2, mean_i |g_i - g|^2, mean_i 1/B_i, n, 1/B_big]
 //
 // with 1/B_big = sum_i w_i^2 / B_i, the noise of g relative to one sample's (mean_i 1/B_i / n
-// for equal weights; 1 / sum_i B_i when each part weighs as its samples). n is counted by the
-// allreduce itself: it is the size of the cluster that ran the step, read when the op runs
-// (never when the graph was built), so it follows a resize.
+// for equal weights; 1 / sum_i B_i when each part weighs as its samples). The means are over
+// the workers whose gradient counts in g (s_i > 0): one without samples of its own in a step
+// (an epoch's last, short step) has weight 0, and its zero gradient says nothing of the noise.
+// n, the workers that ran the step, is counted by the allreduce itself: it is the size of the
+// cluster when the op runs (never when the graph was built), so it follows a resize.
 //
 // The gradient noise scale needs neither g before its allreduce nor |g_i - g|^2, so it can do
 // without a round trip after the gradients' allreduce: KungfuLocalGradientStats (a collective)
-// reduces [|g_i|^2, 1/B_i, 1, n^2 w_i^2 / B_i] from the local gradients alone, so it runs while
-// the gradients are being averaged, and KungfuSquaredNorm gives |g|^2 afterwards from the
-// averages, locally (every worker holds the same averages, so the same |g|^2).
+// reduces its sums (Reduced below) from the local gradients alone, so it runs while the
+// gradients are being averaged, and KungfuGradientStatsOfSums adds |g|^2 of the averages
+// afterwards, locally (every worker holds the same averages, so the same |g|^2).
 //
 // KungfuNoiseScale and KungfuGradientVariance turn stats into smoothed estimates. They are pure:
 // their state (EMAs, number of updates, last valid value) goes in and comes out as a tensor that
@@ -42,6 +43,7 @@ namespace tfops {
 namespace {
 
 constexpr int kStats = 6;  // mean |g_i|^2, |g|^2, mean |g_i - g|^2, mean 1/B_i, n, 1/B_big
+constexpr int kSums = 6;   // what each worker adds to the statistics' allreduce (Reduced)
 constexpr int64_t kBlock = 1 << 15;  // elements per partial sum: fixed, so sums are reproducible
 
 // Partial sums of one block of a local and an averaged gradient: |l|^2, |g|^2, |l - g|^2.
@@ -139,6 +141,21 @@ double SquaredNorm(tf::OpKernelContext* ctx, const tf::OpInputList& x) {
   });
 }
 
+// Reads a float64 vector input of exactly `n` elements.
+bool ReadVector(tf::OpKernelContext* ctx, int index, int64_t n, const char* what,
+                std::vector<double>* out) {
+  const tf::Tensor& t = ctx->input(index);
+  if (t.dims() != 1 || t.NumElements() != n) {
+    ctx->SetStatus(tf::errors::InvalidArgument(what, " must be a vector of ", n,
+                                               " float64 values, got shape ",
+                                               t.shape().DebugString()));
+    return false;
+  }
+  auto v = t.flat<double>();
+  out->assign(v.data(), v.data() + n);
+  return true;
+}
+
 // Reads the positive batch size B_i and the scale s_i >= 0 (float64 scalar inputs `index` and
 // `index` + 1).
 bool ReadBatchAndScale(tf::OpKernelContext* ctx, int index, double* batch, double* scale) {
@@ -158,10 +175,23 @@ bool ReadBatchAndScale(tf::OpKernelContext* ctx, int index, double* batch, doubl
   return true;
 }
 
-// n^2 w_i^2 / B_i with w_i = 1 / (n s_i): this worker's part of n^2 / B_big (0 for s_i = 0, a
-// worker whose gradient does not count in the average).
-double BigBatchPart(double batch, double scale) {
-  return scale > 0 ? 1.0 / (scale * scale * batch) : 0.0;
+// What each worker adds to the statistics' allreduce: [s_i^2 |l_i|^2 = |g_i|^2, 1/B_i,
+// |g_i - g|^2, 1, 1 (counts in g), n^2 w_i^2 / B_i with w_i = 1 / (n s_i)]; a worker with s_i = 0
+// adds only the 1 that counts n.
+std::vector<double> Reduced(double local, double batch, double diff, double scale) {
+  if (scale <= 0) return {0, 0, 0, 1, 0, 0};
+  return {local, 1.0 / batch, diff, 1, 1, 1.0 / (scale * scale * batch)};
+}
+
+// stats (kStats values) from the reduced sums and |g|^2.
+void FillStats(const std::vector<double>& r, double global, double* stats) {
+  const double n = r[3], m = r[4];
+  stats[0] = r[0] / m;
+  stats[1] = global;
+  stats[2] = r[2] / m;
+  stats[3] = r[1] / m;
+  stats[4] = n;
+  stats[5] = r[5] / (n * n);
 }
 
 // Allreduces `values` (sum) under `options`; then finish(values) fills the op's output.
@@ -227,17 +257,9 @@ class GradientStatsOp : public CollectiveKernel {
     tf::Tensor* out = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, tf::TensorShape({kStats}), &out), done);
     const double global = total.global;
-    ReduceThen(ctx, peer, options_,
-               {total.local, 1.0 / batch, total.diff, 1.0, BigBatchPart(batch, scale)}, done,
+    ReduceThen(ctx, peer, options_, Reduced(total.local, batch, total.diff, scale), done,
                [global, out](const std::vector<double>& r) {
-                 const double n = r[3];
-                 auto stats = out->flat<double>();
-                 stats(0) = r[0] / n;
-                 stats(1) = global;
-                 stats(2) = r[2] / n;
-                 stats(3) = r[1] / n;
-                 stats(4) = n;
-                 stats(5) = r[4] / (n * n);
+                 FillStats(r, global, out->flat<double>().data());
                });
   }
 };
@@ -254,12 +276,13 @@ REGISTER_OP("KungfuLocalGradientStats")
     .SetIsStateful()
     .SetIsDistributedCommunication()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(4));
+      c->set_output(0, c->Vector(kSums));
       return tf::OkStatus();
     });
 
-// [sum_i |g_i|^2, sum_i 1/B_i, n, sum_i n^2 w_i^2 / B_i] over the workers, from each one's local
-// gradients (g_i / s_i), batch size B_i and scale s_i.
+// The sums of Reduced over the workers, from each one's local gradients (g_i / s_i), batch size
+// B_i and scale s_i, without |g_i - g|^2 (0): KungfuGradientStatsOfSums makes the statistics of
+// them and the averages.
 class LocalGradientStatsOp : public CollectiveKernel {
  public:
   using CollectiveKernel::CollectiveKernel;
@@ -273,8 +296,8 @@ class LocalGradientStatsOp : public CollectiveKernel {
     if (!ReadBatchAndScale(ctx, local.size(), &batch, &scale)) return done();
     const double norm = scale * scale * SquaredNorm(ctx, local);
     tf::Tensor* out = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, tf::TensorShape({4}), &out), done);
-    ReduceThen(ctx, peer, options_, {norm, 1.0 / batch, 1.0, BigBatchPart(batch, scale)}, done,
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, tf::TensorShape({kSums}), &out), done);
+    ReduceThen(ctx, peer, options_, Reduced(norm, batch, 0, scale), done,
                [out](const std::vector<double>& r) {
                  std::copy(r.begin(), r.end(), out->flat<double>().data());
                });
@@ -283,29 +306,37 @@ class LocalGradientStatsOp : public CollectiveKernel {
 REGISTER_KERNEL_BUILDER(Name("KungfuLocalGradientStats").Device(tf::DEVICE_CPU),
                         LocalGradientStatsOp);
 
-REGISTER_OP("KungfuSquaredNorm")
-    .Input("x: T")
-    .Output("norm: float64")
+REGISTER_OP("KungfuGradientStatsOfSums")
+    .Input("sums: float64")
+    .Input("averaged: T")
+    .Output("stats: float64")
     .Attr("T: list({half, bfloat16, float, double}) >= 1")
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Scalar());
+      c->set_output(0, c->Vector(kStats));
       return tf::OkStatus();
     });
 
-// |x|^2 of a list of tensors, summed in double precision over fixed blocks (reproducible).
-class SquaredNormOp : public tf::OpKernel {
+// The statistics from KungfuLocalGradientStats's sums and |g|^2 of the averages (summed in
+// double precision over fixed blocks, so every worker, holding the same averages, gets the same
+// value); mean_i |g_i - g|^2 is not known there (NaN).
+class GradientStatsOfSumsOp : public tf::OpKernel {
  public:
-  explicit SquaredNormOp(tf::OpKernelConstruction* c) : OpKernel(c) {}
+  explicit GradientStatsOfSumsOp(tf::OpKernelConstruction* c) : OpKernel(c) {}
 
   void Compute(tf::OpKernelContext* ctx) override {
-    tf::OpInputList x;
-    OP_REQUIRES_OK(ctx, ctx->input_list("x", &x));
+    std::vector<double> sums;
+    if (!ReadVector(ctx, 0, kSums, "sums", &sums)) return;
+    tf::OpInputList averaged;
+    OP_REQUIRES_OK(ctx, ctx->input_list("averaged", &averaged));
     tf::Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({}), &out));
-    out->scalar<double>()() = SquaredNorm(ctx, x);
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, tf::TensorShape({kStats}), &out));
+    double* stats = out->flat<double>().data();
+    FillStats(sums, SquaredNorm(ctx, averaged), stats);
+    stats[2] = std::numeric_limits<double>::quiet_NaN();
   }
 };
-REGISTER_KERNEL_BUILDER(Name("KungfuSquaredNorm").Device(tf::DEVICE_CPU), SquaredNormOp);
+REGISTER_KERNEL_BUILDER(Name("KungfuGradientStatsOfSums").Device(tf::DEVICE_CPU),
+                        GradientStatsOfSumsOp);
 
 // ---------------------------------------------------------------------------------------------
 
@@ -314,20 +345,6 @@ double Ema(double value, double count, double x, double decay) {
   return count == 0 ? x : decay * value + (1 - decay) * x;
 }
 
-// Reads a float64 vector input of exactly `n` elements.
-bool ReadVector(tf::OpKernelContext* ctx, int index, int64_t n, const char* what,
-                std::vector<double>* out) {
-  const tf::Tensor& t = ctx->input(index);
-  if (t.dims() != 1 || t.NumElements() != n) {
-    ctx->SetStatus(tf::errors::InvalidArgument(what, " must be a vector of ", n,
-                                               " float64 values, got shape ",
-                                               t.shape().DebugString()));
-    return false;
-  }
-  auto v = t.flat<double>();
-  out->assign(v.data(), v.data() + n);
-  return true;
-}
 
 // Kernels of the estimators: stats + state in, estimate + new state out.
 class EstimatorOp : public tf::OpKernel {
@@ -418,8 +435,8 @@ class NoiseScaleOp : public EstimatorOp {
 REGISTER_KERNEL_BUILDER(Name("KungfuNoiseScale").Device(tf::DEVICE_CPU), NoiseScaleOp);
 
 // Gradient variance: the population variance of the workers' gradients around their average,
-// summed over all elements of all gradients: mean_i |g_i - g|^2 (divided by n, not n - 1; 0 for
-// a single worker). state = [EMA, samples]; the estimate is the EMA, NaN before the first sample.
+// summed over all elements of all gradients: mean_i |g_i - g|^2 (over the workers counted, see
+// the top; not n - 1; 0 for a single worker). state = [EMA, samples]; the estimate is the EMA, NaN before the first sample.
 // A non-finite sample is skipped.
 KF_ESTIMATOR_OP("KungfuGradientVariance", 2);
 class GradientVarianceOp : public EstimatorOp {
