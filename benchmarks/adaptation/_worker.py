@@ -18,6 +18,9 @@ the environment (KUNGFU_SAMPLE_TIME, KUNGFU_SLOWDOWN), set by the driver.
     --policy gns:MAX             kf.policy.GNSBatchGrowth(MAX), the learning rate by the sqrt rule
     --policy gns-adascale:MAX    GNSBatchGrowth(MAX) for the batch, kf.policy.AdaScale for the
                                  learning rate
+    --policy talk-gns            the KungFu talk's GNS policy: after every step, one worker more
+                                 while the noise scale (averaged over the workers) grows (under
+                                 kungfu-run -w; asks beyond the job's slots are refused)
 """
 from __future__ import annotations
 
@@ -101,7 +104,7 @@ def main() -> int:
         base = keras.optimizers.SGD(args.lr, momentum=args.momentum)
     else:
         base = LrOutsideSGD(args.lr, momentum=args.momentum)
-    gns = args.policy.startswith("gns")
+    gns = args.policy.startswith(("gns", "talk-gns"))
     opt = kf.Optimizer(base, monitor="gns" if gns else None)
     model.compile(optimizer=opt, loss=loss, metrics=["accuracy"], jit_compile=False)
     data = kf.ElasticData(x_train, y_train, batch_size=args.batch_size, seed=args.seed)
@@ -134,6 +137,23 @@ def main() -> int:
         policies.append(AdaScale(base_batch=args.batch_size * kf.size(), base_lr=args.lr))
     elif kind == "stragglers":
         policies.append(StragglerReplacement())
+    elif kind == "talk-gns":
+
+        class TalkGNSPolicy(kf.BasePolicy):
+            """As printed in the talk, with two fixes: `prev` starts at 0 (the talk's None cannot
+            be compared), and NaN (no estimate yet) is not growth (NaN > x is False)."""
+
+            def __init__(self):
+                self.prev = 0.0
+
+            def after_step(self):
+                gns = kf.grad_noise_scale()
+                avg = kf.allreduce(gns, "avg")
+                if avg > self.prev:
+                    kf.resize(kf.size() + 1)
+                self.prev = avg
+
+        policies.append(TalkGNSPolicy())
     elif kind != "bsp":
         raise SystemExit(f"unknown --policy {args.policy!r}")
 
