@@ -194,10 +194,11 @@ class GradientMonitor:
         return Started(due, tf.cond(due, run, lambda: tf.constant([math.nan] * 6, tf.float64)))
 
     def update(self, local: Sequence, averaged: Sequence, step, name: str,
-               started: Optional[Started] = None, passes: int = 1):
+               started: Optional[Started] = None, passes: int = 1, loss_scale=None):
         """Runs the monitors if step % interval == 0, from start()'s statistics where it began
         them; returns a bool tensor: whether they ran. passes: the backward passes averaged
-        into each local gradient."""
+        into each local gradient; loss_scale: the scale L the gradients carry (mixed
+        precision), taken out of the squared norms (L^2)."""
 
         def statistics():
             if started is not None:
@@ -209,6 +210,10 @@ class GradientMonitor:
 
         def run():
             stats = statistics()
+            if loss_scale is not None:
+                u = 1.0 / tf.square(tf.cast(loss_scale, tf.float64))
+                one = tf.constant(1.0, tf.float64)
+                stats = stats * tf.stack([u, u, u, one, one, one])
             self.stats.assign(stats)
             estimators = {
                 GNS: (_lib.kungfu_noise_scale, self.gns_state),

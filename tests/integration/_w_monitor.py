@@ -190,3 +190,35 @@ def bad_input():
                                          "x/int")),
         "variance_only_ok": error(lambda: kf.Optimizer(sgd(0.1), monitor="variance")),
     }
+
+
+def mixed_precision_estimates():
+    """The same fixed point (learning rate 0) and data, monitored with both estimates: in
+    float32, then under mixed_float16 with compile wrapping kf.Optimizer in LossScaleOptimizer,
+    then with kf.Optimizer(LossScaleOptimizer(SGD)). Returns each one's (gradient variance,
+    tr(S), |G|^2) and loss scale: the loss scale (2^15 at the start) must not show in them."""
+    kf, tf, keras = _setup()
+    rng = np.random.default_rng(kf.rank())
+    x = rng.normal(size=(8 * 16, 6)).astype(np.float32)
+    y = (x.sum(axis=1, keepdims=True) + rng.normal(size=(8 * 16, 1))).astype(np.float32)
+    out = {}
+    for order in ("float32", "compile", "inner"):
+        keras.mixed_precision.set_global_policy("float32" if order == "float32"
+                                                else "mixed_float16")
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="tanh"),
+                                  keras.layers.Dense(1, dtype="float32")])
+        sgd = keras.optimizers.SGD(0.0)
+        opt = kf.Optimizer(keras.optimizers.LossScaleOptimizer(sgd) if order == "inner" else sgd,
+                           monitor=["gns", "variance"], batch_size=16,
+                           op_prefix=f"mixed/{order}")
+        model.compile(optimizer=opt, loss="mse", jit_compile=False)
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        monitor = opt.kungfu_monitor
+        state = monitor.gns_state.numpy()
+        scale = getattr(model.optimizer, "dynamic_scale", None)
+        out[order] = {"variance": monitor.value("variance"), "trace": float(state[0]),
+                      "g2": float(state[1]), "wrapper": type(model.optimizer).__name__,
+                      "scale": None if scale is None else float(np.asarray(scale))}
+    keras.mixed_precision.set_global_policy("float32")
+    return out

@@ -118,6 +118,23 @@ def test_noise_scale_of_linear_regression_matches_closed_form(spawn, n, passes):
 
 
 @pytest.mark.timeout(300)
+def test_mixed_precision_estimates_are_of_the_unscaled_gradients(spawn):
+    # Under a LossScaleOptimizer (outside kf.Optimizer, as compile makes it, or inside) the
+    # gradients the monitors see carry the loss scale L = 2^15; the estimates must be those of
+    # the float32 run at the same point (float16 compute: a few parts in a thousand), not L^2
+    # (about 1e9) times them.
+    r0, r1 = spawn(2, w.mixed_precision_estimates, env=ENV, timeout=200)
+    assert r0 == r1  # the same on both workers
+    base = r0["float32"]
+    assert base["variance"] > 0 and base["trace"] != 0 and base["scale"] is None
+    for order in ("compile", "inner"):
+        got = r0[order]
+        assert got["wrapper"] == "LossScaleOptimizer" and got["scale"] >= 2 ** 10, got
+        for key in ("variance", "trace", "g2"):
+            assert got[key] == pytest.approx(base[key], rel=0.05), (order, key, got, base)
+
+
+@pytest.mark.timeout(300)
 def test_keras_logs_carry_the_estimates(spawn):
     results = spawn(2, w.fit_logs, 3, 4, env=ENV, timeout=150)
     r0, r1 = results

@@ -166,10 +166,10 @@ class Optimizer:
             self.built = True
 
     @contextlib.contextmanager
-    def _kf_loss_scaled(self, grads, check_finite):
+    def _kf_loss_scaled(self, grads, check_finite, loss_scale=None):
         """For a LossScaleOptimizer around this one (_loss_scale): yields the gradients it is to
         apply and whether they are finite, the same on every worker. Here: the local gradients,
-        finite where every worker's are."""
+        finite where every worker's are. loss_scale: the scale the gradients carry."""
         finite = tf.cast(check_finite(grads), tf.int32)
         agreed = ops.all_reduce(finite, op="min", name=f"{self._kf_prefix()}/finite")
         yield grads, agreed > 0
@@ -322,15 +322,18 @@ class _SynchronousSGD(Optimizer):
         return self._kf_apply_averaged(self._kf_average(grads), trainable_variables)
 
     @contextlib.contextmanager
-    def _kf_loss_scaled(self, grads, check_finite):
+    def _kf_loss_scaled(self, grads, check_finite, loss_scale=None):
         """Overflow decided on the averaged gradients: the same on every worker, and a sum that
         overflows counts. The LossScaleOptimizer then calls apply() with them unscaled, which
-        applies them without a second allreduce."""
+        applies them without a second allreduce (the monitor, which sees the scaled local and
+        averaged gradients, is told the scale)."""
         if self._kf_backward_passes_per_step > 1:  # the sums are averaged every k-th pass only
             with super()._kf_loss_scaled(grads, check_finite) as decided:
                 yield decided
             return
         averaged = self._kf_average(grads)
+        if loss_scale is not None:
+            averaged = averaged._replace(loss_scale=tf.identity(loss_scale))
         self.__dict__["_kf_averaged"] = averaged
         try:
             yield averaged.grads, check_finite(averaged.grads)
@@ -367,14 +370,19 @@ class _SynchronousSGD(Optimizer):
     def _kf_apply_averaged(self, averaged: Averaged, trainable_variables):
         monitor = self.kungfu_monitor
         step = None
+        loss_scale = averaged.loss_scale
         if monitor is not None:
             self._kf_build_if_needed(trainable_variables)
             step = _value(self._iterations)
+            if loss_scale is None and isinstance(self, keras.optimizers.LossScaleOptimizer):
+                # kf.Optimizer(LossScaleOptimizer(...)): the gradients averaged here are scaled;
+                # the scale read before apply() may change it.
+                loss_scale = tf.identity(_value(self.dynamic_scale))
         result = super().apply(averaged.grads, trainable_variables)
         if monitor is not None and averaged.local:
             monitor.update(averaged.local, averaged.averaged, step,
                            f"{self._kf_prefix()}/monitor", averaged.started,
-                           self._kf_backward_passes_per_step)
+                           self._kf_backward_passes_per_step, loss_scale)
         return result
 
 

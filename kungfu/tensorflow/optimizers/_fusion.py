@@ -43,6 +43,8 @@ class Averaged(NamedTuple):
     averaged: List[tf.Tensor]  # their averages (what the gradient monitor compares)
     # What the gradient monitor began before the allreduce (GradientMonitor.start), or None.
     started: object = None
+    # The loss scale the local and averaged gradients carry (mixed precision), or None.
+    loss_scale: object = None
 
 
 def average_gradients(grads: Sequence, prefix: str, bucket_bytes: Optional[int] = None,

@@ -57,7 +57,9 @@ def install() -> None:
         inner = self.inner_optimizer
         if not hasattr(inner, "_kf_loss_scaled"):
             return keras_apply(self, grads, trainable_variables)
-        with inner._kf_loss_scaled(list(grads), self.check_finite) as (agreed, finite):
+        with inner._kf_loss_scaled(list(grads), self.check_finite,
+                                   keras.ops.convert_to_tensor(self.dynamic_scale)) as (
+                agreed, finite):
             keras.ops.cond(
                 finite,
                 lambda: self._stateful_handle_finite_grads(agreed, trainable_variables),
