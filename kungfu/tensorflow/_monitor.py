@@ -100,7 +100,7 @@ def gradient_stats(local: Sequence, averaged: Sequence, batch_size, name: str,
 
     local: this worker's gradients, which times `scale` are the mean gradient g_i of its
     batch_size samples B_i; averaged: the average g over the workers, in which this worker's
-    weighs 1 / (n scale). A collective: every worker must run it with the same name."""
+    gradient weighs 1 / (n scale). A collective: every worker must run it with the same name."""
     local, averaged = list(local), list(averaged)
     if len(local) != len(averaged) or not local:
         raise ValueError(f"gradient statistics need as many averaged as local gradients "
