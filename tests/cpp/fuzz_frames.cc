@@ -15,7 +15,7 @@
 #include <cstdint>
 
 #include "kungfu/stream_transport.h"
-#include "net.h"
+#include "transport/net.h"
 
 namespace {
 

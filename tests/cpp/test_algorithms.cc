@@ -29,6 +29,8 @@ using kungfu::DType;
 using kungfu::OpContext;
 using kungfu::OpKind;
 using kungfu::OpSig;
+using kungfu::Piece;
+using kungfu::Spawner;
 using kungfu::ReduceOp;
 using kungfu::Session;
 using kungfu::Status;
@@ -188,7 +190,7 @@ class Runner {
     spawned_.clear();
     return st;
   }
-  Session::Spawner spawner() {
+  Spawner spawner() {
     return [this](std::function<void()> f) { spawned_.emplace_back(std::move(f)); };
   }
 
@@ -288,7 +290,7 @@ void RunAll(int n, bool one_host, StrategyKind k) {
       for (size_t c : counts) what += " " + std::to_string(c);
       Input(d, op, r, total, salt, &in);
       std::vector<std::vector<char>> sends(counts.size()), recvs(counts.size());
-      std::vector<Session::Piece> pieces;
+      std::vector<Piece> pieces;
       size_t off = 0;
       for (size_t i = 0; i < counts.size(); ++i) {
         sends[i].assign(in.begin() + off * es, in.begin() + (off + counts[i]) * es);

@@ -17,10 +17,10 @@
 #include <random>
 #include <thread>
 
-#include "auth.h"
+#include "transport/auth.h"
 #include "kungfu/peer.h"
 #include "kungfu/stream_transport.h"
-#include "net.h"
+#include "transport/net.h"
 #include "testing.h"
 
 using kungfu::Code;

@@ -9,7 +9,7 @@
 #include <random>
 
 #include "kungfu/stream_transport.h"
-#include "net.h"
+#include "transport/net.h"
 #include "testing.h"
 
 using kungfu::Code;

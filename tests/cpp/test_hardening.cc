@@ -11,7 +11,7 @@
 #include "kungfu/dtype.h"
 #include "kungfu/peer.h"
 #include "kungfu/stream_transport.h"
-#include "net.h"
+#include "transport/net.h"
 #include "testing.h"
 
 using kungfu::Code;

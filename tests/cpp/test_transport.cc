@@ -15,7 +15,7 @@
 #include <thread>
 
 #include "kungfu/peer.h"
-#include "net.h"
+#include "transport/net.h"
 #include "testing.h"
 
 using kftest::LocalCluster;

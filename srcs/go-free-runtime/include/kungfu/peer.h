@@ -53,6 +53,7 @@
 
 #include "kungfu/dtype.h"
 #include "kungfu/handle.h"
+#include "kungfu/op.h"
 #include "kungfu/peer_id.h"
 #include "kungfu/status.h"
 #include "kungfu/strategy.h"
@@ -94,57 +95,6 @@ struct PeerConfig {
   // Makes the session's transport from the options above; empty: StreamTransport (one stream
   // per ordered pair of processes).
   TransportFactory transport;
-};
-
-// One operation as the timeline records it (PeerConfig::timeline). Times are in microseconds;
-// start_us is wall-clock (system_clock since the epoch), so traces of different processes align.
-struct TimelineEvent {
-  const char* kind = "";      // OpKindName
-  std::string name;           // the op's name ("auto:<kind>" when unnamed)
-  uint64_t seq = 0;
-  uint64_t bytes = 0;         // what the caller passed in: count x dtype size (0: barrier, fail)
-  const char* strategy = "";  // the one asked for, else the session's default (StrategyName)
-  int64_t start_us = 0;       // when a pool worker started it
-  int64_t dur_us = 0;         // from then until it ended (handle about to complete)
-  int64_t queue_us = 0;       // from the call until a pool worker started it
-  // From the start until the first data or signature frame of the op arrived from any peer (0
-  // if one arrived before it started); if none arrived, the whole duration (it waited for peers
-  // all along: an op that failed waiting), or 0 in a single process.
-  int64_t wait_us = 0;
-  const char* status = "OK";  // CodeName of the status
-  int track = 0;  // small id of the thread that ran it: one track's events never overlap
-};
-
-struct OpOptions {
-  std::string name;      // empty: "auto:<kind>"
-  int strategy = -1;     // a StrategyKind, or -1 for the peer's default
-  int64_t timeout_ms = -1;  // < 0: the peer's op_timeout_ms
-  // What else every peer must agree on for this operation, beyond kind, reduce op, dtype, count,
-  // root and strategy (e.g. a digest of a tensor's trailing shape); 0: nothing.
-  uint64_t digest = 0;
-  // allreduce and reduce with kSum only: the caller divides the result by the peer count (see
-  // OpSig).
-  bool average = false;
-  // A process set (process_set.h): the sorted global ranks of the peers that run this operation,
-  // this one among them; ranks and roots are then the set's, and the result is as if the set were
-  // the whole cluster. Empty: every peer. Allreduces of a set are not fused.
-  std::vector<int> process_set;
-  // The cluster version the set was made for (-1: any): a set used in another version is refused
-  // (its ranks may name other peers after a resize or a recovery).
-  int64_t process_set_version = -1;
-};
-
-// One buffer of a multi-buffer allreduce (send may equal recv: in place).
-struct Piece {
-  const void* send;
-  void* recv;
-  size_t count;
-};
-
-// Output of allgather and gather: the per-peer element counts and their concatenation.
-struct GatherResult {
-  std::vector<uint64_t> counts;
-  Buffer data;
 };
 
 class Session;

@@ -5,22 +5,15 @@
 #include <string>
 #include <vector>
 
-#include "kungfu/dtype.h"
-#include "kungfu/peer.h"
 #include <mutex>
 #include <utility>
-#include <vector>
 
+#include "kungfu/dtype.h"
+#include "kungfu/op.h"
 #include "kungfu/strategy.h"
 #include "kungfu/transport.h"
 
 namespace kungfu {
-
-struct OpContext {
-  std::string name;
-  uint64_t seq = 0;
-  TimePoint deadline;
-};
 
 class Session {
  public:
@@ -47,15 +40,12 @@ class Session {
   // bytes per peer and seconds.
   std::vector<StrategyCounter> Counters() const;
 
-  // `run_parallel` runs independent parts of one op concurrently (the peer's worker pool).
-  using Spawner = std::function<void(std::function<void()>)>;
   Status AllReduce(const OpContext& ctx, const void* send, void* recv, size_t count, DType dtype,
                    ReduceOp op, int strategy, const Spawner& spawn);
   // One allreduce over several buffers at once, without copying them together: the algorithms
   // see the pieces laid end to end as one buffer (no message crosses a piece boundary). Every
   // peer passes pieces of the same counts in the same order; each piece's send may equal its
   // recv (in place).
-  using Piece = ::kungfu::Piece;
   // pack_bytes > 0: the pieces of at most pack_bytes (when there are several) are copied into
   // one buffer first, the first piece, and their results copied back only on success; larger
   // pieces stay on their own buffers (copying them would cost more than it saves). Fewer,

@@ -83,66 +83,13 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kungfu/buffer.h"
 #include "kungfu/dtype.h"
+#include "kungfu/op.h"
 #include "kungfu/peer_id.h"
 #include "kungfu/status.h"
 
 namespace kungfu {
-using Clock = std::chrono::steady_clock;
-using TimePoint = Clock::time_point;
-
-// A heap buffer from a process-wide pool (size classes are powers of two); returns itself to the
-// pool when destroyed.
-class Buffer {
- public:
-  Buffer() = default;
-  explicit Buffer(size_t size);
-  Buffer(Buffer&& o) noexcept;
-  Buffer& operator=(Buffer&& o) noexcept;
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  ~Buffer();
-  char* data() const { return data_; }
-  size_t size() const { return size_; }
-
- private:
-  void Release();
-  char* data_ = nullptr;
-  size_t size_ = 0;
-  size_t capacity_ = 0;
-};
-
-// What every peer must agree on for one operation, beyond dtype and count (which each message
-// carries): stamped into every frame of the operation and compared on arrival.
-enum class OpKind : uint8_t {
-  kNone = 0, kAllReduce, kReduce, kBroadcast, kAllGather, kGather, kBarrier, kConsensus,
-  kSetStrategy, kRequest, kInternal,
-};
-const char* OpKindName(OpKind kind);
-struct OpSig {
-  OpKind kind = OpKind::kNone;
-  int op = 0;         // a ReduceOp, or 0
-  int strategy = -1;  // a StrategyKind, or -1
-  int root = -1;      // rooted operations, or -1
-  uint64_t digest = 0;  // anything else that must match (a tensor's trailing shape), or 0
-  // An allreduce whose sum the caller divides by the peer count ("avg", sum on the wire): part of
-  // the signature so that sum on one peer and avg on another fail instead of both returning.
-  bool average = false;
-  // Local only, never on the wire: this peer fails the operation with a reason of its own
-  // (Peer::Fail, input it rejected). It looks for no disagreement, so that its reason, not a
-  // signature it never meant, is what every peer hears.
-  bool rejected = false;
-  uint64_t Word() const;
-  static OpSig FromWire(uint64_t word, uint64_t digest);
-  bool operator==(const OpSig& o) const { return Word() == o.Word() && digest == o.digest; }
-  bool operator!=(const OpSig& o) const { return !(*this == o); }
-  std::string ToString() const;  // "allreduce(max)", "broadcast(root 1, strategy STAR)"
-};
-
-// The name under which part `part` of operation `name` sends its messages (NUL-separated, so it
-// cannot collide with a user's name; user names with NUL are refused).
-std::string SubOpName(const std::string& name, const char* part);
-
 // What identifies one message of one operation.
 struct MsgKey {
   std::string name;

@@ -1,4 +1,4 @@
-#include "operation.h"
+#include "session/operation.h"
 
 #include <atomic>
 #include <utility>

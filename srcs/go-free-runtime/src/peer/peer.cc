@@ -5,11 +5,11 @@
 #include <algorithm>
 #include <cstring>
 
-#include "fusion.h"
+#include "session/fusion.h"
 #include "kungfu/process_set.h"
 #include "kungfu/session.h"
 #include "kungfu/stream_transport.h"
-#include "operation.h"
+#include "session/operation.h"
 
 namespace kungfu {
 

@@ -65,10 +65,10 @@
 
 #include "kungfu/dtype.h"
 #include "kungfu/handle.h"
-#include "kungfu/peer.h"
+#include "kungfu/op.h"
 #include "kungfu/status.h"
 #include "kungfu/transport.h"
-#include "operation.h"
+#include "session/operation.h"
 
 namespace kungfu {
 

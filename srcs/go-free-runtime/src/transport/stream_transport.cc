@@ -7,8 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "auth.h"
-#include "net.h"
+#include "transport/auth.h"
+#include "transport/net.h"
 
 namespace kungfu {
 

@@ -1,4 +1,4 @@
-#include "fusion.h"
+#include "session/fusion.h"
 
 #include <algorithm>
 #include <cstring>
@@ -705,7 +705,7 @@ void Fusion::RunBucket(const Bucket& b) {
   // ones stay on their own buffers, without copies.
   if (s.ok()) {
     try {
-      std::vector<Session::Piece> pieces;
+      std::vector<Piece> pieces;
       for (const auto& o : b.ops) pieces.push_back({o->send, o->recv, o->count});
       s = session_->AllReduceV(ctx, pieces, b.dtype, b.op, b.strategy, spawn, fusion_bytes_);
     } catch (const std::bad_alloc&) {

@@ -11,7 +11,7 @@
 #include <deque>
 
 #include "kungfu/stream_transport.h"
-#include "net.h"
+#include "transport/net.h"
 
 namespace kungfu {
 

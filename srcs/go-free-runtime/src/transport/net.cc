@@ -1,4 +1,4 @@
-#include "net.h"
+#include "transport/net.h"
 
 #include <arpa/inet.h>
 #include <errno.h>

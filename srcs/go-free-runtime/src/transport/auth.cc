@@ -1,4 +1,4 @@
-#include "auth.h"
+#include "transport/auth.h"
 
 #include <fcntl.h>
 #include <sys/random.h>

@@ -17,7 +17,7 @@
 #include <string>
 
 #include "kungfu/handle.h"
-#include "kungfu/peer.h"
+#include "kungfu/op.h"
 #include "kungfu/status.h"
 #include "kungfu/transport.h"
 
