@@ -202,15 +202,15 @@ TEST(MakeStrategyOneHost) {
       const std::string what = where + " " + kungfu::StrategyName(k);
       CHECK(s.kind == k);
       if (k == StrategyKind::kRing) {
-        CHECK(s.ring);
+        CHECK(s.allreduce == kungfu::Algorithm::kRing);
         CHECK(s.trees.empty());
         continue;
       }
-      CHECK_MSG(!s.ring, what);
+      CHECK_MSG(s.allreduce != kungfu::Algorithm::kRing, what);
       // DIRECT allreduces by direct reads, HIERARCHICAL by host; their trees serve reduce and
       // broadcast.
-      CHECK_MSG(s.direct == (k == StrategyKind::kDirect), what);
-      CHECK_MSG(s.hierarchical == (k == StrategyKind::kHierarchical), what);
+      CHECK_MSG((s.allreduce == kungfu::Algorithm::kDirect) == (k == StrategyKind::kDirect), what);
+      CHECK_MSG((s.allreduce == kungfu::Algorithm::kHierarchical) == (k == StrategyKind::kHierarchical), what);
       REQUIRE(!s.trees.empty());
       for (const Tree& t : s.trees) CHECK_MSG(kungfu::ValidateTree(t, n).ok(), what);
       switch (k) {
@@ -243,13 +243,13 @@ TEST(MakeStrategyThreeUnevenHosts) {
     const std::string what = kungfu::StrategyName(k);
     CHECK(s.kind == k);
     if (k == StrategyKind::kRing) {
-      CHECK(s.ring);
+      CHECK(s.allreduce == kungfu::Algorithm::kRing);
       CHECK(s.trees.empty());
       continue;
     }
-    CHECK(!s.ring);
-    CHECK_MSG(s.direct == (k == StrategyKind::kDirect), what);
-    CHECK_MSG(s.hierarchical == (k == StrategyKind::kHierarchical), what);
+    CHECK(s.allreduce != kungfu::Algorithm::kRing);
+    CHECK_MSG((s.allreduce == kungfu::Algorithm::kDirect) == (k == StrategyKind::kDirect), what);
+    CHECK_MSG((s.allreduce == kungfu::Algorithm::kHierarchical) == (k == StrategyKind::kHierarchical), what);
     REQUIRE(!s.trees.empty());
     for (const Tree& t : s.trees) CHECK_MSG(kungfu::ValidateTree(t, n).ok(), what);
     switch (k) {
@@ -390,7 +390,7 @@ TEST(TreeRootedAt) {
 TEST(MakeStrategyFromTree) {
   Tree t = {1, 1, 1, 2};
   Strategy s = kungfu::MakeStrategyFromTree(t);
-  CHECK(!s.ring);
+  CHECK(s.allreduce != kungfu::Algorithm::kRing);
   REQUIRE_EQ(s.trees.size(), size_t(1));
   CHECK(s.trees[0] == t);
   CHECK(s.TreeRootedAt(1, 4) == t);

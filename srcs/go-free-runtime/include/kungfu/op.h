@@ -17,6 +17,11 @@ namespace kungfu {
 using Clock = std::chrono::steady_clock;
 using TimePoint = Clock::time_point;
 
+// Where an operation's buffers live: host memory (every backend), or a GPU's (a backend that
+// serves it: kungfu/backend.h).
+enum class Memory : int { kHost = 0, kDevice = 1 };
+const char* MemoryName(Memory memory);
+
 // What every peer must agree on for one operation, beyond dtype and count (which each message
 // carries): stamped into every frame of the operation and compared on arrival.
 enum class OpKind : uint8_t {
@@ -54,6 +59,7 @@ struct OpContext {
   std::string name;
   uint64_t seq = 0;
   TimePoint deadline;
+  Memory memory = Memory::kHost;
 };
 
 // One operation as the timeline records it (PeerConfig::timeline). Times are in microseconds;
@@ -92,6 +98,8 @@ struct OpOptions {
   // The cluster version the set was made for (-1: any): a set used in another version is refused
   // (its ranks may name other peers after a resize or a recovery).
   int64_t process_set_version = -1;
+  // Where the buffers live; the session runs the op on a backend that serves it.
+  Memory memory = Memory::kHost;
 };
 
 // One buffer of a multi-buffer allreduce (send may equal recv: in place).

@@ -1,5 +1,13 @@
-// Session: one immutable (cluster version, peer list, strategy) with its transport. Every
-// collective runs inside exactly one session; a new version builds a new session.
+// Session: one cluster version's peer list with its transport and backends. Every collective runs
+// inside exactly one session; a new version builds a new session. What is fixed for its life:
+// the peers, the transport, the host layout and the memory-read probe's answer (ProbeDirect, run
+// once before any operation). What changes between operations, under its own locks: the default
+// strategy (SetDefault, after every peer agreed), the traffic counters, and the backends a
+// binding adds (AddBackend, e.g. the GPU one at its first use).
+//
+// Each collective picks the strategy here (the op's, else the default; AUTO resolved by size) and
+// runs on the first backend that serves the op's memory (kungfu/backend.h): the TCP backend for
+// host memory, always present.
 #pragma once
 #include <memory>
 #include <string>
@@ -8,6 +16,7 @@
 #include <mutex>
 #include <utility>
 
+#include "kungfu/backend.h"
 #include "kungfu/dtype.h"
 #include "kungfu/op.h"
 #include "kungfu/strategy.h"
@@ -15,12 +24,21 @@
 
 namespace kungfu {
 
+class TcpBackend;
+
 class Session {
  public:
   // Runs over `transport` (any implementation; the session owns it). Peers and rank are the
   // transport's.
   Session(std::unique_ptr<Transport> transport, StrategyKind strategy, size_t chunk_bytes,
           int parallelism);
+  ~Session();  // aborts what waits in the backends, then releases them and the transport
+
+  // Puts `backend` before the others: it runs the operations of the memory it serves from now
+  // on. Call it between operations (one under way keeps its backend).
+  void AddBackend(std::unique_ptr<Backend> backend);
+  // A peer failed or the session is left: every backend's waits fail at once with `why`.
+  void AbortBackends(const Status& why);
 
   Transport& transport() { return transport_; }
   int rank() const { return rank_; }
@@ -45,11 +63,8 @@ class Session {
   // One allreduce over several buffers at once, without copying them together: the algorithms
   // see the pieces laid end to end as one buffer (no message crosses a piece boundary). Every
   // peer passes pieces of the same counts in the same order; each piece's send may equal its
-  // recv (in place).
-  // pack_bytes > 0: the pieces of at most pack_bytes (when there are several) are copied into
-  // one buffer first, the first piece, and their results copied back only on success; larger
-  // pieces stay on their own buffers (copying them would cost more than it saves). Fewer,
-  // larger messages: a message never spans two pieces.
+  // recv (in place). pack_bytes > 0: pieces of at most pack_bytes are packed into one buffer
+  // first (TcpBackend::AllReduce).
   Status AllReduceV(const OpContext& ctx, const std::vector<Piece>& pieces, DType dtype,
                     ReduceOp op, int strategy, const Spawner& spawn, size_t pack_bytes = 0);
   Status Reduce(const OpContext& ctx, const void* send, void* recv, size_t count, DType dtype,
@@ -73,38 +88,26 @@ class Session {
   bool direct_ok() const { return direct_ok_; }
 
  private:
-  struct Layout;
-  struct Part;
-  Status AllReduceLaidOut(const OpContext& ctx, const Layout& layout, DType dtype, ReduceOp op,
-                          int strategy, const Spawner& spawn);
-  Status AllReduceWith(const OpContext& ctx, const Layout& layout, DType dtype, ReduceOp op,
-                       const Strategy& s, const Spawner& spawn);
-  // The ring over `members` (ranks in ring order, this peer among them).
-  Status RingPart(const OpContext& ctx, const Part& p, const std::vector<int>& members);
-  // `reads`: inside the host by memory reads (local_reads_ok_), else by messages.
-  Status HierarchicalPart(const OpContext& ctx, const Part& p, bool reads);
-  Status TreePart(const OpContext& ctx, const Part& p, const Strategy& s);
-  Status ReduceTree(const OpContext& ctx, const Part& p, const Tree& tree);
-  Status BroadcastTree(const OpContext& ctx, const Part& p, const Tree& tree);
-  Status Verdict(const OpContext& ctx, const Tree& tree);
+  Status BackendFor(const OpContext& ctx, Backend** out);
   Status ProbeDirectOp(const std::string& name, TimePoint deadline, bool allowed);
-  Status ExchangeCounts(const OpContext& ctx, uint64_t count, int root, std::vector<uint64_t>* counts);
 
   const PeerList peers_;
   const int rank_;
   const HostLayout layout_;
-  std::vector<int> all_ranks_;  // 0..n-1: the ring of RING
   mutable std::mutex default_mu_;  // guards default_kind_, default_tree_, counters_
   StrategyKind default_kind_;
   Tree default_tree_;
   std::vector<StrategyCounter> counters_;
-  const size_t chunk_bytes_;
-  const int parallelism_;
   bool direct_ok_ = false;       // local_reads_ok_ and one host
   bool local_reads_ok_ = false;  // every peer may read the memory of the peers of its host
   uint64_t probe_word_ = 0;
   std::unique_ptr<Transport> owned_transport_;
   Transport& transport_;  // *owned_transport_
+  // The backends, first served first; the TCP one (*tcp_) is always the last. Declared after the
+  // transport, so they go before it. backends_mu_ is taken alone.
+  std::mutex backends_mu_;
+  std::vector<std::unique_ptr<Backend>> backends_;
+  TcpBackend* tcp_ = nullptr;
 };
 
 }  // namespace kungfu

@@ -46,13 +46,17 @@ std::vector<std::vector<int>> ChildrenOf(const Tree& fathers);
 // The same undirected tree with `root` as its root.
 Tree Reroot(const Tree& fathers, int root);
 
-// What a collective runs: the ring over ranks in order, or chunks spread round-robin over trees.
+// The allreduce algorithm a strategy selects, one file of src/collective/ each: chunks spread
+// round-robin over reduction trees (tree.cc), the ring (ring.cc), or by host (hierarchical.cc;
+// DIRECT is its one-host form, every phase by memory reads).
+enum class Algorithm : int { kTrees = 0, kRing = 1, kDirect = 2, kHierarchical = 3 };
+
+// What a collective runs: an allreduce algorithm and the trees it, reduce and broadcast use.
 struct Strategy {
   StrategyKind kind = StrategyKind::kBinaryTreeStar;
-  bool ring = false;
-  bool direct = false;      // allreduce by direct reads; reduce/broadcast use `trees`
-  bool hierarchical = false;  // allreduce by host (HIERARCHICAL); reduce/broadcast use `trees`
-  std::vector<Tree> trees;  // empty for the ring
+  Algorithm allreduce = Algorithm::kTrees;
+  std::vector<Tree> trees;  // empty for the ring; DIRECT's and HIERARCHICAL's serve reduce and
+                            // broadcast
 
   // A tree rooted at `root` to broadcast or reduce along: one of `trees` if one has that root,
   // else trees[0] re-rooted; for the ring, the chain root -> root+1 -> ...

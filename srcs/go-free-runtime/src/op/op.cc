@@ -4,6 +4,10 @@
 
 namespace kungfu {
 
+const char* MemoryName(Memory memory) {
+  return memory == Memory::kDevice ? "device" : "host";
+}
+
 // ---------------------------------------------------------------------------------------------
 // Operation signatures.
 

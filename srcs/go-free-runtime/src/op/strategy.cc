@@ -98,7 +98,7 @@ Tree Reroot(const Tree& f, int root) {
 }
 
 Tree Strategy::TreeRootedAt(int root, int n) const {
-  if (ring) {
+  if (allreduce == Algorithm::kRing) {
     Tree chain(n);
     for (int i = 0; i < n; ++i) chain[i] = (i == root) ? i : (i - 1 + n) % n;
     return chain;
@@ -158,8 +158,8 @@ Strategy MakeStrategy(StrategyKind kind, const PeerList& peers) {
     case StrategyKind::kDirect:
     case StrategyKind::kHierarchical:
     case StrategyKind::kBinaryTreeStar: {
-      s.direct = kind == StrategyKind::kDirect;
-      s.hierarchical = kind == StrategyKind::kHierarchical;
+      if (kind == StrategyKind::kDirect) s.allreduce = Algorithm::kDirect;
+      if (kind == StrategyKind::kHierarchical) s.allreduce = Algorithm::kHierarchical;
       Tree t = HostStars(layout, n);
       BinaryTreeOver(masters, &t);
       s.trees = {t};
@@ -169,7 +169,7 @@ Strategy MakeStrategy(StrategyKind kind, const PeerList& peers) {
       s.trees = {Star(n, 0)};
       break;
     case StrategyKind::kRing:
-      s.ring = true;
+      s.allreduce = Algorithm::kRing;
       break;
     case StrategyKind::kTree: {
       Tree t = HostStars(layout, n);
