@@ -25,150 +25,214 @@ namespace kungfu {
 // segments' rings in increasing j, so rings that share peers never wait on each other in a cycle.
 // In place (send == recv) is safe: a peer writes segment j of its output only once j's owner has
 // read or received its contribution to j.
-Status HierarchicalAllReduce(const Group& g, const OpContext& ctx, const Part& p, bool reads) {
-  const std::vector<int>& local = g.hosts.ranks_of_host[g.hosts.host_of[g.rank]];
-  const size_t m = local.size(), me = static_cast<size_t>(g.hosts.local_rank[g.rank]);
-  reads = reads && m > 1;
-  size_t segments = 0;
-  for (const auto& ranks : g.hosts.ranks_of_host) segments = std::max(segments, ranks.size());
-  const size_t es = p.esize();
-  const size_t chunk = reads ? std::min<size_t>(g.chunk_bytes, 256 << 10) : g.chunk_bytes;
+namespace {
+
+// One run of the algorithm above on one part; each method is a step, members hold what the steps
+// share.
+class Hierarchical {
+ public:
+  Hierarchical(const Group& g, const OpContext& ctx, const Part& p, bool reads)
+      : g_(g),
+        ctx_(ctx),
+        p_(p),
+        local_(g.hosts.ranks_of_host[g.hosts.host_of[g.rank]]),
+        m_(local_.size()),
+        me_(static_cast<size_t>(g.hosts.local_rank[g.rank])),
+        reads_(reads && m_ > 1),
+        es_(p.esize()),
+        chunk_(reads_ ? std::min<size_t>(g.chunk_bytes, 256 << 10) : g.chunk_bytes),
+        signal_{p.dtype, p.total, 0} {
+    for (const auto& ranks : g.hosts.ranks_of_host) segments_ = std::max(segments_, ranks.size());
+  }
+
+  Status Run() {
+    if (reads_) {
+      KF_RETURN_IF_ERROR(ExchangeAddresses());
+    } else {
+      KF_RETURN_IF_ERROR(SendContributions());
+    }
+    KF_RETURN_IF_ERROR(ReduceOwned());
+    KF_RETURN_IF_ERROR(AcrossHosts());
+    return reads_ ? SpreadByReads() : SpreadByMessages();
+  }
+
+ private:
   // Calls f(chunk, offset, length) for every chunk of segment j (elements, relative to the part).
-  auto chunks_of = [&](size_t j, auto f) -> Status {
-    auto [sb, se] = EvenPiece(p.count, segments, j);
-    const auto chunks = p.Chunks(sb, se, chunk);
+  template <class F>
+  Status ChunksOf(size_t j, F f) const {
+    auto [sb, se] = EvenPiece(p_.count, segments_, j);
+    const auto chunks = p_.Chunks(sb, se, chunk_);
     for (size_t c = 0; c < chunks.size(); ++c) {
       KF_RETURN_IF_ERROR(f(c, chunks[c].off, chunks[c].len));
     }
     return Status::OK();
-  };
-  auto key = [&](Phase phase, size_t j, size_t c) {
-    return MsgKey{ctx.name, ctx.seq, Tag(phase, p.index, j, c)};
-  };
-  auto others = [&](auto f) -> Status {  // f(q) for every other local peer, from the next one on
-    for (size_t i = 1; i < m; ++i) KF_RETURN_IF_ERROR(f(local[(me + i) % m]));
+  }
+  MsgKey Key(Phase phase, size_t j, size_t c) const {
+    return MsgKey{ctx_.name, ctx_.seq, Tag(phase, p_.index, j, c)};
+  }
+  // f(q) for every other local peer, from the next one on.
+  template <class F>
+  Status Others(F f) const {
+    for (size_t i = 1; i < m_; ++i) KF_RETURN_IF_ERROR(f(local_[(me_ + i) % m_]));
     return Status::OK();
-  };
-  // Reads: the local peers' send and recv address of every piece (only addresses: the transport
-  // reads the memory of the peer it knows at that rank, so a peer can point others only at its
-  // own memory). Every peer has the same layout, so element i lies in the same piece everywhere.
-  const Layout& lay = *p.layout;
-  std::vector<std::vector<uint64_t>> where(reads ? g.size : 0);
-  auto remote_at = [&](int q, size_t off, bool recv) {
-    const size_t i = p.base + off, k = lay.Find(i);
-    return where[q][2 * k + (recv ? 1 : 0)] + (i - lay.begin[k]) * es;
-  };
-  const MsgExpect signal{p.dtype, p.total, 0};
-  auto tell_all = [&](size_t step) {
-    return others([&](int q) { return g.transport.Send(q, key(kDirectPhase, step, 0), signal, nullptr); });
-  };
-  auto hear = [&](int q, size_t step) {
+  }
+  uint64_t RemoteAt(int q, size_t off, bool recv) const {
+    const Layout& lay = *p_.layout;
+    const size_t i = p_.base + off, k = lay.Find(i);
+    return where_[q][2 * k + (recv ? 1 : 0)] + (i - lay.begin[k]) * es_;
+  }
+  Status TellAll(size_t step) const {
+    return Others([&](int q) {
+      return g_.transport.Send(q, Key(kDirectPhase, step, 0), signal_, nullptr);
+    });
+  }
+  Status Hear(int q, size_t step) const {
     Buffer none;
-    return g.transport.Recv(q, key(kDirectPhase, step, 0), signal, ctx.deadline, &none);
-  };
-  auto remote = [&](int src, uint64_t addr, void* dst, size_t bytes) {
-    Status st = g.transport.ReadPeerMemory(src, addr, dst, bytes);
+    return g_.transport.Recv(q, Key(kDirectPhase, step, 0), signal_, ctx_.deadline, &none);
+  }
+  Status Remote(int src, uint64_t addr, void* dst, size_t bytes) const {
+    Status st = g_.transport.ReadPeerMemory(src, addr, dst, bytes);
     if (st.ok()) return st;
     // A live peer lets go of its buffers only after its op failed, and it sends its abort before
     // that: report the abort, not the peer whose memory vanished (unless that peer is gone).
-    Status op = g.transport.OpError(ctx.name, ctx.seq, std::chrono::milliseconds(1000));
+    Status op = g_.transport.OpError(ctx_.name, ctx_.seq, std::chrono::milliseconds(1000));
     if (!op.ok()) return op;
-    return Unavailable("peer " + g.transport.Describe(src) + ": " + st.message());
-  };
-  std::vector<std::shared_ptr<Transport::Posted>> posted;
-  if (reads) {
+    return Unavailable("peer " + g_.transport.Describe(src) + ": " + st.message());
+  }
+
+  // Reads: the local peers' send and recv address of every piece (only addresses: the transport
+  // reads the memory of the peer it knows at that rank, so a peer can point others only at its
+  // own memory). Every peer has the same layout, so element i lies in the same piece everywhere.
+  Status ExchangeAddresses() {
+    where_.resize(g_.size);
     std::vector<uint64_t> mine;
-    for (const Piece& x : lay.pieces) {
+    for (const Piece& x : p_.layout->pieces) {
       mine.push_back(reinterpret_cast<uint64_t>(x.send));
       mine.push_back(reinterpret_cast<uint64_t>(x.recv));
     }
-    const MsgExpect meta{p.dtype, p.total, mine.size() * sizeof(uint64_t)};
-    KF_RETURN_IF_ERROR(others([&](int q) {
-      return g.transport.Send(q, key(kDirectPhase, 0, 0), meta, mine.data());
+    const MsgExpect meta{p_.dtype, p_.total, mine.size() * sizeof(uint64_t)};
+    KF_RETURN_IF_ERROR(Others([&](int q) {
+      return g_.transport.Send(q, Key(kDirectPhase, 0, 0), meta, mine.data());
     }));
-    KF_RETURN_IF_ERROR(others([&](int q) {
+    return Others([&](int q) {
       Buffer in;
-      KF_RETURN_IF_ERROR(g.transport.Recv(q, key(kDirectPhase, 0, 0), meta, ctx.deadline, &in));
-      where[q].resize(mine.size());
-      if (!mine.empty()) std::memcpy(where[q].data(), in.data(), meta.bytes);
+      KF_RETURN_IF_ERROR(g_.transport.Recv(q, Key(kDirectPhase, 0, 0), meta, ctx_.deadline, &in));
+      where_[q].resize(mine.size());
+      if (!mine.empty()) std::memcpy(where_[q].data(), in.data(), meta.bytes);
       return Status::OK();
-    }));
-  } else {
-    // 1. Send what others own, then post the receives of step 3 (after the sends: in place,
-    // those receives land where this peer's sent contribution was).
-    for (size_t j = 0; j < segments; ++j) {
-      if (j % m == me) continue;
-      KF_RETURN_IF_ERROR(chunks_of(j, [&](size_t c, size_t off, size_t len) {
-        return g.transport.Send(local[j % m], key(kLocalReducePhase, j, c), p.Expect(len),
-                               p.Send(off));
+    });
+  }
+
+  // 1 (messages). Send what others own, then post the receives of step 3 (after the sends: in
+  // place, those receives land where this peer's sent contribution was).
+  Status SendContributions() {
+    for (size_t j = 0; j < segments_; ++j) {
+      if (j % m_ == me_) continue;
+      KF_RETURN_IF_ERROR(ChunksOf(j, [&](size_t c, size_t off, size_t len) {
+        return g_.transport.Send(local_[j % m_], Key(kLocalReducePhase, j, c), p_.Expect(len),
+                                 p_.Send(off));
       }));
     }
-    for (size_t j = 0; j < segments; ++j) {
-      if (j % m == me) continue;
-      chunks_of(j, [&](size_t c, size_t off, size_t len) {
-        posted.push_back(g.transport.Post(local[j % m], key(kLocalGatherPhase, j, c),
-                                         p.Expect(len), p.Recv(off)));
+    for (size_t j = 0; j < segments_; ++j) {
+      if (j % m_ == me_) continue;
+      ChunksOf(j, [&](size_t c, size_t off, size_t len) {
+        posted_.push_back(g_.transport.Post(local_[j % m_], Key(kLocalGatherPhase, j, c),
+                                            p_.Expect(len), p_.Recv(off)));
         return Status::OK();
       });
     }
+    return Status::OK();
   }
-  Buffer scratch(reads ? chunk : 0);
-  for (size_t j = me; j < segments; j += m) {
-    KF_RETURN_IF_ERROR(chunks_of(j, [&](size_t c, size_t off, size_t len) {
-      const char* acc = p.Send(off);
-      char* out = p.Recv(off);
-      KF_RETURN_IF_ERROR(others([&](int q) {
-        Buffer in;
-        if (reads) {
-          if (len > 0) KF_RETURN_IF_ERROR(remote(q, remote_at(q, off, false), scratch.data(), len * es));
-        } else {
-          KF_RETURN_IF_ERROR(g.transport.Recv(q, key(kLocalReducePhase, j, c), p.Expect(len),
-                                             ctx.deadline, &in));
-        }
-        ::kungfu::Reduce(out, acc, reads ? scratch.data() : in.data(), len, p.dtype, p.op);
-        acc = out;
+
+  // 1. Every owned segment: the local peers' contributions reduced into this peer's output.
+  Status ReduceOwned() {
+    Buffer scratch(reads_ ? chunk_ : 0);
+    for (size_t j = me_; j < segments_; j += m_) {
+      KF_RETURN_IF_ERROR(ChunksOf(j, [&](size_t c, size_t off, size_t len) {
+        const char* acc = p_.Send(off);
+        char* out = p_.Recv(off);
+        KF_RETURN_IF_ERROR(Others([&](int q) {
+          Buffer in;
+          if (reads_) {
+            if (len > 0) {
+              KF_RETURN_IF_ERROR(Remote(q, RemoteAt(q, off, false), scratch.data(), len * es_));
+            }
+          } else {
+            KF_RETURN_IF_ERROR(g_.transport.Recv(q, Key(kLocalReducePhase, j, c), p_.Expect(len),
+                                                 ctx_.deadline, &in));
+          }
+          ::kungfu::Reduce(out, acc, reads_ ? scratch.data() : in.data(), len, p_.dtype, p_.op);
+          acc = out;
+          return Status::OK();
+        }));
+        if (acc != out && len > 0) std::memcpy(out, acc, len * es_);
         return Status::OK();
       }));
-      if (acc != out && len > 0) std::memcpy(out, acc, len * es);
-      return Status::OK();
-    }));
-  }
-  // 2. One ring per owned segment, over its owners in host order.
-  if (g.hosts.host_count() > 1) {
-    for (size_t j = me; j < segments; j += m) {
-      std::vector<int> owners;
-      for (const auto& ranks : g.hosts.ranks_of_host) owners.push_back(ranks[j % ranks.size()]);
-      auto [sb, se] = EvenPiece(p.count, segments, j);
-      KF_RETURN_IF_ERROR(RingAllReduce(g, ctx, p.Sub(sb, se, HierarchicalRingIndex(p.index, j), true),
-                                  owners));
     }
+    return Status::OK();
   }
-  // 3.
-  if (reads) {
-    KF_RETURN_IF_ERROR(tell_all(1));
-    KF_RETURN_IF_ERROR(others([&](int q) {
-      KF_RETURN_IF_ERROR(hear(q, 1));
-      const size_t owner = static_cast<size_t>(g.hosts.local_rank[q]);
-      for (size_t j = owner; j < segments; j += m) {
-        auto [sb, se] = EvenPiece(p.count, segments, j);
-        KF_RETURN_IF_ERROR(p.Runs(sb, se, [&](size_t off, size_t len) {
-          return remote(q, remote_at(q, off, true), p.Recv(off), len * es);
+
+  // 2. One ring per owned segment, over its owners in host order.
+  Status AcrossHosts() const {
+    if (g_.hosts.host_count() == 1) return Status::OK();
+    for (size_t j = me_; j < segments_; j += m_) {
+      std::vector<int> owners;
+      for (const auto& ranks : g_.hosts.ranks_of_host) owners.push_back(ranks[j % ranks.size()]);
+      auto [sb, se] = EvenPiece(p_.count, segments_, j);
+      KF_RETURN_IF_ERROR(RingAllReduce(
+          g_, ctx_, p_.Sub(sb, se, HierarchicalRingIndex(p_.index, j), true), owners));
+    }
+    return Status::OK();
+  }
+
+  // 3 and 4 (reads).
+  Status SpreadByReads() const {
+    KF_RETURN_IF_ERROR(TellAll(1));
+    KF_RETURN_IF_ERROR(Others([&](int q) {
+      KF_RETURN_IF_ERROR(Hear(q, 1));
+      const size_t owner = static_cast<size_t>(g_.hosts.local_rank[q]);
+      for (size_t j = owner; j < segments_; j += m_) {
+        auto [sb, se] = EvenPiece(p_.count, segments_, j);
+        KF_RETURN_IF_ERROR(p_.Runs(sb, se, [&](size_t off, size_t len) {
+          return Remote(q, RemoteAt(q, off, true), p_.Recv(off), len * es_);
         }));
       }
       return Status::OK();
     }));
-    // 4.
-    KF_RETURN_IF_ERROR(tell_all(2));
-    return others([&](int q) { return hear(q, 2); });
+    KF_RETURN_IF_ERROR(TellAll(2));
+    return Others([&](int q) { return Hear(q, 2); });
   }
-  for (size_t j = me; j < segments; j += m) {
-    KF_RETURN_IF_ERROR(chunks_of(j, [&](size_t c, size_t off, size_t len) {
-      return others([&](int q) {
-        return g.transport.Send(q, key(kLocalGatherPhase, j, c), p.Expect(len), p.Recv(off));
-      });
-    }));
+
+  // 3 (messages).
+  Status SpreadByMessages() const {
+    for (size_t j = me_; j < segments_; j += m_) {
+      KF_RETURN_IF_ERROR(ChunksOf(j, [&](size_t c, size_t off, size_t len) {
+        return Others([&](int q) {
+          return g_.transport.Send(q, Key(kLocalGatherPhase, j, c), p_.Expect(len), p_.Recv(off));
+        });
+      }));
+    }
+    for (const auto& w : posted_) KF_RETURN_IF_ERROR(g_.transport.Wait(w, ctx_.deadline));
+    return Status::OK();
   }
-  for (const auto& w : posted) KF_RETURN_IF_ERROR(g.transport.Wait(w, ctx.deadline));
-  return Status::OK();
+
+  const Group& g_;
+  const OpContext& ctx_;
+  const Part& p_;
+  const std::vector<int>& local_;
+  const size_t m_, me_;
+  const bool reads_;
+  const size_t es_, chunk_;
+  const MsgExpect signal_;
+  size_t segments_ = 0;
+  std::vector<std::vector<uint64_t>> where_;  // reads: every local peer's piece addresses
+  std::vector<std::shared_ptr<Transport::Posted>> posted_;  // messages: step 3's receives
+};
+
+}  // namespace
+
+Status HierarchicalAllReduce(const Group& g, const OpContext& ctx, const Part& p, bool reads) {
+  return Hierarchical(g, ctx, p, reads).Run();
 }
+
 }  // namespace kungfu
