@@ -8,73 +8,15 @@
 #include <map>
 #include <thread>
 
-#include "kungfu/process_set.h"
-#include "kungfu/strategy.h"
+#include "transport/rendezvous_internal.h"
 
 namespace kungfu {
 
-namespace {
-std::string BaseName(const std::string& name) {
-  size_t nul = name.find('\0');
-  return nul == std::string::npos ? name : name.substr(0, nul);
-}
-// How long a wait goes before it tells the peer what it waits for (Announce). Long enough to
-// cost nothing while peers agree (their data arrives first), short against any op deadline.
-constexpr auto kAnnounceAfter = std::chrono::milliseconds(200);
-// Operations that wait on every peer calling them too (names that differ, transport.h): not a
-// blob request (one-sided) nor the runtime's internal ones.
-bool IsCollective(OpKind k) { return k >= OpKind::kAllReduce && k <= OpKind::kSetStrategy; }
-std::string Seconds(int64_t ms) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.1f s", static_cast<double>(ms) / 1000.0);
-  return buf;
-}
-}  // namespace
+using namespace rendezvous;  // NOLINT: this file and mismatch.cc are one class
+
 
 // ---------------------------------------------------------------------------------------------
 // The rendezvous: mailbox slots and operation records.
-
-struct RendezvousTransport::Slot {
-  enum State { kWaiting, kPosted, kReading, kArrived, kDone, kFailed };
-  State state = kWaiting;
-  std::condition_variable cv;
-  // Posted receives. `cancel` asks whoever copies into dst (kReading) to stop writing into it.
-  void* dst = nullptr;
-  MsgExpect expect;
-  std::atomic<bool> cancel{false};
-  // Arrived messages; `unclaimed` of their bytes count against max_unclaimed_bytes.
-  Buffer buffer;
-  uint64_t unclaimed = 0;
-  MsgExpect arrived;  // what the sender said of an arrived message
-  Status error;
-};
-
-struct RendezvousTransport::OpRecord {
-  bool begun = false;
-  OpSig sig;                 // this peer's, once begun
-  Status error;              // a disagreement this peer found
-  int first_src = -1;        // the first peer whose message arrived before the op began
-  OpSig first_remote;
-  // The first one before the op began whose signature differs from first_remote's: whatever this
-  // peer calls, it disagrees with one of the two (keeping only the first lost a disagreement
-  // between later arrivals and this peer).
-  int other_src = -1;
-  OpSig other_remote;
-  TimePoint begun_at{};      // when BeginOp ran
-  TimePoint first_arrival{};  // the first data or signature frame of the op from any peer
-  bool arrived = false;
-  std::vector<std::string> slots;  // ids of the op's posted receives and filed messages
-  // A name mismatch (step 3 of names that differ): the other peer's operations, aborted with
-  // this one.
-  std::vector<OpKey> linked;
-};
-
-struct RendezvousTransport::PostedRecv : Transport::Posted {
-  std::string id;
-  std::shared_ptr<Slot> slot;
-  int src;
-  MsgKey key;
-};
 
 namespace {
 
@@ -602,104 +544,6 @@ void RendezvousTransport::OnMissing(int src, const MsgKey& key) {
     it->second->error = NotFound("peer " + Describe(src) + " has no blob for '" + key.name + "'");
     it->second->cv.notify_all();
   }
-}
-
-void RendezvousTransport::Query(int dst, const std::string& name, uint64_t seq) {
-  if (dst < 0 || dst >= size() || dst == rank_ || options_.mismatch_grace_ms <= 0) return;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!failure_.ok() || closed_ || peer_left_[dst]) return;
-  }
-  SendQuery(dst, MsgKey{BaseName(name), seq, 0});
-}
-
-// Names that differ, step 2. The payload: per pending operation, oldest first, four words
-// (seq, milliseconds pending, signature word, name length) and the name.
-std::string RendezvousTransport::ReportFor(const MsgKey& key, uint64_t* state) const {
-  const OpKey op{BaseName(key.name), key.seq};
-  const TimePoint now = Clock::now();
-  std::lock_guard<std::mutex> lk(mu_);
-  auto it = ops_.find(op);
-  *state = (it != ops_.end() && it->second.begun) ? 1 : IsFinished(op) ? 2 : 0;
-  std::vector<std::pair<TimePoint, const std::pair<const OpKey, OpRecord>*>> pending;
-  for (const auto& kv : ops_) {
-    if (kv.second.begun && IsCollective(kv.second.sig.kind)) {
-      pending.emplace_back(kv.second.begun_at, &kv);
-    }
-  }
-  std::sort(pending.begin(), pending.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
-  if (pending.size() > kMaxReportedOps) pending.resize(kMaxReportedOps);
-  std::string out;
-  for (const auto& [begun_at, kv] : pending) {
-    const std::string& name = kv->first.first;
-    const uint64_t words[4] = {
-        kv->first.second,
-        static_cast<uint64_t>(
-            std::chrono::duration_cast<std::chrono::milliseconds>(now - begun_at).count()),
-        kv->second.sig.Word(), name.size()};
-    out.append(reinterpret_cast<const char*>(words), sizeof(words));
-    out += name;
-  }
-  return out;
-}
-
-// Names that differ, step 3.
-void RendezvousTransport::OnReport(int src, const MsgKey& key, uint64_t state,
-                                   const std::string& payload) {
-  struct Waits {
-    OpKey op;
-    int64_t ms;
-    OpSig sig;
-  };
-  std::vector<Waits> theirs;
-  for (size_t at = 0; at < payload.size() && theirs.size() < kMaxReportedOps;) {
-    uint64_t w[4];
-    if (payload.size() - at < sizeof(w)) return;  // malformed: no verdict
-    std::memcpy(w, payload.data() + at, sizeof(w));
-    at += sizeof(w);
-    if (w[3] > payload.size() - at || w[1] > (uint64_t(1) << 62)) return;
-    theirs.push_back({{payload.substr(at, w[3]), w[0]}, static_cast<int64_t>(w[1]),
-                      OpSig::FromWire(w[2], 0)});
-    at += w[3];
-  }
-  const OpKey op{BaseName(key.name), key.seq};
-  const int64_t grace = options_.mismatch_grace_ms;
-  std::lock_guard<std::mutex> lk(mu_);
-  auto it = ops_.find(op);
-  if (grace <= 0 || state != 0 || theirs.empty() || it == ops_.end() || !it->second.begun ||
-      !it->second.error.ok() || aborted_.count(op) || IsFinished(op)) {
-    return;
-  }
-  OpRecord& rec = it->second;
-  const int64_t mine_ms =
-      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - rec.begun_at).count();
-  int64_t oldest = 0;
-  // Q's operations of process sets without this peer prove nothing: this peer never calls them
-  // (process_set.h); if they are all Q has pending, Q may simply be busy in them.
-  theirs.erase(std::remove_if(theirs.begin(), theirs.end(),
-                              [this](const Waits& w) { return !InProcessSet(w.op.first, rank_); }),
-               theirs.end());
-  if (theirs.empty()) return;
-  for (const Waits& w : theirs) {
-    auto here = ops_.find(w.op);
-    if ((here != ops_.end() && here->second.begun) || IsFinished(w.op)) return;
-    oldest = std::max(oldest, w.ms);
-  }
-  if (mine_ms < grace || oldest < grace) return;
-  std::string names;
-  for (const Waits& w : theirs) {
-    names += (names.empty() ? "" : ", ") + std::string(OpKindName(w.sig.kind)) + " '" +
-             w.op.first + "' #" + std::to_string(w.op.second);
-    rec.linked.push_back(w.op);
-  }
-  rec.error = InvalidArgument(
-      "peers called operations under different names: this peer " + Describe(rank_) +
-      " has waited " + Seconds(mine_ms) + " in " + OpKindName(rec.sig.kind) + " '" + op.first +
-      "' #" + std::to_string(op.second) + ", which peer " + Describe(src) +
-      " has not called; that peer has waited " + Seconds(oldest) + " in " + names +
-      ", which this peer has not called");
-  WakeAllLocked();
 }
 
 void RendezvousTransport::OnBye(int src) {
