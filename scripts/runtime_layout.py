@@ -99,12 +99,16 @@ def functions(text: str) -> list[tuple[str, int, int]]:
     return found
 
 
+def _shown(p: pathlib.Path) -> str:
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+
+
 def long_functions(paths, limit: int = MAX_FUNCTION_LINES) -> list[str]:
     out = []
     for p in paths:
         for name, first, count in functions(p.read_text()):
             if count > limit:
-                out.append(f"{p.relative_to(ROOT)}:{first} {name} is {count} lines (limit {limit})")
+                out.append(f"{_shown(p)}:{first} {name} is {count} lines (limit {limit})")
     return out
 
 
@@ -113,7 +117,7 @@ def long_files(paths, limit: int = MAX_FILE_LINES) -> list[str]:
     for p in paths:
         count = len(p.read_text().splitlines())
         if count > limit:
-            out.append(f"{p.relative_to(ROOT)} is {count} lines (limit {limit})")
+            out.append(f"{_shown(p)} is {count} lines (limit {limit})")
     return out
 
 
@@ -205,8 +209,8 @@ def format_violations(paths=None) -> list[str]:
     if got.returncode == 0:
         return []
     files = sorted(set(re.findall(r"^(\S+?):\d+:\d+: error", got.stderr, re.M)))
-    return [f"{pathlib.Path(f).resolve().relative_to(ROOT)} is not formatted "
-            f"(run: {tool} -i {f})" for f in files] or [got.stderr[-2000:]]
+    return [f"{f} is not formatted (run: {tool} --style=file:.clang-format -i {f})"
+            for f in files] or [got.stderr[-2000:]]
 
 
 def main() -> int:

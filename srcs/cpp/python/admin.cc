@@ -43,37 +43,38 @@ std::unique_ptr<Peer> CreatePeer(const std::string& self, const std::vector<std:
 
 // The peer's life (create, start, stop), its identity, its default strategy and its timeline.
 PyPeer BindPeer(py::module_& m) {
-  PyPeer peer = py::class_<Peer>(m, "Peer")
-      .def(py::init(&CreatePeer), py::arg("self_id"), py::arg("peers"), py::arg("version"),
-           py::arg("strategy"), py::arg("op_timeout_ms"), py::arg("peer_timeout_ms"),
-           py::arg("connect_timeout_ms"), py::arg("chunk_bytes"), py::arg("parallelism"),
-           py::arg("job_token") = "", py::arg("progress_ms") = 10000,
-           py::arg("timeline") = false, py::arg("fusion_bytes") = PeerConfig().fusion_bytes,
-           py::arg("mismatch_grace_ms") = PeerConfig().mismatch_grace_ms)
-      .def("start",
-           [](Peer& p) {
-             Status s;
-             {
-               py::gil_scoped_release release;
-               s = p.Start();
-             }
-             if (s.ok()) SetDefaultPeer(&p);  // the peer TensorFlow kernels in this process use
-             return StatusTuple(s);
-           })
-      .def("listen", [](Peer& p) { return StatusTuple(p.Listen()); })
-      .def("abort_start", &Peer::AbortStart, py::arg("why"))
-      .def("stop", [](Peer& p) {
-        py::gil_scoped_release release;
-        p.Stop();
-      })
-      .def_property_readonly("rank", &Peer::rank)
-      .def_property_readonly("size", &Peer::size)
-      .def_property_readonly("local_rank", &Peer::local_rank)
-      .def_property_readonly("local_size", &Peer::local_size)
-      .def_property_readonly("host_count", &Peer::host_count)
-      .def_property_readonly("version", &Peer::version);
-  peer
-      .def("set_strategy",
+  PyPeer peer =
+      py::class_<Peer>(m, "Peer")
+          .def(py::init(&CreatePeer), py::arg("self_id"), py::arg("peers"), py::arg("version"),
+               py::arg("strategy"), py::arg("op_timeout_ms"), py::arg("peer_timeout_ms"),
+               py::arg("connect_timeout_ms"), py::arg("chunk_bytes"), py::arg("parallelism"),
+               py::arg("job_token") = "", py::arg("progress_ms") = 10000,
+               py::arg("timeline") = false, py::arg("fusion_bytes") = PeerConfig().fusion_bytes,
+               py::arg("mismatch_grace_ms") = PeerConfig().mismatch_grace_ms)
+          .def("start",
+               [](Peer& p) {
+                 Status s;
+                 {
+                   py::gil_scoped_release release;
+                   s = p.Start();
+                 }
+                 if (s.ok()) SetDefaultPeer(&p);  // the peer TensorFlow kernels in this process use
+                 return StatusTuple(s);
+               })
+          .def("listen", [](Peer& p) { return StatusTuple(p.Listen()); })
+          .def("abort_start", &Peer::AbortStart, py::arg("why"))
+          .def("stop",
+               [](Peer& p) {
+                 py::gil_scoped_release release;
+                 p.Stop();
+               })
+          .def_property_readonly("rank", &Peer::rank)
+          .def_property_readonly("size", &Peer::size)
+          .def_property_readonly("local_rank", &Peer::local_rank)
+          .def_property_readonly("local_size", &Peer::local_size)
+          .def_property_readonly("host_count", &Peer::host_count)
+          .def_property_readonly("version", &Peer::version);
+  peer.def("set_strategy",
            [](Peer& p, int kind, const std::vector<int>& tree, const std::string& name,
               int64_t timeout_ms) {
              auto h = std::make_shared<PyHandle>();

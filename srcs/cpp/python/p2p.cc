@@ -18,8 +18,8 @@ void BindPeerToPeer(PyPeer& peer) {
              size_t n;
              ReadPtr(recv, &n);
              auto h = std::make_shared<PyHandle>();
-             h->handle = p.Request(target, name, WritablePtr(recv), n, Options(name, -1, timeout_ms),
-                                   static_cast<DType>(dtype));
+             h->handle = p.Request(target, name, WritablePtr(recv), n,
+                                   Options(name, -1, timeout_ms), static_cast<DType>(dtype));
              PinUntilDone(h->handle, {recv});
              return h;
            })

@@ -12,11 +12,11 @@ namespace {
 // Memory for the results of collectives called without out= (kungfu/_collective.py). A training
 // loop asks for the same sizes every step, and a fresh large array is mapped, faulted in and
 // zeroed by the kernel on every call: an allreduce of 97.6 MiB took 33-36 ms into a new array
-// against 22-23 ms into a reused one (np=2, 2 cores, 456 page faults per call; benchmarks/README.md,
-// "The allocating path"). A block handed out here is owned by a capsule; numpy keeps that capsule
-// alive as long as any array or view reads the block, and its destructor (run with the GIL held)
-// gives the block back, kept by exact size while the pool holds at most cap_ bytes in all and
-// freed beyond that. Lock order: mu_ alone.
+// against 22-23 ms into a reused one (np=2, 2 cores, 456 page faults per call;
+// benchmarks/README.md, "The allocating path"). A block handed out here is owned by a capsule;
+// numpy keeps that capsule alive as long as any array or view reads the block, and its destructor
+// (run with the GIL held) gives the block back, kept by exact size while the pool holds at most
+// cap_ bytes in all and freed beyond that. Lock order: mu_ alone.
 class ResultPool {
  public:
   // A writable uint8 array of `bytes` (> 0) whose memory comes from the pool.
@@ -122,9 +122,10 @@ void BindTables(py::module_& m) {
   });
   m.def("pooled_empty", [](size_t bytes) { return Results().Take(bytes); }, py::arg("bytes"));
   m.def("set_result_pool_bytes", [](size_t cap) { Results().SetCap(cap); }, py::arg("cap"));
-  m.def("result_pool_held", [](size_t bytes) { return Results().Held(bytes); },
-        py::arg("bytes") = 0);
-  m.def("strategy_name", [](int k) { return std::string(StrategyName(static_cast<StrategyKind>(k))); });
+  m.def(
+      "result_pool_held", [](size_t bytes) { return Results().Held(bytes); }, py::arg("bytes") = 0);
+  m.def("strategy_name",
+        [](int k) { return std::string(StrategyName(static_cast<StrategyKind>(k))); });
   // The code tables, from their one source (the runtime's enums): Python builds its own from these.
   m.def("status_codes", [] {
     py::dict d;
@@ -160,9 +161,8 @@ void BindHandle(py::module_& m) {
              auto g = h.gathered;
              // The array borrows the result's memory; the capsule keeps it alive.
              auto* keep = new std::shared_ptr<GatherResult>(g);
-             py::capsule owner(keep, [](void* p) {
-               delete static_cast<std::shared_ptr<GatherResult>*>(p);
-             });
+             py::capsule owner(
+                 keep, [](void* p) { delete static_cast<std::shared_ptr<GatherResult>*>(p); });
              py::array_t<uint8_t> data({static_cast<py::ssize_t>(g->data.size())},
                                        {static_cast<py::ssize_t>(1)},
                                        reinterpret_cast<uint8_t*>(g->data.data()), owner);

@@ -16,7 +16,9 @@ using tf::shape_inference::InferenceContext;
 namespace kungfu {
 namespace tfops {
 
-#define KF_TF_TYPES "{int8, int16, int32, int64, uint8, uint16, uint32, uint64, half, bfloat16, float, double, bool}"
+#define KF_TF_TYPES                                                                            \
+  "{int8, int16, int32, int64, uint8, uint16, uint32, uint64, half, bfloat16, float, double, " \
+  "bool}"
 
 inline tf::Status ToTF(const Status& s) {
   switch (s.code()) {
@@ -52,11 +54,16 @@ inline bool ToDType(tf::DataType t, DType* out) {
 }
 
 inline bool ParseOp(const std::string& s, ReduceOp* op) {
-  if (s == "sum") *op = ReduceOp::kSum;
-  else if (s == "min") *op = ReduceOp::kMin;
-  else if (s == "max") *op = ReduceOp::kMax;
-  else if (s == "prod") *op = ReduceOp::kProd;
-  else return false;
+  if (s == "sum")
+    *op = ReduceOp::kSum;
+  else if (s == "min")
+    *op = ReduceOp::kMin;
+  else if (s == "max")
+    *op = ReduceOp::kMax;
+  else if (s == "prod")
+    *op = ReduceOp::kProd;
+  else
+    return false;
   return true;
 }
 
@@ -77,7 +84,8 @@ constexpr uint64_t kShapeDigestSeed = 0xcbf29ce484222325ull;
 inline uint64_t ShapeDigest(const tf::TensorShape& shape, int from = 0,
                             uint64_t h = kShapeDigestSeed) {
   auto mix = [&h](int64_t v) {
-    for (int i = 0; i < 8; ++i) h = (h ^ ((static_cast<uint64_t>(v) >> (8 * i)) & 0xff)) * 0x100000001b3ull;
+    for (int i = 0; i < 8; ++i)
+      h = (h ^ ((static_cast<uint64_t>(v) >> (8 * i)) & 0xff)) * 0x100000001b3ull;
   };
   mix(shape.dims() - from);
   for (int d = from; d < shape.dims(); ++d) mix(shape.dim_size(d));
@@ -94,7 +102,8 @@ inline const void* In(const tf::Tensor& t) { return t.tensor_data().data(); }
 inline void* Out(tf::Tensor* t) { return const_cast<char*>(t->tensor_data().data()); }
 
 // Completes a kernel from the runtime's callback.
-inline void Finish(tf::OpKernelContext* ctx, const tf::AsyncOpKernel::DoneCallback& done, const Handle& h) {
+inline void Finish(tf::OpKernelContext* ctx, const tf::AsyncOpKernel::DoneCallback& done,
+                   const Handle& h) {
   h.OnComplete([ctx, done](const Status& s) {
     if (!s.ok()) ctx->SetStatus(ToTF(s));
     done();
@@ -105,7 +114,7 @@ inline void Finish(tf::OpKernelContext* ctx, const tf::AsyncOpKernel::DoneCallba
 // when the operation it returns does.
 template <typename Start>
 inline void RunLikeInput(tf::OpKernelContext* ctx, const tf::AsyncOpKernel::DoneCallback& done,
-                  Start start) {
+                         Start start) {
   Peer* peer = GetPeer(ctx);
   if (!peer) return done();
   const tf::Tensor& in = ctx->input(0);
@@ -130,8 +139,9 @@ class CollectiveKernel : public tf::AsyncOpKernel {
       OP_REQUIRES_OK(c, c->GetAttr("process_set_version", &options_.process_set_version));
     }
     if (c->num_inputs() > 0) {
-      OP_REQUIRES(c, ToDType(c->input_type(0), &dtype_),
-                  tf::errors::InvalidArgument("unsupported dtype ", tf::DataTypeString(c->input_type(0))));
+      OP_REQUIRES(
+          c, ToDType(c->input_type(0), &dtype_),
+          tf::errors::InvalidArgument("unsupported dtype ", tf::DataTypeString(c->input_type(0))));
     }
   }
 
@@ -172,8 +182,8 @@ class BlobRequestKernel : public tf::AsyncOpKernel {
     const int target = ctx->input(0).scalar<int32_t>()();
     tf::Tensor* out = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, shape_, &out), done);
-    Finish(ctx, done, peer->Request(target, blob, Out(out), out->tensor_data().size(), options_,
-                                    dtype_));
+    Finish(ctx, done,
+           peer->Request(target, blob, Out(out), out->tensor_data().size(), options_, dtype_));
   }
 
   std::string name_;

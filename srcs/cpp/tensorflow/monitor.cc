@@ -146,9 +146,8 @@ bool ReadVector(tf::OpKernelContext* ctx, int index, int64_t n, const char* what
                 std::vector<double>* out) {
   const tf::Tensor& t = ctx->input(index);
   if (t.dims() != 1 || t.NumElements() != n) {
-    ctx->SetStatus(tf::errors::InvalidArgument(what, " must be a vector of ", n,
-                                               " float64 values, got shape ",
-                                               t.shape().DebugString()));
+    ctx->SetStatus(tf::errors::InvalidArgument(
+        what, " must be a vector of ", n, " float64 values, got shape ", t.shape().DebugString()));
     return false;
   }
   auto v = t.flat<double>();
@@ -199,8 +198,8 @@ template <typename F>
 void ReduceThen(tf::OpKernelContext* ctx, Peer* peer, const OpOptions& options,
                 std::vector<double> values, tf::AsyncOpKernel::DoneCallback done, F finish) {
   auto reduced = std::make_shared<std::vector<double>>(std::move(values));
-  Handle h = peer->AllReduce(reduced->data(), reduced->data(), reduced->size(),
-                             DType::kFloat64, ReduceOp::kSum, options);
+  Handle h = peer->AllReduce(reduced->data(), reduced->data(), reduced->size(), DType::kFloat64,
+                             ReduceOp::kSum, options);
   h.OnComplete([ctx, done, reduced, finish](const Status& s) {
     if (!s.ok()) {
       ctx->SetStatus(ToTF(s));
@@ -240,12 +239,12 @@ class GradientStatsOp : public CollectiveKernel {
     double batch = 0, scale = 0;
     if (!ReadBatchAndScale(ctx, 2 * local.size(), &batch, &scale)) return done();
     for (int i = 0; i < local.size(); ++i) {
-      OP_REQUIRES_ASYNC(ctx, local[i].NumElements() == averaged[i].NumElements(),
-                        tf::errors::InvalidArgument(
-                            "gradient statistics: local gradient ", i, " has ",
-                            local[i].NumElements(), " elements, its average ",
-                            averaged[i].NumElements()),
-                        done);
+      OP_REQUIRES_ASYNC(
+          ctx, local[i].NumElements() == averaged[i].NumElements(),
+          tf::errors::InvalidArgument("gradient statistics: local gradient ", i, " has ",
+                                      local[i].NumElements(), " elements, its average ",
+                                      averaged[i].NumElements()),
+          done);
     }
     const Sums total = SumBlocks<Sums>(ctx, Sizes(local), [&](int i, int64_t begin, int64_t end) {
       return WithData(local[i], [&](auto* l) {
@@ -345,7 +344,6 @@ double Ema(double value, double count, double x, double decay) {
   return count == 0 ? x : decay * value + (1 - decay) * x;
 }
 
-
 // Kernels of the estimators: stats + state in, estimate + new state out.
 class EstimatorOp : public tf::OpKernel {
  public:
@@ -377,17 +375,17 @@ class EstimatorOp : public tf::OpKernel {
   int state_size_;
 };
 
-#define KF_ESTIMATOR_OP(name, state_size)                                   \
-  REGISTER_OP(name)                                                         \
-      .Input("stats: float64")                                              \
-      .Input("state: float64")                                              \
-      .Input("decay: float64")                                              \
-      .Output("estimate: float64")                                          \
-      .Output("new_state: float64")                                         \
-      .SetShapeFn([](InferenceContext* c) {                                 \
-        c->set_output(0, c->Scalar());                                      \
-        c->set_output(1, c->Vector(state_size));                            \
-        return tf::OkStatus();                                              \
+#define KF_ESTIMATOR_OP(name, state_size)        \
+  REGISTER_OP(name)                              \
+      .Input("stats: float64")                   \
+      .Input("state: float64")                   \
+      .Input("decay: float64")                   \
+      .Output("estimate: float64")               \
+      .Output("new_state: float64")              \
+      .SetShapeFn([](InferenceContext* c) {      \
+        c->set_output(0, c->Scalar());           \
+        c->set_output(1, c->Vector(state_size)); \
+        return tf::OkStatus();                   \
       })
 
 // Gradient noise scale (McCandlish et al. 2018, "simple" noise scale B = tr(S) / |G|^2).
@@ -436,8 +434,8 @@ REGISTER_KERNEL_BUILDER(Name("KungfuNoiseScale").Device(tf::DEVICE_CPU), NoiseSc
 
 // Gradient variance: the population variance of the workers' gradients around their average,
 // summed over all elements of all gradients: mean_i |g_i - g|^2 (over the workers counted, see
-// the top; not n - 1; 0 for a single worker). state = [EMA, samples]; the estimate is the EMA, NaN before the first sample.
-// A non-finite sample is skipped.
+// the top; not n - 1; 0 for a single worker). state = [EMA, samples]; the estimate is the EMA, NaN
+// before the first sample. A non-finite sample is skipped.
 KF_ESTIMATOR_OP("KungfuGradientVariance", 2);
 class GradientVarianceOp : public EstimatorOp {
  public:

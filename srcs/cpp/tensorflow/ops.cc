@@ -302,8 +302,9 @@ class ReduceScatterOp : public ReduceKernel {
     const tf::Tensor& in = ctx->input(0);
     const OpOptions o = WithShape(options_, in.shape());
     if (in.dims() == 0) {
-      return Finish(ctx, done, FailParts(*peer, "reducescatter", o, InvalidArgument(
-                                             "reduce_scatter: needs a tensor of rank >= 1")));
+      return Finish(ctx, done,
+                    FailParts(*peer, "reducescatter", o,
+                              InvalidArgument("reduce_scatter: needs a tensor of rank >= 1")));
     }
     const int n = peer->SizeIn(options_);
     const int64_t rows = in.dim_size(0);
@@ -388,8 +389,9 @@ class SaveVariableOp : public tf::OpKernel {
  public:
   explicit SaveVariableOp(tf::OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("blob_name", &name_));
-    OP_REQUIRES(c, ToDType(c->input_type(0), &dtype_),
-                tf::errors::InvalidArgument("unsupported dtype ", tf::DataTypeString(c->input_type(0))));
+    OP_REQUIRES(
+        c, ToDType(c->input_type(0), &dtype_),
+        tf::errors::InvalidArgument("unsupported dtype ", tf::DataTypeString(c->input_type(0))));
   }
   void Compute(tf::OpKernelContext* ctx) override {
     Peer* peer = GetPeer(ctx);

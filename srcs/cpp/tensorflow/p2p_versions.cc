@@ -49,9 +49,9 @@ class SaveVariableVersionOp : public tf::OpKernel {
  public:
   explicit SaveVariableVersionOp(tf::OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("blob_name", &name_));
-    OP_REQUIRES(c, ToDType(c->input_type(1), &dtype_),
-                tf::errors::InvalidArgument("unsupported dtype ",
-                                            tf::DataTypeString(c->input_type(1))));
+    OP_REQUIRES(
+        c, ToDType(c->input_type(1), &dtype_),
+        tf::errors::InvalidArgument("unsupported dtype ", tf::DataTypeString(c->input_type(1))));
   }
   void Compute(tf::OpKernelContext* ctx) override {
     Peer* peer = GetPeer(ctx);

@@ -41,8 +41,8 @@ class Backend {
   virtual Status Broadcast(const OpContext& ctx, const void* send, void* recv, size_t count,
                            DType dtype, int root, const Strategy& strategy);
   // Counts may differ per peer; root < 0: every peer gets the blocks (allgather).
-  virtual Status Gather(const OpContext& ctx, const void* send, size_t count, DType dtype,
-                        int root, const Strategy& strategy, GatherResult* out);
+  virtual Status Gather(const OpContext& ctx, const void* send, size_t count, DType dtype, int root,
+                        const Strategy& strategy, GatherResult* out);
   // Equal blocks: recv holds size x count elements, block r from rank r.
   virtual Status AllGatherEqual(const OpContext& ctx, const void* send, void* recv, size_t count,
                                 DType dtype);

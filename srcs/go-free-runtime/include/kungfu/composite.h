@@ -22,8 +22,8 @@ namespace kungfu {
 // order) and receives, in `out`, the parts the peers sent it in rank order with their counts.
 // options.digest (a digest of the dimensions after the first, say) must match on every peer.
 // `send` stays valid until the handle completes.
-Handle AllToAll(Peer& peer, const void* send, const std::vector<uint64_t>& send_counts,
-                DType dtype, std::shared_ptr<GatherResult> out, const OpOptions& options);
+Handle AllToAll(Peer& peer, const void* send, const std::vector<uint64_t>& send_counts, DType dtype,
+                std::shared_ptr<GatherResult> out, const OpOptions& options);
 
 // The element-wise reduction of every peer's buffer of sum(counts) elements, of which peer r
 // receives part r (counts[r] elements, after the parts of peers 0..r-1) in recv. Every peer

@@ -10,9 +10,18 @@ namespace kungfu {
 
 // Codes are part of the wire format and of the Python binding: never renumber.
 enum class DType : uint8_t {
-  kInt8 = 1, kInt16 = 2, kInt32 = 3, kInt64 = 4,
-  kUInt8 = 5, kUInt16 = 6, kUInt32 = 7, kUInt64 = 8,
-  kFloat16 = 9, kBFloat16 = 10, kFloat32 = 11, kFloat64 = 12,
+  kInt8 = 1,
+  kInt16 = 2,
+  kInt32 = 3,
+  kInt64 = 4,
+  kUInt8 = 5,
+  kUInt16 = 6,
+  kUInt32 = 7,
+  kUInt64 = 8,
+  kFloat16 = 9,
+  kBFloat16 = 10,
+  kFloat32 = 11,
+  kFloat64 = 12,
   kBool = 13,
 };
 

@@ -48,7 +48,7 @@ class InProcTransport : public RendezvousTransport {
 
  private:
   friend std::vector<std::unique_ptr<InProcTransport>> ConnectInProc(uint64_t, PeerList,
-                                                                    TransportOptions);
+                                                                     TransportOptions);
   InProcTransport(std::shared_ptr<InProcNetwork> net, uint64_t version, PeerList peers, int rank,
                   TransportOptions options);
   // A data message from peer src arrives here (the caller holds the network's shared lock).

@@ -25,15 +25,24 @@ const char* MemoryName(Memory memory);
 // What every peer must agree on for one operation, beyond dtype and count (which each message
 // carries): stamped into every frame of the operation and compared on arrival.
 enum class OpKind : uint8_t {
-  kNone = 0, kAllReduce, kReduce, kBroadcast, kAllGather, kGather, kBarrier, kConsensus,
-  kSetStrategy, kRequest, kInternal,
+  kNone = 0,
+  kAllReduce,
+  kReduce,
+  kBroadcast,
+  kAllGather,
+  kGather,
+  kBarrier,
+  kConsensus,
+  kSetStrategy,
+  kRequest,
+  kInternal,
 };
 const char* OpKindName(OpKind kind);
 struct OpSig {
   OpKind kind = OpKind::kNone;
-  int op = 0;         // a ReduceOp, or 0
-  int strategy = -1;  // a StrategyKind, or -1
-  int root = -1;      // rooted operations, or -1
+  int op = 0;           // a ReduceOp, or 0
+  int strategy = -1;    // a StrategyKind, or -1
+  int root = -1;        // rooted operations, or -1
   uint64_t digest = 0;  // anything else that must match (a tensor's trailing shape), or 0
   // An allreduce whose sum the caller divides by the peer count ("avg", sum on the wire): part of
   // the signature so that sum on one peer and avg on another fail instead of both returning.
@@ -65,8 +74,8 @@ struct OpContext {
 // One operation as the timeline records it (PeerConfig::timeline). Times are in microseconds;
 // start_us is wall-clock (system_clock since the epoch), so traces of different processes align.
 struct TimelineEvent {
-  const char* kind = "";      // OpKindName
-  std::string name;           // the op's name ("auto:<kind>" when unnamed)
+  const char* kind = "";  // OpKindName
+  std::string name;       // the op's name ("auto:<kind>" when unnamed)
   uint64_t seq = 0;
   uint64_t bytes = 0;         // what the caller passed in: count x dtype size (0: barrier, fail)
   const char* strategy = "";  // the one asked for, else the session's default (StrategyName)
@@ -82,8 +91,8 @@ struct TimelineEvent {
 };
 
 struct OpOptions {
-  std::string name;      // empty: "auto:<kind>"
-  int strategy = -1;     // a StrategyKind, or -1 for the peer's default
+  std::string name;         // empty: "auto:<kind>"
+  int strategy = -1;        // a StrategyKind, or -1 for the peer's default
   int64_t timeout_ms = -1;  // < 0: the peer's op_timeout_ms
   // What else every peer must agree on for this operation, beyond kind, reduce op, dtype, count,
   // root and strategy (e.g. a digest of a tensor's trailing shape); 0: nothing.

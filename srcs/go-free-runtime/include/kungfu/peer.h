@@ -61,7 +61,8 @@
 
 namespace kungfu {
 
-// Writes "kungfu: <line>" to standard error in one write (lines of processes sharing it stay whole).
+// Writes "kungfu: <line>" to standard error in one write (lines of processes sharing it stay
+// whole).
 void ProgressToStderr(const std::string& line);
 
 struct PeerConfig {
@@ -77,17 +78,17 @@ struct PeerConfig {
   // Peers of one host may read each other's memory (process_vm_readv) where the kernel permits:
   // DIRECT, and HIERARCHICAL inside hosts. false: they exchange messages only.
   bool memory_reads = true;
-  std::string job_token;                // proved both ways in every handshake (see transport.h)
+  std::string job_token;  // proved both ways in every handshake (see transport.h)
   // While Start() waits for peers: a line every progress_ms (0: none) naming who is missing.
   int64_t progress_ms = 10000;
   std::function<void(const std::string&)> progress = ProgressToStderr;
-  bool timeline = false;                // record one TimelineEvent per operation (DrainTimeline)
-  size_t timeline_cap = 1000000;        // events kept between two drains; more are dropped
+  bool timeline = false;          // record one TimelineEvent per operation (DrainTimeline)
+  size_t timeline_cap = 1000000;  // events kept between two drains; more are dropped
   // Tensor fusion (src/fusion.h): allreduces that ask for the default strategy or AUTO are
   // agreed among peers and run together, one multi-buffer allreduce per cycle; those of at most
   // fusion_bytes are packed into one buffer first (larger ones stay on their own buffers);
-  // 0: off (each op on its own pool thread). 256 KiB: measured with benchmarks/allreduce.py --model resnet50 against
-  // 64 KiB to 4 MiB (docs/runtime.md, Tensor fusion).
+  // 0: off (each op on its own pool thread). 256 KiB: measured with benchmarks/allreduce.py --model
+  // resnet50 against 64 KiB to 4 MiB (docs/runtime.md, Tensor fusion).
   size_t fusion_bytes = size_t(256) << 10;
   // Names that differ (transport.h): two peers each stuck this long in operations the other has
   // not called fail them as a mismatch, naming both; 0: only the deadline ends them.
@@ -147,8 +148,8 @@ class Peer {
   Handle Broadcast(const void* send, void* recv, size_t count, DType dtype, int root,
                    const OpOptions& options);
   // Counts may differ per peer; the result is ordered by rank.
-  Handle AllGather(const void* send, size_t count, DType dtype,
-                   std::shared_ptr<GatherResult> out, const OpOptions& options);
+  Handle AllGather(const void* send, size_t count, DType dtype, std::shared_ptr<GatherResult> out,
+                   const OpOptions& options);
   // Like AllGather, but only `root` gets the result.
   Handle Gather(const void* send, size_t count, DType dtype, int root,
                 std::shared_ptr<GatherResult> out, const OpOptions& options);
@@ -163,8 +164,7 @@ class Peer {
   // blob `name` into dst, which must be exactly as large and of the blob's dtype (else
   // InvalidArgument naming both; NotFound if the target has no such blob). A blob saved as bytes
   // (kUInt8) is requested as bytes.
-  Status Save(const std::string& name, const void* data, size_t bytes,
-              DType dtype = DType::kUInt8);
+  Status Save(const std::string& name, const void* data, size_t bytes, DType dtype = DType::kUInt8);
   // Like Save without the copy: serves [data, data + bytes) as it is, for as long as the blob is
   // stored or being sent; `owner` keeps that memory alive and unchanged until then (a tensor).
   Status Lend(const std::string& name, const void* data, size_t bytes,
@@ -198,8 +198,8 @@ class Peer {
   // bytes: what the op moves (count x dtype size), for the timeline.
   // rendezvous: the op takes part in C1 (one outcome per operation, above); false for an op that
   // only fails (Fail), which sends nothing but its abort.
-  Handle Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
-             bool collective = true, bool rendezvous = true);
+  Handle Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body, bool collective = true,
+             bool rendezvous = true);
   Status RunBody(Session& session, const struct OpContext& ctx, const Body& body, bool begin,
                  bool commit);
   uint64_t NextSeq(const std::string& name);  // the per-name numbering, of fused ops too

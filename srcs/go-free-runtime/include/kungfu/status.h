@@ -9,13 +9,13 @@ namespace kungfu {
 
 enum class Code : int {
   kOk = 0,
-  kInvalidArgument = 1,   // bad input, or peers disagree on an operation's size/dtype
-  kDeadlineExceeded = 2,  // an operation ran past its deadline
-  kUnavailable = 3,       // a peer died, left, or could not be reached
-  kInternal = 4,          // a broken invariant or an OS error we cannot attribute to a peer
-  kCancelled = 5,         // the peer was stopped while the operation was pending
-  kNotFound = 6,          // a peer has no blob of the requested name
-  kResourceExhausted = 7, // out of memory or threads, or a peer sent more than we keep
+  kInvalidArgument = 1,    // bad input, or peers disagree on an operation's size/dtype
+  kDeadlineExceeded = 2,   // an operation ran past its deadline
+  kUnavailable = 3,        // a peer died, left, or could not be reached
+  kInternal = 4,           // a broken invariant or an OS error we cannot attribute to a peer
+  kCancelled = 5,          // the peer was stopped while the operation was pending
+  kNotFound = 6,           // a peer has no blob of the requested name
+  kResourceExhausted = 7,  // out of memory or threads, or a peer sent more than we keep
 };
 
 class Status {
@@ -39,8 +39,12 @@ class Status {
   std::string message_;
 };
 
-inline Status InvalidArgument(std::string m) { return Status(Code::kInvalidArgument, std::move(m)); }
-inline Status DeadlineExceeded(std::string m) { return Status(Code::kDeadlineExceeded, std::move(m)); }
+inline Status InvalidArgument(std::string m) {
+  return Status(Code::kInvalidArgument, std::move(m));
+}
+inline Status DeadlineExceeded(std::string m) {
+  return Status(Code::kDeadlineExceeded, std::move(m));
+}
 inline Status Unavailable(std::string m) { return Status(Code::kUnavailable, std::move(m)); }
 inline Status Internal(std::string m) { return Status(Code::kInternal, std::move(m)); }
 inline Status Cancelled(std::string m) { return Status(Code::kCancelled, std::move(m)); }
@@ -57,16 +61,16 @@ bool IsErrorCode(int64_t code);
 
 }  // namespace kungfu
 
-#define KF_RETURN_IF_ERROR(expr)         \
-  do {                                   \
-    ::kungfu::Status _kf_s = (expr);     \
-    if (!_kf_s.ok()) return _kf_s;       \
+#define KF_RETURN_IF_ERROR(expr)     \
+  do {                               \
+    ::kungfu::Status _kf_s = (expr); \
+    if (!_kf_s.ok()) return _kf_s;   \
   } while (0)
 
 // A broken invariant: report file:line and abort. Never used for peer or input errors.
-#define KF_CHECK(cond)                                                               \
-  do {                                                                               \
-    if (!(cond)) ::kungfu::internal::CheckFailed(__FILE__, __LINE__, #cond);         \
+#define KF_CHECK(cond)                                                       \
+  do {                                                                       \
+    if (!(cond)) ::kungfu::internal::CheckFailed(__FILE__, __LINE__, #cond); \
   } while (0)
 
 namespace kungfu::internal {

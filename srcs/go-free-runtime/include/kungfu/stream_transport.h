@@ -71,7 +71,7 @@ class StreamTransport : public RendezvousTransport {
 
  private:
   struct Outgoing {
-    std::mutex mu;          // one frame at a time
+    std::mutex mu;            // one frame at a time
     std::atomic<int> fd{-1};  // read without mu only by CutOutgoing
     TimePoint last_send;
   };
@@ -103,8 +103,7 @@ class StreamTransport : public RendezvousTransport {
   bool ReadHeader(int src, int fd, const std::string& who, net::Frame* f, MsgKey* key);
   bool ReadPayload(int fd, const std::string& who, const net::Frame& f, uint64_t max,
                    const char* what, std::string* out);
-  bool ReadControl(int src, int fd, const std::string& who, const net::Frame& f,
-                   const MsgKey& key);
+  bool ReadControl(int src, int fd, const std::string& who, const net::Frame& f, const MsgKey& key);
   bool ReadData(int src, int fd, const std::string& who, const net::Frame& f, const MsgKey& key);
   void CutOutgoing(int dst);
   void HeartbeatLoop();
@@ -164,8 +163,8 @@ std::unique_ptr<Transport> MakeStreamTransport(uint64_t version, const PeerList&
 class AcceptHandshake {
  public:
   // Checks a hello's claims; returns the dialer's rank, or -1 with the refusal in *why.
-  using Admit = std::function<int(const std::string& src, const std::string& dst,
-                                  uint64_t version, Status* why)>;
+  using Admit = std::function<int(const std::string& src, const std::string& dst, uint64_t version,
+                                  Status* why)>;
   AcceptHandshake(const std::string& token, Admit admit);
 
   enum class State { kHello, kProof, kDone, kRefused };
@@ -174,7 +173,7 @@ class AcceptHandshake {
   size_t want() const;
   // Takes bytes read (at most want()); appends any reply to *out.
   void Feed(const char* data, size_t n, std::string* out);
-  int src() const { return src_; }                 // kDone: the dialer's rank
+  int src() const { return src_; }                    // kDone: the dialer's rank
   const Status& refusal() const { return refusal_; }  // kRefused: why
 
  private:
@@ -192,7 +191,7 @@ class AcceptHandshake {
   uint32_t name_len_ = 0;
   uint64_t version_ = 0;
   std::string transcript_;
-  std::string src_name_;      // the hello's "src"
+  std::string src_name_;  // the hello's "src"
   int src_ = -1;
   Status refusal_;
 };

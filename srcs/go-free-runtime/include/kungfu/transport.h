@@ -71,10 +71,10 @@
 // another one; see each implementation for its own locks.
 #pragma once
 #include <atomic>
-#include <functional>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -137,8 +137,7 @@ class Transport {
   virtual void EndOp(const std::string& name, uint64_t seq, int64_t* wait_us = nullptr) = 0;
   // The abort or disagreement that fails operation (name, seq), or OK; waits up to `wait` for one
   // to arrive (a peer that let go of its buffers has already sent its abort).
-  virtual Status OpError(const std::string& name, uint64_t seq,
-                         std::chrono::milliseconds wait) = 0;
+  virtual Status OpError(const std::string& name, uint64_t seq, std::chrono::milliseconds wait) = 0;
 
   // Sends one data message; blocks only while the way to `dst` is full (an OS send buffer).
   virtual Status Send(int dst, const MsgKey& key, const MsgExpect& meta, const void* data) = 0;
@@ -268,7 +267,7 @@ class RendezvousTransport : public Transport {
 
  protected:
   struct Slot;
-  using OpKey = std::pair<std::string, uint64_t>;  // base name, seq
+  using OpKey = std::pair<std::string, uint64_t>;         // base name, seq
   static constexpr uint64_t kMaxAbortMessage = 64 << 10;  // bytes of an abort's reason, at most
   // Names that differ: operations in one report, and a report's bytes, at most.
   static constexpr size_t kMaxReportedOps = 8;

@@ -17,9 +17,8 @@ class TcpBackend : public Backend {
   // any operation): DIRECT needs it and one host; HIERARCHICAL reads inside hosts with it.
   void SetMemoryReads(bool local_reads, bool direct);
 
-  Status AllReduce(const OpContext& ctx, const std::vector<Piece>& pieces, DType dtype,
-                   ReduceOp op, const Strategy& strategy, const Spawner& spawn,
-                   size_t pack_bytes) override;
+  Status AllReduce(const OpContext& ctx, const std::vector<Piece>& pieces, DType dtype, ReduceOp op,
+                   const Strategy& strategy, const Spawner& spawn, size_t pack_bytes) override;
   Status Reduce(const OpContext& ctx, const void* send, void* recv, size_t count, DType dtype,
                 ReduceOp op, int root, const Strategy& strategy) override;
   Status Broadcast(const OpContext& ctx, const void* send, void* recv, size_t count, DType dtype,

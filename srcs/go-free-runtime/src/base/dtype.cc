@@ -18,10 +18,19 @@ const char kUnknownName[] = "unknown";
 
 size_t DTypeSize(DType dtype) {
   switch (dtype) {
-    case DType::kInt8: case DType::kUInt8: case DType::kBool: return 1;
-    case DType::kInt16: case DType::kUInt16: case DType::kFloat16: case DType::kBFloat16: return 2;
-    case DType::kInt32: case DType::kUInt32: case DType::kFloat32: return 4;
-    case DType::kInt64: case DType::kUInt64: case DType::kFloat64: return 8;
+    case DType::kInt8:
+    case DType::kUInt8:
+    case DType::kBool: return 1;
+    case DType::kInt16:
+    case DType::kUInt16:
+    case DType::kFloat16:
+    case DType::kBFloat16: return 2;
+    case DType::kInt32:
+    case DType::kUInt32:
+    case DType::kFloat32: return 4;
+    case DType::kInt64:
+    case DType::kUInt64:
+    case DType::kFloat64: return 8;
   }
   return 0;
 }
@@ -228,7 +237,7 @@ void HalfLoop(uint16_t* d, const uint16_t* x, const uint16_t* y, size_t n) {
 // block is loaded before it is stored.
 template <ReduceOp kOp>
 __attribute__((target("avx,f16c"))) void HalfLoopF16C(uint16_t* d, const uint16_t* x,
-                                                        const uint16_t* y, size_t n) {
+                                                      const uint16_t* y, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 u = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
@@ -239,8 +248,8 @@ __attribute__((target("avx,f16c"))) void HalfLoopF16C(uint16_t* d, const uint16_
     } else if constexpr (kOp == ReduceOp::kProd) {
       r = _mm256_mul_ps(u, v);
     } else {  // as Apply: v where (min: v < u, max: u < v) or v is NaN, else u
-      const __m256 less = kOp == ReduceOp::kMin ? _mm256_cmp_ps(v, u, _CMP_LT_OQ)
-                                                : _mm256_cmp_ps(u, v, _CMP_LT_OQ);
+      const __m256 less =
+          kOp == ReduceOp::kMin ? _mm256_cmp_ps(v, u, _CMP_LT_OQ) : _mm256_cmp_ps(u, v, _CMP_LT_OQ);
       r = _mm256_blendv_ps(u, v, _mm256_or_ps(less, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),

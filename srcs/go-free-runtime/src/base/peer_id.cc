@@ -37,7 +37,8 @@ Status ParsePeerList(const std::string& s, PeerList* out) {
   size_t start = 0;
   while (start <= s.size()) {
     size_t comma = s.find(',', start);
-    std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    std::string item =
+        s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
     PeerID id;
     KF_RETURN_IF_ERROR(PeerID::Parse(item, &id));
     out->push_back(id);

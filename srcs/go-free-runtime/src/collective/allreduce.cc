@@ -42,7 +42,8 @@ Status AllReduceParts(const Group& g, const OpContext& ctx, const Layout& layout
                 : s.allreduce == Algorithm::kRing ? RingAllReduce(g, ctx, p, ring)
                                                   : TreeAllReduce(g, ctx, p, s.trees);
     // The other parts here and on the peers would wait for this one's messages: stop them now.
-    if (!st.ok() && parts > 1 && st.code() != Code::kCancelled) g.transport.AbortOp(ctx.name, ctx.seq, st);
+    if (!st.ok() && parts > 1 && st.code() != Code::kCancelled)
+      g.transport.AbortOp(ctx.name, ctx.seq, st);
     return st;
   };
   if (parts == 1) return run_part(0);

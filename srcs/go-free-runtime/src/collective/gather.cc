@@ -13,7 +13,7 @@ namespace kungfu {
 namespace {
 
 Status ExchangeCounts(const Group& g, const OpContext& ctx, uint64_t count, int root,
-                               std::vector<uint64_t>* counts) {
+                      std::vector<uint64_t>* counts) {
   const int n = g.size;
   counts->assign(n, 0);
   (*counts)[g.rank] = count;
@@ -21,7 +21,8 @@ Status ExchangeCounts(const Group& g, const OpContext& ctx, uint64_t count, int 
   for (int i = 1; i < n; ++i) {
     int dst = (g.rank + i) % n;
     if (root < 0 || dst == root) {
-      KF_RETURN_IF_ERROR(g.transport.Send(dst, {ctx.name, ctx.seq, Tag(kCountPhase, 0, 0, 0)}, e, &count));
+      KF_RETURN_IF_ERROR(
+          g.transport.Send(dst, {ctx.name, ctx.seq, Tag(kCountPhase, 0, 0, 0)}, e, &count));
     }
   }
   if (root >= 0 && g.rank != root) return Status::OK();
@@ -29,7 +30,7 @@ Status ExchangeCounts(const Group& g, const OpContext& ctx, uint64_t count, int 
     if (src == g.rank) continue;
     Buffer in;
     KF_RETURN_IF_ERROR(g.transport.Recv(src, {ctx.name, ctx.seq, Tag(kCountPhase, 0, 0, 0)}, e,
-                                       ctx.deadline, &in));
+                                        ctx.deadline, &in));
     std::memcpy(&(*counts)[src], in.data(), sizeof(uint64_t));
   }
   return Status::OK();
@@ -66,8 +67,8 @@ Status Gather(const Group& g, const OpContext& ctx, const void* send, size_t cou
       for (size_t c = 0; c < k; ++c) {
         auto [b, e] = EvenPiece(counts[src], k, c);
         posted.push_back(g.transport.Post(src, {ctx.name, ctx.seq, Tag(kGatherPhase, 0, 0, c)},
-                                         MsgExpect{dtype, counts[src], (e - b) * es},
-                                         out->data.data() + (offsets[src] + b) * es));
+                                          MsgExpect{dtype, counts[src], (e - b) * es},
+                                          out->data.data() + (offsets[src] + b) * es));
       }
     }
   }
@@ -78,8 +79,8 @@ Status Gather(const Group& g, const OpContext& ctx, const void* send, size_t cou
     for (size_t c = 0; c < k; ++c) {
       auto [b, e] = EvenPiece(count, k, c);
       KF_RETURN_IF_ERROR(g.transport.Send(dst, {ctx.name, ctx.seq, Tag(kGatherPhase, 0, 0, c)},
-                                         MsgExpect{dtype, count, (e - b) * es},
-                                         static_cast<const char*>(send) + b * es));
+                                          MsgExpect{dtype, count, (e - b) * es},
+                                          static_cast<const char*>(send) + b * es));
     }
   }
   for (auto& ps : posted) KF_RETURN_IF_ERROR(g.transport.Wait(ps, ctx.deadline));

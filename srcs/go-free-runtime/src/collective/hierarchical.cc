@@ -82,9 +82,8 @@ class Hierarchical {
     return where_[q][2 * k + (recv ? 1 : 0)] + (i - lay.begin[k]) * es_;
   }
   Status TellAll(size_t step) const {
-    return Others([&](int q) {
-      return g_.transport.Send(q, Key(kDirectPhase, step, 0), signal_, nullptr);
-    });
+    return Others(
+        [&](int q) { return g_.transport.Send(q, Key(kDirectPhase, step, 0), signal_, nullptr); });
   }
   Status Hear(int q, size_t step) const {
     Buffer none;
@@ -111,9 +110,8 @@ class Hierarchical {
       mine.push_back(reinterpret_cast<uint64_t>(x.recv));
     }
     const MsgExpect meta{p_.dtype, p_.total, mine.size() * sizeof(uint64_t)};
-    KF_RETURN_IF_ERROR(Others([&](int q) {
-      return g_.transport.Send(q, Key(kDirectPhase, 0, 0), meta, mine.data());
-    }));
+    KF_RETURN_IF_ERROR(Others(
+        [&](int q) { return g_.transport.Send(q, Key(kDirectPhase, 0, 0), meta, mine.data()); }));
     return Others([&](int q) {
       Buffer in;
       KF_RETURN_IF_ERROR(g_.transport.Recv(q, Key(kDirectPhase, 0, 0), meta, ctx_.deadline, &in));

@@ -53,7 +53,9 @@ inline std::pair<size_t, size_t> EvenPiece(size_t n, size_t k, size_t i) {
 // HIERARCHICAL: the part number under which segment j of part i runs its ring across hosts (the
 // 12-bit part field of a tag holds both; AllReduceParts keeps them in range).
 constexpr size_t kMaxHierarchicalSegments = 64;
-inline size_t HierarchicalRingIndex(size_t part, size_t j) { return part * kMaxHierarchicalSegments + j; }
+inline size_t HierarchicalRingIndex(size_t part, size_t j) {
+  return part * kMaxHierarchicalSegments + j;
+}
 
 inline size_t ChunkCount(size_t count, size_t esize, size_t chunk_bytes) {
   size_t bytes = count * esize;
@@ -89,12 +91,12 @@ struct Part {
     size_t off, len;  // elements, relative to the part
   };
   const Layout* layout;
-  size_t base;         // the part's first element in the layout
-  size_t count;        // elements in this part
-  uint64_t total;      // elements in the whole operation (checked against every message)
+  size_t base;     // the part's first element in the layout
+  size_t count;    // elements in this part
+  uint64_t total;  // elements in the whole operation (checked against every message)
   DType dtype;
   ReduceOp op;
-  size_t index;        // part number, for tags
+  size_t index;           // part number, for tags
   bool in_place = false;  // input read from recv (HIERARCHICAL's rings across hosts)
 
   size_t esize() const { return DTypeSize(dtype); }

@@ -23,7 +23,7 @@ Status TreeAllReduce(const Group& g, const OpContext& ctx, const Part& p,
     if (t[g.rank] != g.rank) {
       const size_t b = chunks[c].off, e = b + chunks[c].len;
       posted[c] = g.transport.Post(t[g.rank], {ctx.name, ctx.seq, Tag(kBcastPhase, p.index, 0, c)},
-                                  p.Expect(e - b), p.Recv(b));
+                                   p.Expect(e - b), p.Recv(b));
     }
   }
   for (size_t c = 0; c < k; ++c) {
@@ -35,14 +35,15 @@ Status TreeAllReduce(const Group& g, const OpContext& ctx, const Part& p,
     const char* acc = mine;
     for (int child : children[ti][g.rank]) {
       Buffer in;
-      KF_RETURN_IF_ERROR(g.transport.Recv(child, {ctx.name, ctx.seq, Tag(kReducePhase, p.index, 0, c)},
-                                         p.Expect(e - b), ctx.deadline, &in));
+      KF_RETURN_IF_ERROR(g.transport.Recv(child,
+                                          {ctx.name, ctx.seq, Tag(kReducePhase, p.index, 0, c)},
+                                          p.Expect(e - b), ctx.deadline, &in));
       ::kungfu::Reduce(out, acc, in.data(), e - b, p.dtype, p.op);
       acc = out;
     }
     if (t[g.rank] != g.rank) {
-      KF_RETURN_IF_ERROR(g.transport.Send(t[g.rank], {ctx.name, ctx.seq, Tag(kReducePhase, p.index, 0, c)},
-                                         p.Expect(e - b), acc));
+      KF_RETURN_IF_ERROR(g.transport.Send(
+          t[g.rank], {ctx.name, ctx.seq, Tag(kReducePhase, p.index, 0, c)}, p.Expect(e - b), acc));
     } else if (acc != out && e > b) {
       std::memcpy(out, acc, (e - b) * es);
     }
@@ -52,8 +53,8 @@ Status TreeAllReduce(const Group& g, const OpContext& ctx, const Part& p,
     const size_t b = chunks[c].off, e = b + chunks[c].len;
     if (posted[c]) KF_RETURN_IF_ERROR(g.transport.Wait(posted[c], ctx.deadline));
     for (int child : children[ti][g.rank]) {
-      KF_RETURN_IF_ERROR(g.transport.Send(child, {ctx.name, ctx.seq, Tag(kBcastPhase, p.index, 0, c)},
-                                         p.Expect(e - b), p.Recv(b)));
+      KF_RETURN_IF_ERROR(g.transport.Send(
+          child, {ctx.name, ctx.seq, Tag(kBcastPhase, p.index, 0, c)}, p.Expect(e - b), p.Recv(b)));
     }
   }
   return Status::OK();
@@ -71,13 +72,13 @@ Status ReduceTree(const Group& g, const OpContext& ctx, const Part& p, const Tre
     for (int child : children[g.rank]) {
       Buffer in;
       KF_RETURN_IF_ERROR(g.transport.Recv(child, {ctx.name, ctx.seq, Tag(kReducePhase, 0, 0, c)},
-                                         p.Expect(e - b), ctx.deadline, &in));
+                                          p.Expect(e - b), ctx.deadline, &in));
       ::kungfu::Reduce(out, acc, in.data(), e - b, p.dtype, p.op);
       acc = out;
     }
     if (tree[g.rank] != g.rank) {
-      KF_RETURN_IF_ERROR(g.transport.Send(tree[g.rank], {ctx.name, ctx.seq, Tag(kReducePhase, 0, 0, c)},
-                                         p.Expect(e - b), acc));
+      KF_RETURN_IF_ERROR(g.transport.Send(
+          tree[g.rank], {ctx.name, ctx.seq, Tag(kReducePhase, 0, 0, c)}, p.Expect(e - b), acc));
     } else if (acc != out && e > b) {
       std::memcpy(out, acc, (e - b) * es);
     }
@@ -97,7 +98,7 @@ Status BroadcastTree(const Group& g, const OpContext& ctx, const Part& p, const 
     for (size_t c = 0; c < k; ++c) {
       const size_t b = chunks[c].off, e = b + chunks[c].len;
       posted[c] = g.transport.Post(tree[g.rank], {ctx.name, ctx.seq, Tag(kBcastPhase, 0, 0, c)},
-                                  p.Expect(e - b), p.Recv(b));
+                                   p.Expect(e - b), p.Recv(b));
     }
   }
   for (size_t c = 0; c < k; ++c) {
@@ -105,7 +106,7 @@ Status BroadcastTree(const Group& g, const OpContext& ctx, const Part& p, const 
     if (!root) KF_RETURN_IF_ERROR(g.transport.Wait(posted[c], ctx.deadline));
     for (int child : children[g.rank]) {
       KF_RETURN_IF_ERROR(g.transport.Send(child, {ctx.name, ctx.seq, Tag(kBcastPhase, 0, 0, c)},
-                                         p.Expect(e - b), p.Recv(b)));
+                                          p.Expect(e - b), p.Recv(b)));
     }
   }
   return Status::OK();
@@ -128,7 +129,8 @@ Status Verdict(const Group& g, const OpContext& ctx, const Tree& tree) {
     KF_RETURN_IF_ERROR(g.transport.Send(tree[g.rank], up, none, nullptr));
     KF_RETURN_IF_ERROR(g.transport.Recv(tree[g.rank], down, none, ctx.deadline, &ignored));
   }
-  for (int child : children[g.rank]) KF_RETURN_IF_ERROR(g.transport.Send(child, down, none, nullptr));
+  for (int child : children[g.rank])
+    KF_RETURN_IF_ERROR(g.transport.Send(child, down, none, nullptr));
   return Status::OK();
 }
 }  // namespace kungfu

@@ -4,9 +4,7 @@
 
 namespace kungfu {
 
-const char* MemoryName(Memory memory) {
-  return memory == Memory::kDevice ? "device" : "host";
-}
+const char* MemoryName(Memory memory) { return memory == Memory::kDevice ? "device" : "host"; }
 
 // ---------------------------------------------------------------------------------------------
 // Operation signatures.
@@ -49,10 +47,13 @@ OpSig OpSig::FromWire(uint64_t word, uint64_t digest) {
 std::string OpSig::ToString() const {
   std::string args;
   auto add = [&](const std::string& a) { args += (args.empty() ? "" : ", ") + a; };
-  if (average) add("avg");
-  else if (op != 0) add(ReduceOpName(static_cast<ReduceOp>(op)));
+  if (average)
+    add("avg");
+  else if (op != 0)
+    add(ReduceOpName(static_cast<ReduceOp>(op)));
   if (root >= 0) add("root " + std::to_string(root));
-  if (strategy >= 0) add(std::string("strategy ") + StrategyName(static_cast<StrategyKind>(strategy)));
+  if (strategy >= 0)
+    add(std::string("strategy ") + StrategyName(static_cast<StrategyKind>(strategy)));
   if (digest != 0) add("shape digest " + std::to_string(digest % 100000));
   return std::string(OpKindName(kind)) + "(" + args + ")";
 }

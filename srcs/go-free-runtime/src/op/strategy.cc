@@ -6,17 +6,9 @@
 namespace kungfu {
 
 namespace {
-const char* const kNames[] = {"STAR",
-                              "RING",
-                              "TREE",
-                              "BINARY_TREE",
-                              "BINARY_TREE_STAR",
-                              "MULTI_BINARY_TREE_STAR",
-                              "CLIQUE",
-                              "AUTO",
-                              "DIRECT",
-                              "HIERARCHICAL",
-                              "MULTI_STAR"};
+const char* const kNames[] = {
+    "STAR",   "RING", "TREE",   "BINARY_TREE",  "BINARY_TREE_STAR", "MULTI_BINARY_TREE_STAR",
+    "CLIQUE", "AUTO", "DIRECT", "HIERARCHICAL", "MULTI_STAR"};
 }
 
 const char* StrategyName(StrategyKind kind) {
@@ -165,12 +157,8 @@ Strategy MakeStrategy(StrategyKind kind, const PeerList& peers) {
       s.trees = {t};
       break;
     }
-    case StrategyKind::kStar:
-      s.trees = {Star(n, 0)};
-      break;
-    case StrategyKind::kRing:
-      s.allreduce = Algorithm::kRing;
-      break;
+    case StrategyKind::kStar: s.trees = {Star(n, 0)}; break;
+    case StrategyKind::kRing: s.allreduce = Algorithm::kRing; break;
     case StrategyKind::kTree: {
       Tree t = HostStars(layout, n);
       for (int m : masters) t[m] = masters[0];

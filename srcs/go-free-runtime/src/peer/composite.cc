@@ -38,8 +38,8 @@ class Countdown {
 
 }  // namespace
 
-Handle AllToAll(Peer& peer, const void* send, const std::vector<uint64_t>& send_counts,
-                DType dtype, std::shared_ptr<GatherResult> out, const OpOptions& options) {
+Handle AllToAll(Peer& peer, const void* send, const std::vector<uint64_t>& send_counts, DType dtype,
+                std::shared_ptr<GatherResult> out, const OpOptions& options) {
   const int n = peer.SizeIn(options);
   Handle whole;
   if (peer.RankIn(options) < 0) {  // each part fails at once, on this peer only, saying why
@@ -75,7 +75,8 @@ Handle ReduceScatter(Peer& peer, const void* send, void* recv, const std::vector
   const int n = peer.SizeIn(options);
   Handle whole;
   if (peer.RankIn(options) < 0) {  // each part fails at once, on this peer only, saying why
-    return FailParts(peer, "reducescatter", options, InvalidArgument("not a member of the process set"));
+    return FailParts(peer, "reducescatter", options,
+                     InvalidArgument("not a member of the process set"));
   }
   if (static_cast<int>(counts.size()) != n) {
     return FailParts(peer, "reducescatter", options,

@@ -5,10 +5,10 @@
 #include <algorithm>
 #include <cstring>
 
-#include "session/fusion.h"
 #include "kungfu/process_set.h"
 #include "kungfu/session.h"
 #include "kungfu/stream_transport.h"
+#include "session/fusion.h"
 #include "session/operation.h"
 
 namespace kungfu {
@@ -121,8 +121,8 @@ Status Peer::Lend(const std::string& name, const void* data, size_t bytes,
   if (!owner && bytes > 0) return InvalidArgument("a lent blob needs an owner of its memory");
   KF_RETURN_IF_ERROR(CheckDType(dtype));
   if (bytes % DTypeSize(dtype) != 0) {
-    return InvalidArgument("a blob of " + std::to_string(bytes) + " bytes is not a whole number of " +
-                           DTypeName(dtype));
+    return InvalidArgument("a blob of " + std::to_string(bytes) +
+                           " bytes is not a whole number of " + DTypeName(dtype));
   }
   struct Lent {
     std::shared_ptr<const void> owner;
@@ -145,34 +145,37 @@ Handle Peer::Request(int target, const std::string& name, void* dst, size_t byte
                      const OpOptions& options, DType dtype) {
   OpOptions o = options;
   o.name = "p2p:" + name;
-  return Run(Sig(OpKind::kRequest, o), o, bytes, [=](Session& s, const OpContext& ctx) -> Status {
-    KF_RETURN_IF_ERROR(CheckRoot(target, s.size()));
-    KF_RETURN_IF_ERROR(CheckDType(dtype));
-    if (bytes % DTypeSize(dtype) != 0) {
-      return InvalidArgument("a request of " + std::to_string(bytes) +
-                             " bytes is not a whole number of " + DTypeName(dtype));
-    }
-    if (target == rank_) {
-      std::lock_guard<std::mutex> lk(store_mu_);
-      auto it = store_.find(name);
-      if (it == store_.end()) return NotFound("this peer has no blob named '" + name + "'");
-      if (it->second->size != bytes || it->second->dtype != dtype) {
-        const Transport::BlobBytes& b = *it->second;
-        return InvalidArgument("blob '" + name + "' holds " +
-                               std::to_string(b.size / DTypeSize(b.dtype)) + " x " +
-                               DTypeName(b.dtype) + ", the request wants " +
-                               std::to_string(bytes / DTypeSize(dtype)) + " x " + DTypeName(dtype));
-      }
-      if (bytes > 0) std::memcpy(dst, it->second->data, bytes);
-      return Status::OK();
-    }
-    Transport& t = s.transport();
-    MsgKey key{ctx.name, ctx.seq, 0};
-    // The reply says the blob's dtype and element count; a request for other ones fails.
-    auto posted = t.Post(target, key, MsgExpect{dtype, bytes / DTypeSize(dtype), bytes}, dst);
-    KF_RETURN_IF_ERROR(t.SendRequest(target, key, name));
-    return t.Wait(posted, ctx.deadline);
-  }, /*collective=*/false);
+  return Run(
+      Sig(OpKind::kRequest, o), o, bytes,
+      [=](Session& s, const OpContext& ctx) -> Status {
+        KF_RETURN_IF_ERROR(CheckRoot(target, s.size()));
+        KF_RETURN_IF_ERROR(CheckDType(dtype));
+        if (bytes % DTypeSize(dtype) != 0) {
+          return InvalidArgument("a request of " + std::to_string(bytes) +
+                                 " bytes is not a whole number of " + DTypeName(dtype));
+        }
+        if (target == rank_) {
+          std::lock_guard<std::mutex> lk(store_mu_);
+          auto it = store_.find(name);
+          if (it == store_.end()) return NotFound("this peer has no blob named '" + name + "'");
+          if (it->second->size != bytes || it->second->dtype != dtype) {
+            const Transport::BlobBytes& b = *it->second;
+            return InvalidArgument(
+                "blob '" + name + "' holds " + std::to_string(b.size / DTypeSize(b.dtype)) + " x " +
+                DTypeName(b.dtype) + ", the request wants " +
+                std::to_string(bytes / DTypeSize(dtype)) + " x " + DTypeName(dtype));
+          }
+          if (bytes > 0) std::memcpy(dst, it->second->data, bytes);
+          return Status::OK();
+        }
+        Transport& t = s.transport();
+        MsgKey key{ctx.name, ctx.seq, 0};
+        // The reply says the blob's dtype and element count; a request for other ones fails.
+        auto posted = t.Post(target, key, MsgExpect{dtype, bytes / DTypeSize(dtype), bytes}, dst);
+        KF_RETURN_IF_ERROR(t.SendRequest(target, key, name));
+        return t.Wait(posted, ctx.deadline);
+      },
+      /*collective=*/false);
 }
 
 int Peer::local_rank() const { return MakeHostLayout(config_.peers).local_rank[rank_]; }
@@ -280,8 +283,8 @@ OpSig Peer::Sig(OpKind kind, const OpOptions& options, int op, int root) const {
 // and the body (RunBody). 3. EndOperation: abort the op on every peer if it failed, EndOp (no
 // receive of it is left posted into the caller's buffers), and only then complete the handle,
 // which lets the caller free its buffers.
-Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
-                 bool collective, bool rendezvous) {
+Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body, bool collective,
+                 bool rendezvous) {
   Handle h;
   OpContext ctx;
   Status named = OpNameFor(sig.kind, options.name, &ctx.name);
@@ -311,19 +314,21 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
     const int64_t start_us = WallMicros();
     t.BeginOp(ctx.name, ctx.seq, sig);
     const Status s = RunBody(*session, ctx, body, begin, commit);
-    EndOperation(t, OpEnd{sig.kind, ctx.name, ctx.seq, bytes, collective}, s, record_,
-                 [&](int64_t wait_us) {
-      OpTiming tm;
-      tm.strategy = StrategyName(options.strategy >= 0 && IsValidStrategy(options.strategy)
-                                     ? static_cast<StrategyKind>(options.strategy)
-                                     : session->Default().first);
-      tm.start_us = start_us;
-      tm.dur_us = Micros(Clock::now() - started);
-      tm.queue_us = Micros(started - called);
-      tm.wait_us = wait_us >= 0 ? std::min(wait_us, tm.dur_us)
-                                : (session->size() > 1 ? tm.dur_us : 0);
-      return tm;
-    }, h);
+    EndOperation(
+        t, OpEnd{sig.kind, ctx.name, ctx.seq, bytes, collective}, s, record_,
+        [&](int64_t wait_us) {
+          OpTiming tm;
+          tm.strategy = StrategyName(options.strategy >= 0 && IsValidStrategy(options.strategy)
+                                         ? static_cast<StrategyKind>(options.strategy)
+                                         : session->Default().first);
+          tm.start_us = start_us;
+          tm.dur_us = Micros(Clock::now() - started);
+          tm.queue_us = Micros(started - called);
+          tm.wait_us =
+              wait_us >= 0 ? std::min(wait_us, tm.dur_us) : (session->size() > 1 ? tm.dur_us : 0);
+          return tm;
+        },
+        h);
   };
   if (session->size() == 1) {
     task();  // nothing to wait for
@@ -359,7 +364,6 @@ uint64_t Peer::NextSeq(const std::string& name) {
   return next_seq_[name]++;
 }
 
-
 Status Peer::SessionFor(const OpOptions& options, std::shared_ptr<Session>* session,
                         std::string* prefix) {
   const std::vector<int>& members = options.process_set;
@@ -378,9 +382,8 @@ Status Peer::SessionFor(const OpOptions& options, std::shared_ptr<Session>* sess
   }
   KF_RETURN_IF_ERROR(ValidateProcessSet(members, size()));
   if (!std::binary_search(members.begin(), members.end(), rank_)) {
-    return InvalidArgument("this peer (rank " + std::to_string(rank_) +
-                           ") is not a member of " + ProcessSetName(members) +
-                           ": only members may call its operations");
+    return InvalidArgument("this peer (rank " + std::to_string(rank_) + ") is not a member of " +
+                           ProcessSetName(members) + ": only members may call its operations");
   }
   *prefix = ProcessSetPrefix(members);
   std::lock_guard<std::mutex> lk(sets_mu_);
@@ -423,11 +426,11 @@ Handle Peer::AllReduce(const void* send, void* recv, size_t count, DType dtype, 
   }
   return Run(Sig(OpKind::kAllReduce, options, static_cast<int>(op)), options,
              count * DTypeSize(dtype), [=](Session& s, const OpContext& ctx) {
-    KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
-    KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
-    return s.AllReduce(ctx, send, recv, count, dtype, op, options.strategy,
-                       [this](std::function<void()> f) { Submit(std::move(f)); });
-  });
+               KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
+               KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
+               return s.AllReduce(ctx, send, recv, count, dtype, op, options.strategy,
+                                  [this](std::function<void()> f) { Submit(std::move(f)); });
+             });
 }
 
 Handle Peer::AllReduceV(std::vector<Piece> pieces, DType dtype, ReduceOp op,
@@ -442,53 +445,53 @@ Handle Peer::AllReduceV(std::vector<Piece> pieces, DType dtype, ReduceOp op,
   o.digest ^= h;
   return Run(Sig(OpKind::kAllReduce, o, static_cast<int>(op)), o, count * DTypeSize(dtype),
              [=, pieces = std::move(pieces)](Session& s, const OpContext& ctx) {
-    KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
-    KF_RETURN_IF_ERROR(CheckStrategy(o.strategy));
-    return s.AllReduceV(ctx, pieces, dtype, op, o.strategy,
-                        [this](std::function<void()> f) { Submit(std::move(f)); },
-                        config_.fusion_bytes);
-  });
+               KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
+               KF_RETURN_IF_ERROR(CheckStrategy(o.strategy));
+               return s.AllReduceV(
+                   ctx, pieces, dtype, op, o.strategy,
+                   [this](std::function<void()> f) { Submit(std::move(f)); }, config_.fusion_bytes);
+             });
 }
 
 Handle Peer::Reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, int root,
                     const OpOptions& options) {
   return Run(Sig(OpKind::kReduce, options, static_cast<int>(op), root), options,
              count * DTypeSize(dtype), [=](Session& s, const OpContext& ctx) {
-    KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
-    KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
-    KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
-    return s.Reduce(ctx, send, recv, count, dtype, op, root, options.strategy);
-  });
+               KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
+               KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
+               KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
+               return s.Reduce(ctx, send, recv, count, dtype, op, root, options.strategy);
+             });
 }
 
 Handle Peer::Broadcast(const void* send, void* recv, size_t count, DType dtype, int root,
                        const OpOptions& options) {
   return Run(Sig(OpKind::kBroadcast, options, 0, root), options, count * DTypeSize(dtype),
              [=](Session& s, const OpContext& ctx) {
-    KF_RETURN_IF_ERROR(CheckDType(dtype));
-    KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
-    KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
-    return s.Broadcast(ctx, send, recv, count, dtype, root, options.strategy);
-  });
+               KF_RETURN_IF_ERROR(CheckDType(dtype));
+               KF_RETURN_IF_ERROR(CheckStrategy(options.strategy));
+               KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
+               return s.Broadcast(ctx, send, recv, count, dtype, root, options.strategy);
+             });
 }
 
 Handle Peer::AllGather(const void* send, size_t count, DType dtype,
                        std::shared_ptr<GatherResult> out, const OpOptions& options) {
   return Run(Sig(OpKind::kAllGather, options), options, count * DTypeSize(dtype),
              [=](Session& s, const OpContext& ctx) {
-    KF_RETURN_IF_ERROR(CheckDType(dtype));
-    return s.AllGather(ctx, send, count, dtype, out.get());
-  });
+               KF_RETURN_IF_ERROR(CheckDType(dtype));
+               return s.AllGather(ctx, send, count, dtype, out.get());
+             });
 }
 
 Handle Peer::Gather(const void* send, size_t count, DType dtype, int root,
                     std::shared_ptr<GatherResult> out, const OpOptions& options) {
   return Run(Sig(OpKind::kGather, options, 0, root), options, count * DTypeSize(dtype),
              [=](Session& s, const OpContext& ctx) {
-    KF_RETURN_IF_ERROR(CheckDType(dtype));
-    KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
-    return s.Gather(ctx, send, count, dtype, root, out.get());
-  });
+               KF_RETURN_IF_ERROR(CheckDType(dtype));
+               KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
+               return s.Gather(ctx, send, count, dtype, root, out.get());
+             });
 }
 
 Handle Peer::Barrier(const OpOptions& options) {
@@ -513,45 +516,50 @@ Handle Peer::Fail(const char* kind, const OpOptions& options, const Status& reas
   // on the other peers (they would fail on that instead of on the reason).
   OpSig sig = Sig(k, o);
   sig.rejected = true;  // its reason, not a signature mismatch, is what the others hear
-  return Run(sig, o, 0, [reason](Session&, const OpContext&) { return reason; },
-             /*collective=*/true, /*rendezvous=*/false);
+  return Run(
+      sig, o, 0, [reason](Session&, const OpContext&) { return reason; },
+      /*collective=*/true, /*rendezvous=*/false);
 }
 
 Handle Peer::Consensus(const void* data, size_t bytes, bool* agreed, const OpOptions& options) {
-  return Run(Sig(OpKind::kConsensus, options), options, bytes,
-             [=](Session& s, const OpContext& ctx) {
-    return s.Consensus(ctx, data, bytes, agreed);
-  });
+  return Run(
+      Sig(OpKind::kConsensus, options), options, bytes,
+      [=](Session& s, const OpContext& ctx) { return s.Consensus(ctx, data, bytes, agreed); });
 }
 
 Handle Peer::SetStrategy(StrategyKind kind, const Tree& tree, const OpOptions& options) {
   OpOptions o = options;
   if (o.name.empty()) o.name = "kungfu::set-strategy";
-  return Run(Sig(OpKind::kSetStrategy, o), o, (1 + tree.size()) * sizeof(int32_t),
-             [kind, tree](Session& s, const OpContext& ctx) {
-    // Agree first, validate after: every peer takes part in the consensus whatever it was
-    // given, so a proposal that is malformed on some peers only fails as a disagreement on all.
-    std::vector<int32_t> proposal{static_cast<int32_t>(kind)};
-    proposal.insert(proposal.end(), tree.begin(), tree.end());
-    bool agreed = false;
-    KF_RETURN_IF_ERROR(s.Consensus(ctx, proposal.data(), proposal.size() * sizeof(int32_t), &agreed));
-    if (!agreed) {
-      return InvalidArgument("peers proposed different strategies or trees; the old one stays");
-    }
-    if (!IsValidStrategy(static_cast<int>(kind)) || (kind == StrategyKind::kDirect && !s.direct_ok())) {
-      return InvalidArgument(std::string("strategy ") +
-                             (IsValidStrategy(static_cast<int>(kind)) ? "DIRECT is not possible here"
-                                                                       : "code is unknown") +
-                             "; the old one stays");
-    }
-    if (!tree.empty()) {
-      if (kind != StrategyKind::kTree) return InvalidArgument("a tree needs strategy kind TREE");
-      Status valid = ValidateTree(tree, s.size());
-      if (!valid.ok()) return InvalidArgument(valid.message() + "; the old tree stays");
-    }
-    s.SetDefault(kind, tree);
-    return Status::OK();
-  });
+  return Run(
+      Sig(OpKind::kSetStrategy, o), o, (1 + tree.size()) * sizeof(int32_t),
+      [kind, tree](Session& s, const OpContext& ctx) {
+        // Agree first, validate after: every peer takes part in the consensus whatever it was
+        // given, so a proposal that is malformed on some peers only fails as a disagreement on all.
+        std::vector<int32_t> proposal{static_cast<int32_t>(kind)};
+        proposal.insert(proposal.end(), tree.begin(), tree.end());
+        bool agreed = false;
+        KF_RETURN_IF_ERROR(
+            s.Consensus(ctx, proposal.data(), proposal.size() * sizeof(int32_t), &agreed));
+        if (!agreed) {
+          return InvalidArgument("peers proposed different strategies or trees; the old one stays");
+        }
+        if (!IsValidStrategy(static_cast<int>(kind)) ||
+            (kind == StrategyKind::kDirect && !s.direct_ok())) {
+          return InvalidArgument(std::string("strategy ") +
+                                 (IsValidStrategy(static_cast<int>(kind))
+                                      ? "DIRECT is not possible here"
+                                      : "code is unknown") +
+                                 "; the old one stays");
+        }
+        if (!tree.empty()) {
+          if (kind != StrategyKind::kTree)
+            return InvalidArgument("a tree needs strategy kind TREE");
+          Status valid = ValidateTree(tree, s.size());
+          if (!valid.ok()) return InvalidArgument(valid.message() + "; the old tree stays");
+        }
+        s.SetDefault(kind, tree);
+        return Status::OK();
+      });
 }
 
 std::pair<StrategyKind, Tree> Peer::DefaultStrategy() const { return session_->Default(); }

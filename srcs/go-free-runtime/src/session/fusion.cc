@@ -9,13 +9,12 @@
 #include <utility>
 
 #include "kungfu/session.h"
-#include "session/fusion_internal.h"
 #include "kungfu/strategy.h"
+#include "session/fusion_internal.h"
 
 namespace kungfu {
 
 using namespace fusion;  // NOLINT: this file and fusion_agreement.cc are one class
-
 
 Fusion::Fusion(std::shared_ptr<Session> session, size_t fusion_bytes, int64_t op_timeout_ms,
                FusionHooks hooks)
@@ -94,16 +93,19 @@ Handle Fusion::AllReduce(const void* send, void* recv, size_t count, DType dtype
 void Fusion::Finish(const std::shared_ptr<Op>& op, const Status& s, const OpTiming* timing,
                     bool abort) {
   const OpEnd end{OpKind::kAllReduce, op->name, op->seq, op->bytes(), abort};
-  EndOperation(session_->transport(), end, s, hooks_.record, [&](int64_t) {
-    if (timing != nullptr) return *timing;
-    OpTiming never_ran;
-    never_ran.strategy = StrategyName(op->strategy >= 0
-                                          ? static_cast<StrategyKind>(op->strategy)
-                                          : session_->Default().first);
-    never_ran.start_us = WallMicros();
-    never_ran.queue_us = Micros(Clock::now() - op->called);
-    return never_ran;
-  }, op->handle);
+  EndOperation(
+      session_->transport(), end, s, hooks_.record,
+      [&](int64_t) {
+        if (timing != nullptr) return *timing;
+        OpTiming never_ran;
+        never_ran.strategy =
+            StrategyName(op->strategy >= 0 ? static_cast<StrategyKind>(op->strategy)
+                                           : session_->Default().first);
+        never_ran.start_us = WallMicros();
+        never_ran.queue_us = Micros(Clock::now() - op->called);
+        return never_ran;
+      },
+      op->handle);
 }
 
 void Fusion::Stop() {
@@ -267,9 +269,10 @@ void Fusion::Loop() {
         // Nothing was agreed: give the other peers time to issue what we hold, unless a new op
         // arrives (it may be the one they wait for).
         const uint64_t before = enqueued_;
-        const TimePoint first_deadline = (*std::min_element(
-            queue_.begin(), queue_.end(),
-            [](const auto& a, const auto& b) { return a->deadline < b->deadline; }))->deadline;
+        const TimePoint first_deadline =
+            (*std::min_element(queue_.begin(), queue_.end(), [](const auto& a, const auto& b) {
+              return a->deadline < b->deadline;
+            }))->deadline;
         cv_.wait_until(lk, std::min(Clock::now() + backoff, first_deadline),
                        [&] { return stopping_ || enqueued_ != before; });
         if (stopping_) return;
@@ -400,9 +403,8 @@ void Fusion::RunBucket(const Bucket& b) {
   TimePoint deadline = started + std::chrono::milliseconds(op_timeout_ms_);
   for (size_t i = 0; i < b.ops.size(); ++i) {
     if (!b.live[i]) {
-      s = DeadlineExceeded(OpWhat(b.ops[i]->name) +
-                           " passed its deadline on peer " + t.Describe(t.rank()) +
-                           " while its peers agreed to fuse it");
+      s = DeadlineExceeded(OpWhat(b.ops[i]->name) + " passed its deadline on peer " +
+                           t.Describe(t.rank()) + " while its peers agreed to fuse it");
     }
     deadline = std::max(deadline, b.ops[i]->deadline);
   }

@@ -147,16 +147,16 @@ class Fusion {
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
-  std::thread loop_;                              // started by the first op
-  std::thread watch_;                             // started with loop_
-  std::deque<std::shared_ptr<Op>> queue_;          // not yet agreed, in issue order
+  std::thread loop_;                                          // started by the first op
+  std::thread watch_;                                         // started with loop_
+  std::deque<std::shared_ptr<Op>> queue_;                     // not yet agreed, in issue order
   std::unordered_map<uint64_t, std::shared_ptr<Op>> queued_;  // by hash
-  uint64_t enqueued_ = 0;                          // ops ever queued (wakes a back-off)
-  std::vector<uint64_t> tombs_out_;                // to announce in the next cycle
-  std::unordered_map<uint64_t, Status> failed_;    // by hash: fail at once when issued
-  std::deque<uint64_t> failed_order_;              // oldest first, bounds failed_
-  std::list<Bucket> runs_;                         // agreed, not yet run, in agreed order
-  bool running_ = false;                           // a pool task runs runs_
+  uint64_t enqueued_ = 0;                                     // ops ever queued (wakes a back-off)
+  std::vector<uint64_t> tombs_out_;                           // to announce in the next cycle
+  std::unordered_map<uint64_t, Status> failed_;               // by hash: fail at once when issued
+  std::deque<uint64_t> failed_order_;                         // oldest first, bounds failed_
+  std::list<Bucket> runs_;  // agreed, not yet run, in agreed order
+  bool running_ = false;    // a pool task runs runs_
   // Per rank: the ops (hash, name) it had queued a while in its last records, for messages.
   std::vector<std::vector<std::pair<uint64_t, std::string>>> waits_on_;
 };

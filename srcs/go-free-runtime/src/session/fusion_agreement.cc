@@ -1,7 +1,5 @@
 // Fusion's negotiation on the wire (fusion.h, steps 1-4): the offers exchanged, the verdict
 // decided alike on every peer, the buckets settled from it.
-#include "session/fusion.h"
-#include "session/fusion_internal.h"
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -11,6 +9,8 @@
 #include <utility>
 #include "kungfu/session.h"
 #include "kungfu/strategy.h"
+#include "session/fusion.h"
+#include "session/fusion_internal.h"
 
 namespace kungfu {
 
@@ -71,9 +71,8 @@ Status Fusion::ReceiveOffer(int src, uint64_t gseq, std::vector<Record>* recs) {
     return InvalidArgument("peer " + t.Describe(src) + " sent " + std::to_string(theirs[0]) +
                            " fusion records");
   }
-  KF_RETURN_IF_ERROR(t.Recv(src, {kOpName, gseq, 1},
-                            BodyMeta(theirs[0], theirs[1], sizeof(Record)), TimePoint::max(),
-                            &in));
+  KF_RETURN_IF_ERROR(t.Recv(src, {kOpName, gseq, 1}, BodyMeta(theirs[0], theirs[1], sizeof(Record)),
+                            TimePoint::max(), &in));
   recs->resize(theirs[0]);
   std::memcpy(recs->data(), in.data(), theirs[0] * sizeof(Record));
   NoteListed(src, *recs, in.data() + theirs[0] * sizeof(Record), theirs[1]);
@@ -121,9 +120,9 @@ Fusion::Verdict Fusion::Decide(const std::vector<std::vector<Record>>& recs) con
   for (const auto& [hash, who] : v.listed) {
     for (const auto& [r, x] : who) {
       if (x->SameShape(*who[0].second)) continue;
-      v.failed[hash] = InvalidArgument(
-          "peers disagree on the operation: " + t.Describe(who[0].first) + " has " +
-          who[0].second->Shape() + ", " + t.Describe(r) + " has " + x->Shape());
+      v.failed[hash] =
+          InvalidArgument("peers disagree on the operation: " + t.Describe(who[0].first) + " has " +
+                          who[0].second->Shape() + ", " + t.Describe(r) + " has " + x->Shape());
       break;
     }
   }
@@ -168,8 +167,8 @@ std::vector<Fusion::Bucket> Fusion::Settle(const Offer& mine, const Verdict& v, 
       queue_.erase(std::find(queue_.begin(), queue_.end(), o));
       queued_.erase(o->hash);
     }
-    const auto key = std::make_tuple(static_cast<int>(x->dtype()), static_cast<int>(x->op()),
-                                     x->strategy());
+    const auto key =
+        std::make_tuple(static_cast<int>(x->dtype()), static_cast<int>(x->op()), x->strategy());
     auto b = open.find(key);
     if (b == open.end()) {
       Bucket nb;

@@ -17,7 +17,7 @@ inline const std::string kBase;
 inline const std::string kOpName = SubOpName(kBase, "fusion");
 inline const OpSig kSig{OpKind::kInternal};
 
-inline constexpr size_t kMaxFailed = 1 << 16;          // remembered failures of ops not issued here
+inline constexpr size_t kMaxFailed = 1 << 16;  // remembered failures of ops not issued here
 // How often Watch asks the transport about queued ops older than kCheckAfter: a peer that waits
 // on an op it does not fuse says so after 200 ms (Transport's kAnnounceAfter).
 inline constexpr auto kSlice = std::chrono::milliseconds(100);

@@ -36,7 +36,8 @@ inline int64_t Micros(Clock::duration d) {
 // Wall-clock now, in microseconds since the epoch (timeline events of processes align on it).
 inline int64_t WallMicros() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
-             std::chrono::system_clock::now().time_since_epoch()).count();
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
 }
 
 // The times of one operation's timeline event (TimelineEvent says what each one is).

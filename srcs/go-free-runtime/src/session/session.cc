@@ -92,8 +92,8 @@ Status Session::AllReduceV(const OpContext& ctx, const std::vector<Piece>& piece
   size_t count = 0;
   for (const Piece& x : pieces) count += x.count;
   const size_t bytes = count * DTypeSize(dtype);
-  const Strategy s = StrategyFor(size() > 1 ? strategy : static_cast<int>(StrategyKind::kStar),
-                                 bytes);
+  const Strategy s =
+      StrategyFor(size() > 1 ? strategy : static_cast<int>(StrategyKind::kStar), bytes);
   const TimePoint start = Clock::now();
   Status st = backend->AllReduce(ctx, pieces, dtype, op, s, spawn, pack_bytes);
   if (st.ok() && strategy < 0 && size() > 1) {  // explicit strategies: the runtime's small ops
@@ -194,8 +194,8 @@ Status Session::Commit(const OpContext& ctx, bool wait) {
   if (!wait) return Status::OK();
   Buffer ignored;
   for (int i = 1; i < size(); ++i) {
-    KF_RETURN_IF_ERROR(transport_.Recv((rank_ + size() - i) % size(), key, none, ctx.deadline,
-                                       &ignored));
+    KF_RETURN_IF_ERROR(
+        transport_.Recv((rank_ + size() - i) % size(), key, none, ctx.deadline, &ignored));
   }
   return Status::OK();
 }

@@ -47,8 +47,8 @@ InProcTransport* InProcTransport::Reach(int dst, Status* why) const {
   return nullptr;
 }
 
-void InProcTransport::Deliver(int src, const MsgKey& key, const MsgExpect& meta,
-                              const void* data, const OpSig& sig) {
+void InProcTransport::Deliver(int src, const MsgKey& key, const MsgExpect& meta, const void* data,
+                              const OpSig& sig) {
   const Admission a = AdmitData(src, key, meta, sig, "peer " + Describe(src));
   if (a.what == Admission::kPosted) {
     // One memcpy, never abandoned halfway: a wait that must end waits it out (EndCopy).
@@ -60,7 +60,8 @@ void InProcTransport::Deliver(int src, const MsgKey& key, const MsgExpect& meta,
       buf = Buffer(meta.bytes);
     } catch (const std::bad_alloc&) {
       Fail(ResourceExhausted("peer " + Describe(src) + " sent a message of " +
-                             std::to_string(meta.bytes) + " bytes that no operation here has "
+                             std::to_string(meta.bytes) +
+                             " bytes that no operation here has "
                              "asked for yet, and there is no memory to keep it"));
       return;
     }
@@ -129,7 +130,8 @@ Status InProcTransport::ReadPeerMemory(int src, uint64_t addr, void* dst, size_t
   std::shared_lock<std::shared_mutex> lk(net_->mu);
   Status why;
   if (src < 0 || src >= size()) return InvalidArgument("no peer of rank " + std::to_string(src));
-  if (Reach(src, &why) == nullptr) return Unavailable("peer " + Describe(src) + ": " + why.message());
+  if (Reach(src, &why) == nullptr)
+    return Unavailable("peer " + Describe(src) + ": " + why.message());
   if (bytes > 0) std::memcpy(dst, reinterpret_cast<const void*>(addr), bytes);
   return Status::OK();
 }
@@ -158,8 +160,8 @@ void InProcTransport::SimulateFailure() {
     net_->live[rank_] = nullptr;
   }
   Fail(Unavailable("this peer failed (simulated)"));
-  const Status dead = Unavailable("peer " + Describe(rank_) +
-                                  " closed its connection unexpectedly (it died)");
+  const Status dead =
+      Unavailable("peer " + Describe(rank_) + " closed its connection unexpectedly (it died)");
   std::shared_lock<std::shared_mutex> lk(net_->mu);
   for (int r = 0; r < size(); ++r) {
     if (r != rank_ && net_->live[r] != nullptr) net_->live[r]->Fail(dead);

@@ -66,8 +66,8 @@ void RendezvousTransport::OnReport(int src, const MsgKey& key, uint64_t state,
     std::memcpy(w, payload.data() + at, sizeof(w));
     at += sizeof(w);
     if (w[3] > payload.size() - at || w[1] > (uint64_t(1) << 62)) return;
-    theirs.push_back({{payload.substr(at, w[3]), w[0]}, static_cast<int64_t>(w[1]),
-                      OpSig::FromWire(w[2], 0)});
+    theirs.push_back(
+        {{payload.substr(at, w[3]), w[0]}, static_cast<int64_t>(w[1]), OpSig::FromWire(w[2], 0)});
     at += w[3];
   }
   const OpKey op{BaseName(key.name), key.seq};
@@ -96,16 +96,16 @@ void RendezvousTransport::OnReport(int src, const MsgKey& key, uint64_t state,
   if (mine_ms < grace || oldest < grace) return;
   std::string names;
   for (const Waits& w : theirs) {
-    names += (names.empty() ? "" : ", ") + std::string(OpKindName(w.sig.kind)) + " '" +
-             w.op.first + "' #" + std::to_string(w.op.second);
+    names += (names.empty() ? "" : ", ") + std::string(OpKindName(w.sig.kind)) + " '" + w.op.first +
+             "' #" + std::to_string(w.op.second);
     rec.linked.push_back(w.op);
   }
-  rec.error = InvalidArgument(
-      "peers called operations under different names: this peer " + Describe(rank_) +
-      " has waited " + Seconds(mine_ms) + " in " + OpKindName(rec.sig.kind) + " '" + op.first +
-      "' #" + std::to_string(op.second) + ", which peer " + Describe(src) +
-      " has not called; that peer has waited " + Seconds(oldest) + " in " + names +
-      ", which this peer has not called");
+  rec.error = InvalidArgument("peers called operations under different names: this peer " +
+                              Describe(rank_) + " has waited " + Seconds(mine_ms) + " in " +
+                              OpKindName(rec.sig.kind) + " '" + op.first + "' #" +
+                              std::to_string(op.second) + ", which peer " + Describe(src) +
+                              " has not called; that peer has waited " + Seconds(oldest) + " in " +
+                              names + ", which this peer has not called");
   WakeAllLocked();
 }
 

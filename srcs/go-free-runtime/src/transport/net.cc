@@ -91,7 +91,8 @@ Status ReadFull(int fd, void* buf, size_t n, bool* eof_at_start) {
     }
     if (r < 0) {
       if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return Unavailable("no data within the peer timeout");
+      if (errno == EAGAIN || errno == EWOULDBLOCK)
+        return Unavailable("no data within the peer timeout");
       return Unavailable("receive failed: " + ErrnoString(errno));
     }
     got += static_cast<size_t>(r);
@@ -130,7 +131,8 @@ Status ReadSome(int fd, void* buf, size_t n, size_t* got) {
     }
     if (r == 0) return Unavailable("connection closed");
     if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) return Unavailable("no data within the peer timeout");
+    if (errno == EAGAIN || errno == EWOULDBLOCK)
+      return Unavailable("no data within the peer timeout");
     return Unavailable("receive failed: " + ErrnoString(errno));
   }
 }

@@ -25,8 +25,8 @@ struct Frame {
   uint64_t payload_len;
   uint32_t name_len;
   uint32_t flags;
-  uint64_t sig;          // the sender's OpSig of this op (kind, reduce op, strategy, root); 0: none
-  uint64_t digest;       // OpSig::digest
+  uint64_t sig;     // the sender's OpSig of this op (kind, reduce op, strategy, root); 0: none
+  uint64_t digest;  // OpSig::digest
 };
 static_assert(sizeof(Frame) == 72, "frame header must be packed");
 
@@ -47,8 +47,8 @@ enum FrameType : uint8_t {
   kBye = 6,
   kRequest = 7,  // asks for a stored blob; answered by kData or kMissing with the same key
   kMissing = 8,
-  kAuth = 10,  // the dialer's proof of the job token, or its refusal (handshake step 3)
-  kSig = 9,  // no payload: the sender's signature of op (name, seq), from a peer waiting on us
+  kAuth = 10,    // the dialer's proof of the job token, or its refusal (handshake step 3)
+  kSig = 9,      // no payload: the sender's signature of op (name, seq), from a peer waiting on us
   kQuery = 11,   // no payload: a peer waiting on us for op (name, seq) asks what we wait on
   kReport = 12,  // the answer to kQuery (same key): tag = our state of the op, payload = our waits
 };

@@ -4,8 +4,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <new>
 #include <map>
+#include <new>
 #include <thread>
 
 #include "transport/rendezvous_internal.h"
@@ -13,7 +13,6 @@
 namespace kungfu {
 
 using namespace rendezvous;  // NOLINT: this file and mismatch.cc are one class
-
 
 // ---------------------------------------------------------------------------------------------
 // The rendezvous: mailbox slots and operation records.
@@ -23,10 +22,10 @@ namespace {
 // Whether a message (what its sender said of it) is what the receiver expects.
 Status CheckMessage(const MsgExpect& f, const MsgExpect& e, const std::string& what) {
   if (f.dtype != e.dtype || f.total_count != e.total_count || f.bytes != e.bytes) {
-    return InvalidArgument(
-        what + ": peers disagree on the operation: this peer has " +
-        std::to_string(e.total_count) + " x " + DTypeName(e.dtype) + ", the sender has " +
-        std::to_string(f.total_count) + " x " + DTypeName(f.dtype));
+    return InvalidArgument(what + ": peers disagree on the operation: this peer has " +
+                           std::to_string(e.total_count) + " x " + DTypeName(e.dtype) +
+                           ", the sender has " + std::to_string(f.total_count) + " x " +
+                           DTypeName(f.dtype));
   }
   return Status::OK();
 }
@@ -74,8 +73,8 @@ Status Disagreement(const std::string& src, const OpSig& theirs, const std::stri
                                           "name '"
                                         : "peers disagree: they called different operations under "
                                           "one name '";
-  return InvalidArgument(what + name + "': " + src + " called " + theirs.ToString() + ", " +
-                         self + " called " + mine.ToString());
+  return InvalidArgument(what + name + "': " + src + " called " + theirs.ToString() + ", " + self +
+                         " called " + mine.ToString());
 }
 }  // namespace
 
@@ -143,7 +142,8 @@ Status RendezvousTransport::OpErrorLocked(const OpKey& op) const {
   return Status::OK();
 }
 
-Status RendezvousTransport::OpError(const std::string& name, uint64_t seq, std::chrono::milliseconds wait) {
+Status RendezvousTransport::OpError(const std::string& name, uint64_t seq,
+                                    std::chrono::milliseconds wait) {
   const OpKey op{BaseName(name), seq};
   const TimePoint until = Clock::now() + wait;
   std::unique_lock<std::mutex> lk(mu_);
@@ -158,10 +158,13 @@ Status RendezvousTransport::OpError(const std::string& name, uint64_t seq, std::
 
 bool RendezvousTransport::IsFinished(const OpKey& op) const {
   auto it = finished_.find(op.first);
-  return it != finished_.end() && (op.second < it->second.below || it->second.above.count(op.second));
+  return it != finished_.end() &&
+         (op.second < it->second.below || it->second.above.count(op.second));
 }
 
-void RendezvousTransport::TrackSlot(const OpKey& op, const std::string& id) { ops_[op].slots.push_back(id); }
+void RendezvousTransport::TrackSlot(const OpKey& op, const std::string& id) {
+  ops_[op].slots.push_back(id);
+}
 
 void RendezvousTransport::NoteRemoteSig(int src, const OpKey& op, const OpSig& theirs) {
   // None: a reply from a blob store, no peer's own op.
@@ -204,9 +207,9 @@ std::string RendezvousTransport::UnstartedFrom(int src) const {
       names += ", ...";
       break;
     }
-    names += (names.empty() ? "" : ", ") + ("'" + kv.first.first + "' #" +
-                                            std::to_string(kv.first.second) + " (" +
-                                            kv.second.first_remote.ToString() + ")");
+    names += (names.empty() ? "" : ", ") +
+             ("'" + kv.first.first + "' #" + std::to_string(kv.first.second) + " (" +
+              kv.second.first_remote.ToString() + ")");
   }
   if (names.empty()) return "";
   return "; it sent messages for operations this peer has not started: " + names;
@@ -250,7 +253,8 @@ Status RendezvousTransport::failure() const {
   return failure_;
 }
 
-Status RendezvousTransport::Send(int dst, const MsgKey& key, const MsgExpect& meta, const void* data) {
+Status RendezvousTransport::Send(int dst, const MsgKey& key, const MsgExpect& meta,
+                                 const void* data) {
   OpSig sig;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -271,7 +275,7 @@ Status RendezvousTransport::Send(int dst, const MsgKey& key, const MsgExpect& me
 // Waits until `slot` holds its message, or the wait must end: the op was aborted or peers
 // disagree on it, the transport failed or closed, the sender left, or the deadline passed.
 Status RendezvousTransport::WaitState(std::unique_lock<std::mutex>& lk, Slot* slot, int src,
-                            TimePoint deadline, const MsgKey& key) {
+                                      TimePoint deadline, const MsgKey& key) {
   const OpKey op{BaseName(key.name), key.seq};
   const TimePoint announce_at = Clock::now() + kAnnounceAfter;
   bool announced = false;
@@ -330,8 +334,8 @@ Status RendezvousTransport::WaitState(std::unique_lock<std::mutex>& lk, Slot* sl
   }
 }
 
-Status RendezvousTransport::Recv(int src, const MsgKey& key, const MsgExpect& expect, TimePoint deadline,
-                       Buffer* out) {
+Status RendezvousTransport::Recv(int src, const MsgKey& key, const MsgExpect& expect,
+                                 TimePoint deadline, Buffer* out) {
   std::string id = SlotId(src, key);
   std::unique_lock<std::mutex> lk(mu_);
   auto& ref = slots_[id];
@@ -353,7 +357,7 @@ Status RendezvousTransport::Recv(int src, const MsgKey& key, const MsgExpect& ex
 }
 
 std::shared_ptr<Transport::Posted> RendezvousTransport::Post(int src, const MsgKey& key,
-                                                   const MsgExpect& expect, void* dst) {
+                                                             const MsgExpect& expect, void* dst) {
   auto posted = std::make_shared<PostedRecv>();
   posted->id = SlotId(src, key);
   posted->src = src;
@@ -405,11 +409,13 @@ Status RendezvousTransport::SendRequest(int dst, const MsgKey& key, const std::s
     if (peer_left_[dst]) return LeftLocked(dst);
   }
   Status s = SendBlobRequest(dst, key, blob);
-  if (!s.ok()) return Fail(Unavailable("peer " + Describe(dst) + " is unreachable: " + s.message()));
+  if (!s.ok())
+    return Fail(Unavailable("peer " + Describe(dst) + " is unreachable: " + s.message()));
   return s;
 }
 
-void RendezvousTransport::AbortOp(const std::string& full_name, uint64_t seq, const Status& reason) {
+void RendezvousTransport::AbortOp(const std::string& full_name, uint64_t seq,
+                                  const Status& reason) {
   std::vector<int> everyone(peers_.size());
   for (size_t r = 0; r < everyone.size(); ++r) everyone[r] = static_cast<int>(r);
   AbortOpAmong(full_name, seq, reason, everyone);
@@ -459,8 +465,8 @@ RendezvousTransport::Admission RendezvousTransport::AdmitData(int src, const Msg
     auto it = slots_.find(id);
     if (it != slots_.end() && it->second->state == Slot::kPosted) {
       std::shared_ptr<Slot> slot = it->second;
-      Status check = rec.error.ok() ? CheckMessage(meta, slot->expect, "message from " + who)
-                                    : rec.error;
+      Status check =
+          rec.error.ok() ? CheckMessage(meta, slot->expect, "message from " + who) : rec.error;
       if (!check.ok()) {
         slot->state = Slot::kFailed;
         slot->error = check;
@@ -480,7 +486,8 @@ RendezvousTransport::Admission RendezvousTransport::AdmitData(int src, const Msg
       return a;
     }
   }
-  Fail(ResourceExhausted(who + " sent " + std::to_string(meta.bytes) + " bytes that no "
+  Fail(ResourceExhausted(who + " sent " + std::to_string(meta.bytes) +
+                         " bytes that no "
                          "operation here has asked for, beyond the " +
                          std::to_string(options_.max_unclaimed_bytes) +
                          " bytes kept for early messages"));

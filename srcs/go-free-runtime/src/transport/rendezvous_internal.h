@@ -50,16 +50,16 @@ struct RendezvousTransport::Slot {
 
 struct RendezvousTransport::OpRecord {
   bool begun = false;
-  OpSig sig;                 // this peer's, once begun
-  Status error;              // a disagreement this peer found
-  int first_src = -1;        // the first peer whose message arrived before the op began
+  OpSig sig;           // this peer's, once begun
+  Status error;        // a disagreement this peer found
+  int first_src = -1;  // the first peer whose message arrived before the op began
   OpSig first_remote;
   // The first one before the op began whose signature differs from first_remote's: whatever this
   // peer calls, it disagrees with one of the two (keeping only the first lost a disagreement
   // between later arrivals and this peer).
   int other_src = -1;
   OpSig other_remote;
-  TimePoint begun_at{};      // when BeginOp ran
+  TimePoint begun_at{};       // when BeginOp ran
   TimePoint first_arrival{};  // the first data or signature frame of the op from any peer
   bool arrived = false;
   std::vector<std::string> slots;  // ids of the op's posted receives and filed messages

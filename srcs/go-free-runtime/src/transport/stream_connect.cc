@@ -113,15 +113,16 @@ Status StreamTransport::ConnectAll(TimePoint since, TimePoint deadline) {
       }
       const TimePoint now = Clock::now();
       if (now >= deadline) {
-        return DeadlineExceeded("could not connect to peer " + Describe(dst) + " in time: " +
-                                last.message());
+        return DeadlineExceeded("could not connect to peer " + Describe(dst) +
+                                " in time: " + last.message());
       }
       int unreached = 0;  // dst and every later peer but this one
       for (int r = dst; r < size(); ++r) unreached += r != rank_;
       ReportWait(since, deadline, now, &next_report,
                  "peer " + Describe(dst) + " to accept a connection (" + last.message() + ")" +
-                     (unreached > 1 ? "; " + std::to_string(unreached - 1) + " later peer(s) not dialed yet"
-                                    : ""));
+                     (unreached > 1
+                          ? "; " + std::to_string(unreached - 1) + " later peer(s) not dialed yet"
+                          : ""));
       std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
       backoff_ms = std::min<int64_t>(backoff_ms * 2, 50);
     }
@@ -195,16 +196,16 @@ void SetNonBlocking(int fd, bool on) {
 
 int MillisUntil(TimePoint t, TimePoint now) {
   if (t <= now) return 0;
-  return static_cast<int>(
-      std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count() + 1);
+  return static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count() +
+                          1);
 }
 
 }  // namespace
 
 struct StreamTransport::PendingHandshake {
   // admit: AcceptHandshake::Admit, plus where to note the rank the hello claims.
-  using Admit = std::function<int(const std::string& src, const std::string& dst,
-                                  uint64_t version, int* claimed, Status* why)>;
+  using Admit = std::function<int(const std::string& src, const std::string& dst, uint64_t version,
+                                  int* claimed, Status* why)>;
   PendingHandshake(int fd, bool tcp, TimePoint deadline, const std::string& token, Admit admit)
       : fd(fd),
         tcp(tcp),
@@ -272,9 +273,8 @@ bool StreamTransport::KeepHandshake(PendingHandshake& p, bool ready, TimePoint n
   if (keep && now >= p.deadline) {
     keep = false;
     if (p.out.empty()) {  // tell it why, if its socket takes it at once
-      const std::string why = HandshakeReply(
-          Unavailable("no complete handshake within " +
-                      std::to_string(kHandshakeTime.count() / 1000) + " s"));
+      const std::string why = HandshakeReply(Unavailable(
+          "no complete handshake within " + std::to_string(kHandshakeTime.count() / 1000) + " s"));
       send(p.fd, why.data(), why.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
     }
   }
@@ -288,8 +288,8 @@ bool StreamTransport::StepHandshake(PendingHandshake& p) {
   char buf[4096];
   while (true) {
     while (p.sent < p.out.size()) {
-      ssize_t k = send(p.fd, p.out.data() + p.sent, p.out.size() - p.sent,
-                       MSG_DONTWAIT | MSG_NOSIGNAL);
+      ssize_t k =
+          send(p.fd, p.out.data() + p.sent, p.out.size() - p.sent, MSG_DONTWAIT | MSG_NOSIGNAL);
       if (k < 0 && errno == EINTR) continue;
       if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
       if (k <= 0) return false;

@@ -15,7 +15,7 @@ namespace kungfu {
 namespace {
 // The pid of the process at the other end of a Unix socket, from the kernel; -1 if none (TCP).
 int CredentialsPid(int fd) {
-  struct ucred cred {};
+  struct ucred cred{};
   socklen_t len = sizeof(cred);
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.pid <= 0) return -1;
   return cred.pid;
@@ -73,8 +73,8 @@ Status StreamTransport::AttachIncoming(int src, int fd) {
 }
 
 Status StreamTransport::SendFrame(int dst, uint8_t type, const MsgKey& key, const MsgExpect& meta,
-                            const void* payload, uint64_t payload_len, bool wait_for_stream,
-                            const OpSig& sig) {
+                                  const void* payload, uint64_t payload_len, bool wait_for_stream,
+                                  const OpSig& sig) {
   Outgoing& o = *out_[dst];
   net::Frame f{};
   f.magic = net::kMagic;
@@ -159,8 +159,8 @@ void StreamTransport::ReadFrames(int src, int fd) {
       OnBye(src);
       return;
     }
-    const bool go_on = f.type == net::kData ? ReadData(src, fd, who, f, key)
-                                            : ReadControl(src, fd, who, f, key);
+    const bool go_on =
+        f.type == net::kData ? ReadData(src, fd, who, f, key) : ReadControl(src, fd, who, f, key);
     if (!go_on) return;
   }
 }
@@ -184,8 +184,8 @@ bool StreamTransport::ReadHeader(int src, int fd, const std::string& who, net::F
   if (f->magic != net::kMagic || f->proto != net::kProto || f->version != version_ ||
       f->name_len > net::kMaxNameLen || f->payload_len > net::kMaxPayload) {
     Fail(Unavailable(who + " sent a malformed frame or one of another cluster version (" +
-                     std::to_string(f->version) + ", this session is " +
-                     std::to_string(version_) + ")"));
+                     std::to_string(f->version) + ", this session is " + std::to_string(version_) +
+                     ")"));
     return false;
   }
   key->name.resize(f->name_len);
@@ -201,8 +201,8 @@ bool StreamTransport::ReadHeader(int src, int fd, const std::string& who, net::F
 
 // A frame's payload of at most `max` bytes into *out; false (the transport failed) if it is
 // longer or the stream breaks.
-bool StreamTransport::ReadPayload(int fd, const std::string& who, const net::Frame& f,
-                                  uint64_t max, const char* what, std::string* out) {
+bool StreamTransport::ReadPayload(int fd, const std::string& who, const net::Frame& f, uint64_t max,
+                                  const char* what, std::string* out) {
   if (f.payload_len > max) {
     Fail(Unavailable(who + " sent " + what + " of " + std::to_string(f.payload_len) +
                      " bytes (at most " + std::to_string(max) + ")"));
@@ -529,12 +529,11 @@ Status StreamTransport::DialHandshake(int fd, int dst) {
   KF_RETURN_IF_ERROR(WriteBytes(fd, FrameBytes(net::kHello, version_, 0, name, mine)));  // 1
   std::string challenge;
   KF_RETURN_IF_ERROR(ReadReply(fd, deadline, who, kNonceLen + kProofLen, &challenge));  // 2
-  const std::string transcript =
-      Transcript(name, version_, mine, challenge.substr(0, kNonceLen));
+  const std::string transcript = Transcript(name, version_, mine, challenge.substr(0, kNonceLen));
   if (!ProofMatches(Proof(options_.job_token, "accept", transcript),
                     challenge.substr(kNonceLen))) {  // 3, refused: tell it why, then give up
-    WriteBytes(fd, FrameBytes(net::kAuth, version_,
-                              static_cast<uint32_t>(Code::kInvalidArgument), kWrongToken, ""));
+    WriteBytes(fd, FrameBytes(net::kAuth, version_, static_cast<uint32_t>(Code::kInvalidArgument),
+                              kWrongToken, ""));
     return InvalidArgument(who + " refused this peer: " + kWrongToken);
   }
   KF_RETURN_IF_ERROR(WriteBytes(

@@ -67,22 +67,22 @@ SubsetTransport::SubsetTransport(Transport& base, std::vector<int> members,
   }
 }
 
-int SubsetTransport::Global(int r) const {
-  return r >= 0 && r < size() ? members_[r] : -1;
-}
+int SubsetTransport::Global(int r) const { return r >= 0 && r < size() ? members_[r] : -1; }
 
 Status SubsetTransport::Send(int dst, const MsgKey& key, const MsgExpect& meta, const void* data) {
   const int g = Global(dst);
-  if (g < 0) return Internal("process set: send to rank " + std::to_string(dst) + " of " +
-                             std::to_string(size()));
+  if (g < 0)
+    return Internal("process set: send to rank " + std::to_string(dst) + " of " +
+                    std::to_string(size()));
   return base_.Send(g, key, meta, data);
 }
 
 Status SubsetTransport::Recv(int src, const MsgKey& key, const MsgExpect& expect,
                              TimePoint deadline, Buffer* out) {
   const int g = Global(src);
-  if (g < 0) return Internal("process set: receive from rank " + std::to_string(src) + " of " +
-                             std::to_string(size()));
+  if (g < 0)
+    return Internal("process set: receive from rank " + std::to_string(src) + " of " +
+                    std::to_string(size()));
   return base_.Recv(g, key, expect, deadline, out);
 }
 
