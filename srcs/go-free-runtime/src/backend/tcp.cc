@@ -64,30 +64,35 @@ Status TcpBackend::AllReduceLaidOut(const OpContext& ctx, const Layout& layout, 
   return AllReduceParts(group_, ctx, layout, dtype, op, strategy, spawn, tuning_);
 }
 
-Status TcpBackend::Reduce(const OpContext& ctx, const void* send, void* recv, size_t count,
-                          DType dtype, ReduceOp op, int root, const Strategy& strategy) {
+namespace {
+
+using AlongTree = Status (*)(const Group&, const OpContext&, const Part&, const Tree&);
+
+// A rooted operation: `along` the tree of `strategy` rooted at `root`, then the verdict.
+Status Rooted(const Group& g, const OpContext& ctx, const void* send, void* recv, size_t count,
+              DType dtype, ReduceOp op, int root, const Strategy& strategy, AlongTree along) {
   const Layout layout(send, recv, count);
   const Part p{&layout, 0, count, count, dtype, op, 0};
-  if (group_.size == 1) {
+  if (g.size == 1) {
     p.CopyThrough();
     return Status::OK();
   }
-  const Tree tree = strategy.TreeRootedAt(root, group_.size);
-  KF_RETURN_IF_ERROR(ReduceTree(group_, ctx, p, tree));
-  return Verdict(group_, ctx, tree);
+  const Tree tree = strategy.TreeRootedAt(root, g.size);
+  KF_RETURN_IF_ERROR(along(g, ctx, p, tree));
+  return Verdict(g, ctx, tree);
+}
+
+}  // namespace
+
+Status TcpBackend::Reduce(const OpContext& ctx, const void* send, void* recv, size_t count,
+                          DType dtype, ReduceOp op, int root, const Strategy& strategy) {
+  return Rooted(group_, ctx, send, recv, count, dtype, op, root, strategy, ReduceTree);
 }
 
 Status TcpBackend::Broadcast(const OpContext& ctx, const void* send, void* recv, size_t count,
                              DType dtype, int root, const Strategy& strategy) {
-  const Layout layout(send, recv, count);
-  const Part p{&layout, 0, count, count, dtype, ReduceOp::kSum, 0};
-  if (group_.size == 1) {
-    p.CopyThrough();
-    return Status::OK();
-  }
-  const Tree tree = strategy.TreeRootedAt(root, group_.size);
-  KF_RETURN_IF_ERROR(BroadcastTree(group_, ctx, p, tree));
-  return Verdict(group_, ctx, tree);
+  return Rooted(group_, ctx, send, recv, count, dtype, ReduceOp::kSum, root, strategy,
+                BroadcastTree);
 }
 
 Status TcpBackend::Gather(const OpContext& ctx, const void* send, size_t count, DType dtype,
