@@ -480,8 +480,16 @@ SCENARIO(ordering) {
   cu.StreamWaitEvent(c.stream, work->done_event(), 0);
   cu.MemcpyAsync(h_out, out.get(), count * 4, abi::cudaMemcpyDeviceToHost, c.stream);
   cu.EventRecord(finished, c.stream);
-  // The op cannot have run: its input is behind the gate.
-  CHECK_EQ(cu.EventQuery(work->done_event()), abi::cudaErrorNotReady);
+  // The op cannot run while its input is behind the gate, so its event stays not ready. (Were
+  // the op's stream not waiting for `ready`, every rank's op would run now, on zeros, and
+  // complete well within this half second.)
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+  bool ran = false;
+  while (!ran && std::chrono::steady_clock::now() < until) {
+    ran = cu.EventQuery(work->done_event()) != abi::cudaErrorNotReady;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  CHECK_MSG(!ran, "the op ran before its input was written");
   Status polled;
   CHECK(!work->Poll(&polled));
   release(gate);
