@@ -103,7 +103,11 @@ int DeviceCount() {
   return count;
 }
 
-thread_local int current_device = 0;
+// The current device of each thread (CUDA's is per thread too); 0 until set.
+int& CurrentDevice() {
+  static PerThread<int> device;
+  return device.get();
+}
 
 // A gate a test puts into a stream: the stream stops there until the test opens it.
 struct Gate {
@@ -133,13 +137,13 @@ cudaError_t cudaGetDeviceCount(int* count) {
 
 cudaError_t cudaGetDevice(int* device) {
   if (device == nullptr) return cudaErrorInvalidValue;
-  *device = kfdouble::current_device;
+  *device = kfdouble::CurrentDevice();
   return cudaSuccess;
 }
 
 cudaError_t cudaSetDevice(int device) {
   if (device < 0 || device >= kfdouble::DeviceCount()) return cudaErrorInvalidDevice;
-  kfdouble::current_device = device;
+  kfdouble::CurrentDevice() = device;
   return cudaSuccess;
 }
 

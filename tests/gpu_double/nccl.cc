@@ -28,14 +28,17 @@ struct GroupState {
   int depth = 0;
   std::vector<Pending> ops;
 };
-thread_local GroupState group;
+GroupState& Group() {
+  static PerThread<GroupState> group;
+  return group.get();
+}
 
 ncclResult_t CheckComm(ncclComm_t comm) { return comm == nullptr ? ncclInvalidArgument : ncclSuccess; }
 
 // Issues `op` now, or keeps it for ncclGroupEnd inside a group.
 ncclResult_t Submit(ncclComm_t comm, cudaStream_t stream, Op op) {
-  if (group.depth > 0) {
-    group.ops.push_back(Pending{comm->comm, stream, std::move(op)});
+  if (Group().depth > 0) {
+    Group().ops.push_back(Pending{comm->comm, stream, std::move(op)});
     return ncclSuccess;
   }
   return comm->comm->Issue(std::move(op), stream);
@@ -75,8 +78,8 @@ ncclResult_t PointToPoint(bool is_send, void* buf, size_t count, int dtype, int 
 // Issues what a group gathered: the sends and receives of each (communicator, stream) as one
 // op at the place of the first of them, collectives in order.
 ncclResult_t FlushGroup() {
-  std::vector<Pending> ops = std::move(group.ops);
-  group.ops.clear();
+  std::vector<Pending> ops = std::move(Group().ops);
+  Group().ops.clear();
   std::vector<Pending> merged;
   for (Pending& p : ops) {
     Pending* into = nullptr;
@@ -210,13 +213,13 @@ ncclResult_t ncclRecv(void* recv, size_t count, ncclDataType_t dtype, int peer, 
 }
 
 ncclResult_t ncclGroupStart() {
-  ++kfdouble::group.depth;
+  ++kfdouble::Group().depth;
   return ncclSuccess;
 }
 
 ncclResult_t ncclGroupEnd() {
-  if (kfdouble::group.depth == 0) return ncclInvalidUsage;
-  if (--kfdouble::group.depth > 0) return ncclSuccess;
+  if (kfdouble::Group().depth == 0) return ncclInvalidUsage;
+  if (--kfdouble::Group().depth > 0) return ncclSuccess;
   return kfdouble::FlushGroup();
 }
 

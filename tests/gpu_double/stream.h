@@ -17,6 +17,8 @@
 // ends the process with a message instead, so a broken test fails where it broke.
 #pragma once
 
+#include <pthread.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -79,6 +81,27 @@ class Stream {
   uint64_t done_ = 0;                        // guarded by mu_
   bool stopping_ = false;                    // guarded by mu_
   std::thread worker_;                       // last: starts after the members above exist
+};
+
+// Per-thread state, kept with pthread keys rather than C++ thread_local: this library is
+// dlopen'ed, and LeakSanitizer (GCC 12, glibc 2.36) crashes at exit scanning the dynamic TLS
+// blocks that thread_local in a dlopen'ed library makes. Objects are never freed before their
+// thread ends; the keys live as long as the process.
+template <typename T>
+class PerThread {
+ public:
+  PerThread() { pthread_key_create(&key_, [](void* p) { delete static_cast<T*>(p); }); }
+  T& get() {
+    void* p = pthread_getspecific(key_);
+    if (p == nullptr) {
+      p = new T();
+      pthread_setspecific(key_, p);
+    }
+    return *static_cast<T*>(p);
+  }
+
+ private:
+  pthread_key_t key_;
 };
 
 // The stream a handle names (the null handle: the process-wide default stream).
