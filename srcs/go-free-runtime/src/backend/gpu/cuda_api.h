@@ -103,12 +103,12 @@ constexpr unsigned int cudaHostAllocDefault = 0x00;
 
 // NCCL's entry points, each resolved by dlsym under the name in its comment.
 struct NcclApi {
-  ncclResult_t (*GetVersion)(int* version);                // ncclGetVersion
-  ncclResult_t (*GetUniqueId)(ncclUniqueId* id);           // ncclGetUniqueId
+  ncclResult_t (*GetVersion)(int* version);       // ncclGetVersion
+  ncclResult_t (*GetUniqueId)(ncclUniqueId* id);  // ncclGetUniqueId
   ncclResult_t (*CommInitRank)(ncclComm_t* comm, int nranks, ncclUniqueId id,
-                               int rank);                  // ncclCommInitRank
-  ncclResult_t (*CommDestroy)(ncclComm_t comm);            // ncclCommDestroy
-  ncclResult_t (*CommAbort)(ncclComm_t comm);              // ncclCommAbort
+                               int rank);        // ncclCommInitRank
+  ncclResult_t (*CommDestroy)(ncclComm_t comm);  // ncclCommDestroy
+  ncclResult_t (*CommAbort)(ncclComm_t comm);    // ncclCommAbort
   ncclResult_t (*CommGetAsyncError)(ncclComm_t comm,
                                     ncclResult_t* error);  // ncclCommGetAsyncError
   const char* (*GetErrorString)(ncclResult_t result);      // ncclGetErrorString
@@ -120,45 +120,45 @@ struct NcclApi {
   ncclResult_t (*Reduce)(const void* send, void* recv, size_t count, ncclDataType_t dtype,
                          ncclRedOp_t op, int root, ncclComm_t comm,
                          cudaStream_t stream);  // ncclReduce
-  ncclResult_t (*AllGather)(const void* send, void* recv, size_t send_count,
-                            ncclDataType_t dtype, ncclComm_t comm,
+  ncclResult_t (*AllGather)(const void* send, void* recv, size_t send_count, ncclDataType_t dtype,
+                            ncclComm_t comm,
                             cudaStream_t stream);  // ncclAllGather
   ncclResult_t (*ReduceScatter)(const void* send, void* recv, size_t recv_count,
                                 ncclDataType_t dtype, ncclRedOp_t op, ncclComm_t comm,
                                 cudaStream_t stream);  // ncclReduceScatter
   ncclResult_t (*Send)(const void* send, size_t count, ncclDataType_t dtype, int peer,
                        ncclComm_t comm, cudaStream_t stream);  // ncclSend
-  ncclResult_t (*Recv)(void* recv, size_t count, ncclDataType_t dtype, int peer,
-                       ncclComm_t comm, cudaStream_t stream);  // ncclRecv
-  ncclResult_t (*GroupStart)();                                // ncclGroupStart
-  ncclResult_t (*GroupEnd)();                                  // ncclGroupEnd
+  ncclResult_t (*Recv)(void* recv, size_t count, ncclDataType_t dtype, int peer, ncclComm_t comm,
+                       cudaStream_t stream);  // ncclRecv
+  ncclResult_t (*GroupStart)();               // ncclGroupStart
+  ncclResult_t (*GroupEnd)();                 // ncclGroupEnd
 };
 
 // The CUDA runtime's entry points, each resolved by dlsym under the name in its comment.
 struct CudartApi {
-  cudaError_t (*RuntimeGetVersion)(int* version);                // cudaRuntimeGetVersion
-  cudaError_t (*GetDeviceCount)(int* count);                     // cudaGetDeviceCount
-  cudaError_t (*GetDevice)(int* device);                         // cudaGetDevice
-  cudaError_t (*SetDevice)(int device);                          // cudaSetDevice
+  cudaError_t (*RuntimeGetVersion)(int* version);  // cudaRuntimeGetVersion
+  cudaError_t (*GetDeviceCount)(int* count);       // cudaGetDeviceCount
+  cudaError_t (*GetDevice)(int* device);           // cudaGetDevice
+  cudaError_t (*SetDevice)(int device);            // cudaSetDevice
   cudaError_t (*StreamCreateWithFlags)(cudaStream_t* stream,
-                                       unsigned int flags);      // cudaStreamCreateWithFlags
-  cudaError_t (*StreamDestroy)(cudaStream_t stream);             // cudaStreamDestroy
-  cudaError_t (*StreamSynchronize)(cudaStream_t stream);         // cudaStreamSynchronize
+                                       unsigned int flags);  // cudaStreamCreateWithFlags
+  cudaError_t (*StreamDestroy)(cudaStream_t stream);         // cudaStreamDestroy
+  cudaError_t (*StreamSynchronize)(cudaStream_t stream);     // cudaStreamSynchronize
   cudaError_t (*StreamWaitEvent)(cudaStream_t stream, cudaEvent_t event,
-                                 unsigned int flags);            // cudaStreamWaitEvent
+                                 unsigned int flags);  // cudaStreamWaitEvent
   cudaError_t (*EventCreateWithFlags)(cudaEvent_t* event,
-                                      unsigned int flags);       // cudaEventCreateWithFlags
+                                      unsigned int flags);             // cudaEventCreateWithFlags
   cudaError_t (*EventRecord)(cudaEvent_t event, cudaStream_t stream);  // cudaEventRecord
-  cudaError_t (*EventQuery)(cudaEvent_t event);                  // cudaEventQuery
-  cudaError_t (*EventSynchronize)(cudaEvent_t event);            // cudaEventSynchronize
-  cudaError_t (*EventDestroy)(cudaEvent_t event);                // cudaEventDestroy
-  cudaError_t (*Malloc)(void** ptr, size_t bytes);               // cudaMalloc
-  cudaError_t (*Free)(void* ptr);                                // cudaFree
+  cudaError_t (*EventQuery)(cudaEvent_t event);                        // cudaEventQuery
+  cudaError_t (*EventSynchronize)(cudaEvent_t event);                  // cudaEventSynchronize
+  cudaError_t (*EventDestroy)(cudaEvent_t event);                      // cudaEventDestroy
+  cudaError_t (*Malloc)(void** ptr, size_t bytes);                     // cudaMalloc
+  cudaError_t (*Free)(void* ptr);                                      // cudaFree
   cudaError_t (*HostAlloc)(void** ptr, size_t bytes, unsigned int flags);  // cudaHostAlloc
-  cudaError_t (*FreeHost)(void* ptr);                            // cudaFreeHost
+  cudaError_t (*FreeHost)(void* ptr);                                      // cudaFreeHost
   cudaError_t (*MemcpyAsync)(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
-                             cudaStream_t stream);               // cudaMemcpyAsync
-  const char* (*GetErrorString)(cudaError_t error);              // cudaGetErrorString
+                             cudaStream_t stream);   // cudaMemcpyAsync
+  const char* (*GetErrorString)(cudaError_t error);  // cudaGetErrorString
 };
 
 }  // namespace cuda_abi

@@ -11,8 +11,8 @@ namespace kungfu {
 
 using cuda_abi::cudaError_t;
 using cuda_abi::cudaEvent_t;
-using cuda_abi::cudaStream_t;
 using cuda_abi::CudartApi;
+using cuda_abi::cudaStream_t;
 using cuda_abi::ncclComm_t;
 using cuda_abi::ncclDataType_t;
 using cuda_abi::ncclRedOp_t;
@@ -75,8 +75,8 @@ Status CudaError(const GpuLibraries& libs, const char* call, cudaError_t e) {
 // An NCCL error as kungfu's Status: invalid arguments and usage (ranks that disagree on an op)
 // are InvalidArgument; everything else means a peer or the device is gone: Unavailable.
 Status NcclError(const GpuLibraries& libs, const std::string& what, ncclResult_t r) {
-  std::string message = what + ": NCCL error " + std::to_string(r) + " (" +
-                        libs.nccl.GetErrorString(r) + ")";
+  std::string message =
+      what + ": NCCL error " + std::to_string(r) + " (" + libs.nccl.GetErrorString(r) + ")";
   if (r == cuda_abi::ncclInvalidUsage) {
     return InvalidArgument(message + "; the ranks may disagree on the operation");
   }
@@ -131,7 +131,8 @@ Status NcclReduceTypeOf(DType dtype, const GpuLibraries& libs, ncclDataType_t* o
       }
       *out = cuda_abi::ncclBfloat16;
       return Status::OK();
-    case DType::kInt16: case DType::kUInt16: break;
+    case DType::kInt16:
+    case DType::kUInt16: break;
   }
   return InvalidArgument(std::string("NCCL cannot reduce dtype ") + DTypeName(dtype));
 }
@@ -234,21 +235,22 @@ Status GpuComm::NewUniqueId(const GpuLibraries& libs, std::string* id) {
   return Status::OK();
 }
 
-Status GpuComm::Create(const GpuLibraries& libs, const std::string& unique_id, int rank,
-                       int size, int device, std::unique_ptr<GpuComm>* out) {
+Status GpuComm::Create(const GpuLibraries& libs, const std::string& unique_id, int rank, int size,
+                       int device, std::unique_ptr<GpuComm>* out) {
   if (unique_id.size() != cuda_abi::kNcclUniqueIdBytes) {
-    return InvalidArgument("an NCCL unique id has " +
-                           std::to_string(cuda_abi::kNcclUniqueIdBytes) + " bytes, not " +
-                           std::to_string(unique_id.size()));
+    return InvalidArgument("an NCCL unique id has " + std::to_string(cuda_abi::kNcclUniqueIdBytes) +
+                           " bytes, not " + std::to_string(unique_id.size()));
   }
   if (size < 1 || rank < 0 || rank >= size) {
     return InvalidArgument("rank " + std::to_string(rank) + " of " + std::to_string(size));
   }
   int count = 0;
   const cudaError_t ce = libs.cudart.GetDeviceCount(&count);
-  if (ce != cuda_abi::cudaSuccess) return Unavailable(CudaError(libs, "cudaGetDeviceCount", ce).message());
+  if (ce != cuda_abi::cudaSuccess)
+    return Unavailable(CudaError(libs, "cudaGetDeviceCount", ce).message());
   if (device < 0 || device >= count) {
-    return InvalidArgument("CUDA device " + std::to_string(device) + " of " + std::to_string(count));
+    return InvalidArgument("CUDA device " + std::to_string(device) + " of " +
+                           std::to_string(count));
   }
   auto st = std::make_shared<GpuCommState>(libs, rank, size, device);
   DeviceGuard guard(libs.cudart, device);
@@ -262,7 +264,8 @@ Status GpuComm::Create(const GpuLibraries& libs, const std::string& unique_id, i
     st->comm = nullptr;
     return NcclError(libs, "ncclCommInitRank", r);
   }
-  const cudaError_t se = libs.cudart.StreamCreateWithFlags(&st->stream, cuda_abi::cudaStreamNonBlocking);
+  const cudaError_t se =
+      libs.cudart.StreamCreateWithFlags(&st->stream, cuda_abi::cudaStreamNonBlocking);
   if (se != cuda_abi::cudaSuccess) {
     libs.nccl.CommDestroy(st->comm);
     st->comm = nullptr;
@@ -379,9 +382,12 @@ Status GpuComm::AllReduce(const void* send, void* recv, size_t count, DType dtyp
   ncclRedOp_t redop;
   KF_RETURN_IF_ERROR(ReduceArgs(dtype, op, options.mean, &type, &redop).WithContext("allreduce"));
   const auto& nccl = state_->libs.nccl;
-  return Enqueue("allreduce", options, [&](ncclComm_t c, cudaStream_t s) {
-    return nccl.AllReduce(send, recv, count, type, redop, c, s);
-  }, work);
+  return Enqueue(
+      "allreduce", options,
+      [&](ncclComm_t c, cudaStream_t s) {
+        return nccl.AllReduce(send, recv, count, type, redop, c, s);
+      },
+      work);
 }
 
 Status GpuComm::Broadcast(const void* send, void* recv, size_t count, DType dtype, int root,
@@ -394,9 +400,10 @@ Status GpuComm::Broadcast(const void* send, void* recv, size_t count, DType dtyp
   size_t n;
   KF_RETURN_IF_ERROR(MoveTypeOf(dtype, state_->libs, count, 1, &type, &n).WithContext("broadcast"));
   const auto& nccl = state_->libs.nccl;
-  return Enqueue("broadcast", options, [&](ncclComm_t c, cudaStream_t s) {
-    return nccl.Broadcast(send, recv, n, type, root, c, s);
-  }, work);
+  return Enqueue(
+      "broadcast", options,
+      [&](ncclComm_t c, cudaStream_t s) { return nccl.Broadcast(send, recv, n, type, root, c, s); },
+      work);
 }
 
 Status GpuComm::AllGather(const void* send, void* recv, size_t send_count, DType dtype,
@@ -406,9 +413,10 @@ Status GpuComm::AllGather(const void* send, void* recv, size_t send_count, DType
   KF_RETURN_IF_ERROR(
       MoveTypeOf(dtype, state_->libs, send_count, size(), &type, &n).WithContext("allgather"));
   const auto& nccl = state_->libs.nccl;
-  return Enqueue("allgather", options, [&](ncclComm_t c, cudaStream_t s) {
-    return nccl.AllGather(send, recv, n, type, c, s);
-  }, work);
+  return Enqueue(
+      "allgather", options,
+      [&](ncclComm_t c, cudaStream_t s) { return nccl.AllGather(send, recv, n, type, c, s); },
+      work);
 }
 
 Status GpuComm::ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype,
@@ -420,31 +428,38 @@ Status GpuComm::ReduceScatter(const void* send, void* recv, size_t recv_count, D
       ReduceArgs(dtype, op, options.mean, &type, &redop).WithContext("reducescatter"));
   KF_RETURN_IF_ERROR(CheckCount(dtype, recv_count, size()).WithContext("reducescatter"));
   const auto& nccl = state_->libs.nccl;
-  return Enqueue("reducescatter", options, [&](ncclComm_t c, cudaStream_t s) {
-    return nccl.ReduceScatter(send, recv, recv_count, type, redop, c, s);
-  }, work);
+  return Enqueue(
+      "reducescatter", options,
+      [&](ncclComm_t c, cudaStream_t s) {
+        return nccl.ReduceScatter(send, recv, recv_count, type, redop, c, s);
+      },
+      work);
 }
 
 Status GpuComm::AllToAll(const void* send, void* recv, size_t count, DType dtype,
                          const GpuOpOptions& options, std::unique_ptr<GpuWork>* work) {
   ncclDataType_t type;
   size_t n;
-  KF_RETURN_IF_ERROR(MoveTypeOf(dtype, state_->libs, count, size(), &type, &n).WithContext("alltoall"));
+  KF_RETURN_IF_ERROR(
+      MoveTypeOf(dtype, state_->libs, count, size(), &type, &n).WithContext("alltoall"));
   const size_t block = count * DTypeSize(dtype);
   const auto& nccl = state_->libs.nccl;
   const int peers = size();
-  return Enqueue("alltoall", options, [&](ncclComm_t c, cudaStream_t s) {
-    ncclResult_t r = nccl.GroupStart();
-    if (r != cuda_abi::ncclSuccess) return r;
-    for (int p = 0; p < peers && r == cuda_abi::ncclSuccess; ++p) {
-      r = nccl.Send(static_cast<const char*>(send) + p * block, n, type, p, c, s);
-      if (r == cuda_abi::ncclSuccess) {
-        r = nccl.Recv(static_cast<char*>(recv) + p * block, n, type, p, c, s);
-      }
-    }
-    const ncclResult_t end = nccl.GroupEnd();  // always: the group must be closed
-    return r != cuda_abi::ncclSuccess ? r : end;
-  }, work);
+  return Enqueue(
+      "alltoall", options,
+      [&](ncclComm_t c, cudaStream_t s) {
+        ncclResult_t r = nccl.GroupStart();
+        if (r != cuda_abi::ncclSuccess) return r;
+        for (int p = 0; p < peers && r == cuda_abi::ncclSuccess; ++p) {
+          r = nccl.Send(static_cast<const char*>(send) + p * block, n, type, p, c, s);
+          if (r == cuda_abi::ncclSuccess) {
+            r = nccl.Recv(static_cast<char*>(recv) + p * block, n, type, p, c, s);
+          }
+        }
+        const ncclResult_t end = nccl.GroupEnd();  // always: the group must be closed
+        return r != cuda_abi::ncclSuccess ? r : end;
+      },
+      work);
 }
 
 }  // namespace kungfu

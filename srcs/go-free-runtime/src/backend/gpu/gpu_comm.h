@@ -100,8 +100,8 @@ class GpuComm {
   // Joins the communicator `unique_id` as `rank` of `size` on CUDA device `device`, and creates
   // its stream there. Blocks until every rank has joined (NCCL's rendezvous). The caller's
   // current device is left as it was.
-  static Status Create(const GpuLibraries& libs, const std::string& unique_id, int rank,
-                       int size, int device, std::unique_ptr<GpuComm>* out);
+  static Status Create(const GpuLibraries& libs, const std::string& unique_id, int rank, int size,
+                       int device, std::unique_ptr<GpuComm>* out);
   ~GpuComm();
   GpuComm(const GpuComm&) = delete;
   GpuComm& operator=(const GpuComm&) = delete;

@@ -148,8 +148,8 @@ Status OpenGpuLibraries(const GpuLibraryCandidates& candidates,
   int code = 0;
   cuda_abi::ncclResult_t r = libs->nccl.GetVersion(&code);
   if (r != cuda_abi::ncclSuccess) {
-    return Internal("ncclGetVersion of " + libs->nccl_path + " failed: " +
-                    libs->nccl.GetErrorString(r));
+    return Internal("ncclGetVersion of " + libs->nccl_path +
+                    " failed: " + libs->nccl.GetErrorString(r));
   }
   libs->nccl_version_code = code;
   libs->nccl_version = NcclVersionString(code);

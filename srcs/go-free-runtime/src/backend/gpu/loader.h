@@ -34,8 +34,8 @@ struct GpuLibraryCandidates {
 struct GpuLibraries {
   cuda_abi::NcclApi nccl;
   cuda_abi::CudartApi cudart;
-  std::string nccl_path;    // where NCCL was found: the file dlopen opened
-  std::string cudart_path;  // where the CUDA runtime was found
+  std::string nccl_path;      // where NCCL was found: the file dlopen opened
+  std::string cudart_path;    // where the CUDA runtime was found
   int nccl_version_code = 0;  // as ncclGetVersion reports it, e.g. 22105
   std::string nccl_version;   // "2.21.5"
   int cudart_version = 0;     // as cudaRuntimeGetVersion reports it, e.g. 12040
@@ -51,8 +51,7 @@ std::string NcclVersionString(int code);
 
 // Opens the libraries afresh from `candidates`, without touching the process-wide copy. NotFound
 // when no candidate of either library is usable, naming each candidate tried and why.
-Status OpenGpuLibraries(const GpuLibraryCandidates& candidates,
-                        std::unique_ptr<GpuLibraries>* out);
+Status OpenGpuLibraries(const GpuLibraryCandidates& candidates, std::unique_ptr<GpuLibraries>* out);
 
 // The process-wide copy: the first call that succeeds loads the libraries and keeps them; every
 // later call returns the same object, whatever its candidates (one process can use one NCCL).
