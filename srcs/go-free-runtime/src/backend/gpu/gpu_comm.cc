@@ -246,9 +246,12 @@ Status GpuComm::Create(const GpuLibraries& libs, const std::string& unique_id, i
   }
   int count = 0;
   const cudaError_t ce = libs.cudart.GetDeviceCount(&count);
-  if (ce != cuda_abi::cudaSuccess) return Unavailable(CudaError(libs, "cudaGetDeviceCount", ce).message());
+  if (ce != cuda_abi::cudaSuccess) {
+    return Unavailable(CudaError(libs, "cudaGetDeviceCount", ce).message());
+  }
   if (device < 0 || device >= count) {
-    return InvalidArgument("CUDA device " + std::to_string(device) + " of " + std::to_string(count));
+    return InvalidArgument("CUDA device " + std::to_string(device) + " of " +
+                           std::to_string(count));
   }
   auto st = std::make_shared<GpuCommState>(libs, rank, size, device);
   DeviceGuard guard(libs.cudart, device);
@@ -262,7 +265,8 @@ Status GpuComm::Create(const GpuLibraries& libs, const std::string& unique_id, i
     st->comm = nullptr;
     return NcclError(libs, "ncclCommInitRank", r);
   }
-  const cudaError_t se = libs.cudart.StreamCreateWithFlags(&st->stream, cuda_abi::cudaStreamNonBlocking);
+  const cudaError_t se =
+      libs.cudart.StreamCreateWithFlags(&st->stream, cuda_abi::cudaStreamNonBlocking);
   if (se != cuda_abi::cudaSuccess) {
     libs.nccl.CommDestroy(st->comm);
     st->comm = nullptr;
@@ -429,7 +433,8 @@ Status GpuComm::AllToAll(const void* send, void* recv, size_t count, DType dtype
                          const GpuOpOptions& options, std::unique_ptr<GpuWork>* work) {
   ncclDataType_t type;
   size_t n;
-  KF_RETURN_IF_ERROR(MoveTypeOf(dtype, state_->libs, count, size(), &type, &n).WithContext("alltoall"));
+  KF_RETURN_IF_ERROR(
+      MoveTypeOf(dtype, state_->libs, count, size(), &type, &n).WithContext("alltoall"));
   const size_t block = count * DTypeSize(dtype);
   const auto& nccl = state_->libs.nccl;
   const int peers = size();
