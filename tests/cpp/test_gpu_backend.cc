@@ -51,12 +51,8 @@ const GpuLibraries& Libs() {
 }
 
 std::string ToHex(const std::string& bytes) {
-  static const char kDigits[] = "0123456789abcdef";
   std::string out;
-  for (unsigned char c : bytes) {
-    out += kDigits[c >> 4];
-    out += kDigits[c & 15];
-  }
+  for (unsigned char c : bytes) out += {"0123456789abcdef"[c >> 4], "0123456789abcdef"[c & 15]};
   return out;
 }
 
@@ -512,10 +508,8 @@ SCENARIO(ordering) {
   for (size_t i = 0; i < count; ++i) got[i] = static_cast<float*>(h_out)[i];
   SameValues(got, want, "allreduce between the caller's events, np " + std::to_string(a.size));
   CHECK_OK(work->Wait(kOpTimeoutMs));
-  cu.EventDestroy(ready);
-  cu.EventDestroy(finished);
-  cu.FreeHost(h_in);
-  cu.FreeHost(h_out);
+  for (abi::cudaEvent_t e : {ready, finished}) cu.EventDestroy(e);
+  for (void* h : {h_in, h_out}) cu.FreeHost(h);
 }
 
 TEST(GpuStreamOrderingThroughEvents) {
@@ -672,6 +666,19 @@ SCENARIO(mismatch) {
 }
 
 TEST(GpuMismatchedCollectivesAreReported) { RunRanks("mismatch", 2, {}, 2); }
+
+// A communicator of two that only one rank joins: the rendezvous ends at the double's deadline.
+SCENARIO(alone) {
+  std::unique_ptr<GpuComm> comm;
+  const Status s = GpuComm::Create(Libs(), FromHex(a.ids[0]), 0, 2, 0, &comm);
+  CHECK_CODE(s, Code::kUnavailable);
+  CHECK_CONTAINS(s.message(), "ncclCommInitRank");
+  CHECK(comm == nullptr);
+}
+
+TEST(GpuRendezvousWithoutPeersEnds) {
+  RunRanks("alone", 1, {"KUNGFU_GPU_DOUBLE_INIT_TIMEOUT_MS=300"});
+}
 
 }  // namespace
 
