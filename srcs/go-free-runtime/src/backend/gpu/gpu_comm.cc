@@ -200,7 +200,9 @@ bool GpuWork::Poll(Status* status) {
 
 Status GpuWork::Wait(int64_t timeout_ms) {
   GpuCommState& st = *state_;
-  const auto deadline = Clock::now() + std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0));
+  // Clamped to [0, about 30 years], so that the deadline's arithmetic cannot overflow.
+  const int64_t bounded_ms = std::min<int64_t>(std::max<int64_t>(timeout_ms, 0), int64_t{1} << 40);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(bounded_ms);
   // Polls back off from 20 us to 2 ms: short ops answer fast, long ones cost little.
   auto interval = std::chrono::microseconds(20);
   std::unique_lock<std::mutex> lk(st.mu);
