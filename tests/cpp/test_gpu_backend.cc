@@ -51,12 +51,8 @@ const GpuLibraries& Libs() {
 }
 
 std::string ToHex(const std::string& bytes) {
-  static const char kDigits[] = "0123456789abcdef";
   std::string out;
-  for (unsigned char c : bytes) {
-    out += kDigits[c >> 4];
-    out += kDigits[c & 15];
-  }
+  for (unsigned char c : bytes) out += {"0123456789abcdef"[c >> 4], "0123456789abcdef"[c & 15]};
   return out;
 }
 
@@ -103,7 +99,9 @@ void RunRanks(const std::string& scenario, int size, const std::vector<std::stri
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string var(*e);
     bool overridden = false;
-    for (const std::string& x : env) overridden |= var.substr(0, var.find('=')) == x.substr(0, x.find('='));
+    for (const std::string& x : env) {
+      overridden |= var.substr(0, var.find('=')) == x.substr(0, x.find('='));
+    }
     if (!overridden) envs.push_back(var);
   }
   std::vector<char*> envp;
@@ -118,7 +116,9 @@ void RunRanks(const std::string& scenario, int size, const std::vector<std::stri
     for (std::string& s : args) argv.push_back(&s[0]);
     argv.push_back(nullptr);
     pid_t pid;
-    if (!CHECK_EQ(posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data()), 0)) break;
+    const int rc =
+        posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data());
+    if (!CHECK_EQ(rc, 0)) break;
     pids.push_back(pid);
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(50);
@@ -154,7 +154,9 @@ void RunRanks(const std::string& scenario, int size, const std::vector<std::stri
 // A cudaMalloc'd buffer; data moves through cudaMemcpyAsync on the test's stream.
 class DevBuf {
  public:
-  explicit DevBuf(size_t bytes) : bytes_(bytes) { Libs().cudart.Malloc(&p_, std::max<size_t>(bytes, 1)); }
+  explicit DevBuf(size_t bytes) : bytes_(bytes) {
+    Libs().cudart.Malloc(&p_, std::max<size_t>(bytes, 1));
+  }
   ~DevBuf() { Libs().cudart.Free(p_); }
   void* get() const { return p_; }
   size_t bytes() const { return bytes_; }
@@ -165,10 +167,14 @@ class DevBuf {
 };
 
 void EncodeAt(DType dt, double v, unsigned char* p) {
-  if (dt == DType::kFloat32) { const float f = static_cast<float>(v); std::memcpy(p, &f, 4); }
-  if (dt == DType::kInt64) { const int64_t x = std::llround(v); std::memcpy(p, &x, 8); }
-  if (dt == DType::kFloat16) { const uint16_t h = kungfu::FloatToHalf(static_cast<float>(v)); std::memcpy(p, &h, 2); }
-  if (dt == DType::kInt16) { const int16_t x = static_cast<int16_t>(std::lround(v)); std::memcpy(p, &x, 2); }
+  const float f = static_cast<float>(v);
+  const int64_t x = std::llround(v);
+  const uint16_t h = kungfu::FloatToHalf(f);
+  const int16_t s = static_cast<int16_t>(x);
+  if (dt == DType::kFloat32) std::memcpy(p, &f, 4);
+  if (dt == DType::kInt64) std::memcpy(p, &x, 8);
+  if (dt == DType::kFloat16) std::memcpy(p, &h, 2);
+  if (dt == DType::kInt16) std::memcpy(p, &s, 2);
 }
 
 double DecodeAt(DType dt, const unsigned char* p) {
@@ -202,12 +208,13 @@ std::vector<double> Download(abi::cudaStream_t s, DType dt, const DevBuf& buf, s
 }
 
 // Checks got == want element by element, reporting the first difference.
-bool SameValues(const std::vector<double>& got, const std::vector<double>& want, const std::string& what) {
+bool SameValues(const std::vector<double>& got, const std::vector<double>& want,
+                const std::string& what) {
   if (!CHECK_MSG(got.size() == want.size(), what + ": sizes differ")) return false;
   for (size_t i = 0; i < got.size(); ++i) {
     if (got[i] != want[i]) {
-      return CHECK_MSG(false, what + ": element " + std::to_string(i) + " is " + std::to_string(got[i]) +
-                                  ", want " + std::to_string(want[i]));
+      return CHECK_MSG(false, what + ": element " + std::to_string(i) + " is " +
+                                  std::to_string(got[i]) + ", want " + std::to_string(want[i]));
     }
   }
   return true;
@@ -266,7 +273,8 @@ void CheckAllReduces(const ChildArgs& a, Child& c, DType dt, size_t count) {
                          Red{ReduceOp::kSum, true, "avg"}}) {
     // prod: factors in {-2,-1,1,2}; avg: rank r has Val(0, i) + n*r, so the sum divides by n.
     auto input = [&](int r, size_t i) {
-      if (red.op == ReduceOp::kProd) return std::vector<double>{-2, -1, 1, 2}[static_cast<size_t>(Val(r, i, 1) + 8) % 4];
+      static const double kFactors[] = {-2, -1, 1, 2};
+      if (red.op == ReduceOp::kProd) return kFactors[static_cast<size_t>(Val(r, i, 1) + 8) % 4];
       return red.mean ? Val(0, i, 2) + n * r : Val(r, i, 2);
     };
     std::vector<double> in(count), want(count);
@@ -385,7 +393,8 @@ TEST(LoaderFindsTheDoubleAndItsVersion) {
 
 TEST(LoaderSaysWhyEachCandidateWasRefused) {
   std::unique_ptr<GpuLibraries> libs;
-  Status s = kungfu::OpenGpuLibraries({{"/nonexistent/libnccl.so.2", "libm.so.6"}, {kDouble}}, &libs);
+  Status s =
+      kungfu::OpenGpuLibraries({{"/nonexistent/libnccl.so.2", "libm.so.6"}, {kDouble}}, &libs);
   CHECK_CODE(s, Code::kNotFound);
   CHECK_CONTAINS(s.message(), "NCCL not found");
   CHECK_CONTAINS(s.message(), "/nonexistent/libnccl.so.2: ");
@@ -476,7 +485,8 @@ SCENARIO(ordering) {
   GpuOpOptions o;
   o.ready = ready;
   std::unique_ptr<GpuWork> work;
-  REQUIRE_OK(c.comm->AllReduce(in.get(), out.get(), count, DType::kFloat32, ReduceOp::kSum, o, &work));
+  REQUIRE_OK(
+      c.comm->AllReduce(in.get(), out.get(), count, DType::kFloat32, ReduceOp::kSum, o, &work));
   cu.StreamWaitEvent(c.stream, work->done_event(), 0);
   cu.MemcpyAsync(h_out, out.get(), count * 4, abi::cudaMemcpyDeviceToHost, c.stream);
   cu.EventRecord(finished, c.stream);
@@ -496,12 +506,10 @@ SCENARIO(ordering) {
   CHECK_EQ(cu.EventSynchronize(finished), abi::cudaSuccess);
   std::vector<double> got(count);
   for (size_t i = 0; i < count; ++i) got[i] = static_cast<float*>(h_out)[i];
-  SameValues(got, want, "allreduce between the caller's stream events, np " + std::to_string(a.size));
+  SameValues(got, want, "allreduce between the caller's events, np " + std::to_string(a.size));
   CHECK_OK(work->Wait(kOpTimeoutMs));
-  cu.EventDestroy(ready);
-  cu.EventDestroy(finished);
-  cu.FreeHost(h_in);
-  cu.FreeHost(h_out);
+  for (abi::cudaEvent_t e : {ready, finished}) cu.EventDestroy(e);
+  for (void* h : {h_in, h_out}) cu.FreeHost(h);
 }
 
 TEST(GpuStreamOrderingThroughEvents) {
@@ -514,14 +522,16 @@ TEST(GpuStreamOrderingThroughEvents) {
 // One allreduce of 100 float32 on every rank; its work.
 std::unique_ptr<GpuWork> SmallAllReduce(Child& c, DevBuf& buf) {
   std::unique_ptr<GpuWork> work;
-  CHECK_OK(c.comm->AllReduce(buf.get(), buf.get(), 100, DType::kFloat32, ReduceOp::kSum, {}, &work));
+  CHECK_OK(
+      c.comm->AllReduce(buf.get(), buf.get(), 100, DType::kFloat32, ReduceOp::kSum, {}, &work));
   return work;
 }
 
 // After a failure every later op fails at once with Unavailable, naming itself.
 void CheckLaterOpsFail(Child& c, DevBuf& buf, const std::string& name) {
   std::unique_ptr<GpuWork> work;
-  const Status s = c.comm->AllReduce(buf.get(), buf.get(), 100, DType::kFloat32, ReduceOp::kSum, {}, &work);
+  const Status s =
+      c.comm->AllReduce(buf.get(), buf.get(), 100, DType::kFloat32, ReduceOp::kSum, {}, &work);
   CHECK_CODE(s, Code::kUnavailable);
   CHECK_CONTAINS(s.message(), name);
   CHECK(work == nullptr);
@@ -603,7 +613,8 @@ SCENARIO(abort_from_thread) {
 }
 
 TEST(GpuAbortFromAnotherThreadEndsTheWait) {
-  RunRanks("abort_from_thread", 2, {"KUNGFU_GPU_DOUBLE_STALL_RANK=1", "KUNGFU_GPU_DOUBLE_AFTER_OPS=0"});
+  RunRanks("abort_from_thread", 2,
+           {"KUNGFU_GPU_DOUBLE_STALL_RANK=1", "KUNGFU_GPU_DOUBLE_AFTER_OPS=0"});
 }
 
 // Rank 2's second op fails on the device; it and its peers report an async error naming the op.
@@ -648,12 +659,26 @@ SCENARIO(mismatch) {
   if (a.rank == 0) {
     REQUIRE_OK(c.comm->Broadcast(buf.get(), buf.get(), 100, DType::kFloat32, 0, {}, &work));
   } else {
-    REQUIRE_OK(c.comm->AllReduce(buf.get(), buf.get(), 100, DType::kFloat32, ReduceOp::kSum, {}, &work));
+    REQUIRE_OK(
+        c.comm->AllReduce(buf.get(), buf.get(), 100, DType::kFloat32, ReduceOp::kSum, {}, &work));
   }
   CHECK_CODE(work->Wait(kOpTimeoutMs), Code::kInvalidArgument);
 }
 
 TEST(GpuMismatchedCollectivesAreReported) { RunRanks("mismatch", 2, {}, 2); }
+
+// A communicator of two that only one rank joins: the rendezvous ends at the double's deadline.
+SCENARIO(alone) {
+  std::unique_ptr<GpuComm> comm;
+  const Status s = GpuComm::Create(Libs(), FromHex(a.ids[0]), 0, 2, 0, &comm);
+  CHECK_CODE(s, Code::kUnavailable);
+  CHECK_CONTAINS(s.message(), "ncclCommInitRank");
+  CHECK(comm == nullptr);
+}
+
+TEST(GpuRendezvousWithoutPeersEnds) {
+  RunRanks("alone", 1, {"KUNGFU_GPU_DOUBLE_INIT_TIMEOUT_MS=300"});
+}
 
 }  // namespace
 

@@ -133,7 +133,8 @@ ncclResult_t Comm::Issue(Op op, cudaStream_t stream) {
   if (op.kind != kP2pGroup) op.coll_index = next_coll_++;
   if (op.ticket == fault_op_ && seg_.rank() == fail_rank_) op.fault = Op::kFail;
   if (op.ticket == fault_op_ && seg_.rank() == stall_rank_) op.fault = Op::kStall;
-  StreamOf(stream)->Enqueue([self = shared_from_this(), op = std::move(op)] { self->RunInTurn(op); });
+  StreamOf(stream)->Enqueue(
+      [self = shared_from_this(), op = std::move(op)] { self->RunInTurn(op); });
   return ncclSuccess;
 }
 

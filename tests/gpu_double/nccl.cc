@@ -33,7 +33,9 @@ GroupState& Group() {
   return group.get();
 }
 
-ncclResult_t CheckComm(ncclComm_t comm) { return comm == nullptr ? ncclInvalidArgument : ncclSuccess; }
+ncclResult_t CheckComm(ncclComm_t comm) {
+  return comm == nullptr ? ncclInvalidArgument : ncclSuccess;
+}
 
 // Issues `op` now, or keeps it for ncclGroupEnd inside a group.
 ncclResult_t Submit(ncclComm_t comm, cudaStream_t stream, Op op) {

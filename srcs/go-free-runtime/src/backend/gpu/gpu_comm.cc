@@ -201,7 +201,9 @@ bool GpuWork::Poll(Status* status) {
 
 Status GpuWork::Wait(int64_t timeout_ms) {
   GpuCommState& st = *state_;
-  const auto deadline = Clock::now() + std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0));
+  // Clamped to [0, about 30 years], so that the deadline's arithmetic cannot overflow.
+  const int64_t bounded_ms = std::min<int64_t>(std::max<int64_t>(timeout_ms, 0), int64_t{1} << 40);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(bounded_ms);
   // Polls back off from 20 us to 2 ms: short ops answer fast, long ones cost little.
   auto interval = std::chrono::microseconds(20);
   std::unique_lock<std::mutex> lk(st.mu);
@@ -246,8 +248,9 @@ Status GpuComm::Create(const GpuLibraries& libs, const std::string& unique_id, i
   }
   int count = 0;
   const cudaError_t ce = libs.cudart.GetDeviceCount(&count);
-  if (ce != cuda_abi::cudaSuccess)
+  if (ce != cuda_abi::cudaSuccess) {
     return Unavailable(CudaError(libs, "cudaGetDeviceCount", ce).message());
+  }
   if (device < 0 || device >= count) {
     return InvalidArgument("CUDA device " + std::to_string(device) + " of " +
                            std::to_string(count));

@@ -24,8 +24,8 @@
 // failure); the state, and with it the stream, goes when the last of them goes. ~GpuComm
 // destroys the NCCL communicator if its stream has no work left, else aborts it (a destroy
 // would wait for that work, possibly forever if a peer is gone). A GpuWork outliving its
-// GpuComm reports Cancelled unless it completed before. The GpuLibraries outlive everything
-// (they are never unloaded).
+// GpuComm reports OK if the stream was idle then (every op had completed), else Cancelled. The
+// GpuLibraries outlive everything (they are never unloaded).
 //
 // Lock order: the state's mutex is the only lock here; it is held around every call into NCCL
 // with the communicator (enqueue, async-error query, abort, destroy), so an abort from another
