@@ -208,6 +208,28 @@ FUSION_BYTES = Var("KUNGFU_FUSION_BYTES", _count, 256 << 10,
                    "workers and run together, one allreduce over all their buffers, those of at "
                    "most this many bytes packed into one buffer first (0: off, each runs on its "
                    "own thread)")
+NCCL_LIBRARY = Var("KUNGFU_NCCL_LIBRARY", str, None,
+                   "NCCL to load for device tensors (a path or a soname), tried before the nvidia-nccl "
+                   "pip package and the system's libnccl.so.2 (docs/torch.md, GPUs)")
+CUDART_LIBRARY = Var("KUNGFU_CUDART_LIBRARY", str, None,
+                     "the CUDA runtime to load with NCCL (a path or a soname), tried before the "
+                     "nvidia-cuda-runtime pip package and the system's libcudart")
+
+
+def _gpu_path(s: str) -> str:
+    v = s.strip().lower()
+    if v not in ("auto", "nccl", "staging", "off"):
+        raise ValueError("must be auto, nccl, staging or off")
+    return v
+
+
+GPU = Var("KUNGFU_GPU", _gpu_path, "auto",
+          "how collectives on device (CUDA) tensors run: nccl, staging (copied through pinned host "
+          "memory and reduced over TCP), off (no GPU backend), or auto: NCCL where it is found "
+          "and every worker of a host has a GPU of its own, staging where they share one")
+GPU_CHUNK_BYTES = Var("KUNGFU_GPU_CHUNK_BYTES", _positive_int, 4 << 20,
+                      "the staging path's chunk: device tensors move through two pinned host "
+                      "buffers of this size, one chunk reduced while the next is copied")
 RESULT_POOL_BYTES = Var("KUNGFU_RESULT_POOL_BYTES", _count, 1 << 30,
                         "results of numpy collectives called without out= (of at least 1 MiB) "
                         "take their memory from a pool that keeps freed results by size, up to "
@@ -262,7 +284,7 @@ ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKE
        ETCD_CREDENTIALS, WATCHDOG_FD,
        EXIT_NOTE_FD, RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT,
        PEER_TIMEOUT, MISMATCH_GRACE, CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, FUSION_BYTES,
-       RESULT_POOL_BYTES,
+       RESULT_POOL_BYTES, NCCL_LIBRARY, CUDART_LIBRARY, GPU, GPU_CHUNK_BYTES,
        TIMELINE, GPU_COUNT, SAMPLE_TIME, SAMPLE_JITTER, SLOWDOWN]
 
 

@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-from kungfu import _env, _native, _spare, _watchdog, timeline
+from kungfu import _env, _gpu, _native, _spare, _watchdog, timeline
 from kungfu.errors import PeerFailedError, raise_for_status
 
 
@@ -129,6 +129,7 @@ def _create(self_spec: Optional[str], peers: List[str], version: int,
     record = timeline.enabled()
 
     multi = len(peers) > 1
+    gpu_path, gpu_device = _gpu.backend_for(self_spec or "127.0.0.1:1", peers or [])
     peer = _native.lib().Peer(
         self_id=self_spec if multi else "127.0.0.1:1",
         peers=peers if multi else [],
@@ -144,6 +145,9 @@ def _create(self_spec: Optional[str], peers: List[str], version: int,
         job_token=_env.JOB_TOKEN.get() or "",
         progress_ms=int(_env.PROGRESS_INTERVAL.get() * 1000),
         timeline=record,
+        gpu_path=gpu_path,
+        gpu_device=gpu_device,
+        gpu_chunk_bytes=_env.GPU_CHUNK_BYTES.get(),
     )
     raise_for_status(peer.listen())
     if before_connect is not None:

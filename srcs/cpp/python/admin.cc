@@ -1,4 +1,5 @@
 #include "bindings.h"
+#include "kungfu/gpu.h"
 
 namespace kungfu::python {
 
@@ -9,7 +10,8 @@ std::unique_ptr<Peer> CreatePeer(const std::string& self, const std::vector<std:
                                  int64_t peer_timeout_ms, int64_t connect_timeout_ms,
                                  size_t chunk_bytes, int parallelism, const std::string& job_token,
                                  int64_t progress_ms, bool timeline, size_t fusion_bytes,
-                                 int64_t mismatch_grace_ms) {
+                                 int64_t mismatch_grace_ms, const std::string& gpu_path,
+                                 int gpu_device, size_t gpu_chunk_bytes) {
   PeerConfig c;
   Status s = PeerID::Parse(self, &c.self);
   for (const auto& p : peers) {
@@ -33,6 +35,12 @@ std::unique_ptr<Peer> CreatePeer(const std::string& self, const std::vector<std:
   c.timeline = timeline;
   c.fusion_bytes = fusion_bytes;
   c.mismatch_grace_ms = mismatch_grace_ms;
+  if (s.ok() && !gpu_path.empty()) {  // "nccl" or "staging": a backend for device memory
+    BackendFactory gpu;
+    s = MakeGpuBackendFactory(gpu_path == "nccl" ? GpuPath::kNccl : GpuPath::kStaging, gpu_device,
+                              gpu_chunk_bytes, &gpu);
+    c.backends.push_back(gpu);
+  }
   std::unique_ptr<Peer> peer;
   if (s.ok()) s = Peer::Create(c, &peer);
   if (!s.ok()) throw std::invalid_argument(s.message());
@@ -50,7 +58,9 @@ PyPeer BindPeer(py::module_& m) {
                py::arg("connect_timeout_ms"), py::arg("chunk_bytes"), py::arg("parallelism"),
                py::arg("job_token") = "", py::arg("progress_ms") = 10000,
                py::arg("timeline") = false, py::arg("fusion_bytes") = PeerConfig().fusion_bytes,
-               py::arg("mismatch_grace_ms") = PeerConfig().mismatch_grace_ms)
+               py::arg("mismatch_grace_ms") = PeerConfig().mismatch_grace_ms,
+               py::arg("gpu_path") = "", py::arg("gpu_device") = 0,
+               py::arg("gpu_chunk_bytes") = size_t(4) << 20)
           .def("start",
                [](Peer& p) {
                  Status s;

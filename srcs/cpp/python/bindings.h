@@ -41,11 +41,13 @@ struct PyHandle {
 
 using PyPeer = py::class_<Peer>;
 
-void BindTables(py::module_& m);    // tables.cc: code tables, strategies, the result pool
-void BindHandle(py::module_& m);    // tables.cc: Handle
-PyPeer BindPeer(py::module_& m);    // admin.cc: Peer's life, identity, strategy, timeline
-void BindReductions(PyPeer& peer);  // collectives.cc: allreduce, reduce, broadcast, ...
-void BindGathers(PyPeer& peer);     // collectives.cc: allgather, gather, all-to-all, ...
-void BindPeerToPeer(PyPeer& peer);  // p2p.cc: save, request, drop
+void BindTables(py::module_& m);           // tables.cc: code tables, strategies, the result pool
+void BindHandle(py::module_& m);           // tables.cc: Handle
+PyPeer BindPeer(py::module_& m);           // admin.cc: Peer's life, identity, strategy, timeline
+void BindReductions(PyPeer& peer);         // collectives.cc: allreduce, reduce, broadcast, ...
+void BindGathers(PyPeer& peer);            // collectives.cc: allgather, gather, all-to-all, ...
+void BindPeerToPeer(PyPeer& peer);         // p2p.cc: save, request, drop
+void BindGpu(py::module_& m);              // gpu.cc: loading NCCL and the CUDA runtime
+void BindDeviceCollectives(PyPeer& peer);  // gpu.cc: collectives on device memory
 
 }  // namespace kungfu::python

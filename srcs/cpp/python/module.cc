@@ -18,4 +18,6 @@ PYBIND11_MODULE(_kungfu, m) {
   BindReductions(peer);
   BindGathers(peer);
   BindPeerToPeer(peer);
+  BindGpu(m);
+  BindDeviceCollectives(peer);
 }

@@ -15,6 +15,7 @@
 // An operation a backend does not offer returns InvalidArgument naming the backend (the base
 // class's default), never a wrong result.
 #pragma once
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -22,6 +23,7 @@
 #include "kungfu/op.h"
 #include "kungfu/status.h"
 #include "kungfu/strategy.h"
+#include "kungfu/transport.h"
 
 namespace kungfu {
 
@@ -60,5 +62,10 @@ class Backend {
  protected:
   Status Unsupported(const char* what) const;
 };
+
+// Makes a backend for one session (every cluster version and process set gets its own):
+// `transport` is the session's (its peers, its failure), `host` its host-memory backend, for
+// what a backend exchanges or stages through host memory. The backend must not outlive either.
+using BackendFactory = std::function<std::unique_ptr<Backend>(Transport& transport, Backend& host)>;
 
 }  // namespace kungfu

@@ -36,6 +36,9 @@ enum class OpKind : uint8_t {
   kSetStrategy,
   kRequest,
   kInternal,
+  // Device memory only (a GPU backend): equal blocks.
+  kReduceScatter,
+  kAllToAll,
 };
 const char* OpKindName(OpKind kind);
 struct OpSig {
@@ -69,6 +72,9 @@ struct OpContext {
   uint64_t seq = 0;
   TimePoint deadline;
   Memory memory = Memory::kHost;
+  // Device memory: the caller's CUDA stream (a cudaStream_t; 0: the default stream). The op
+  // reads its inputs only after the work the caller queued there before the op started.
+  uint64_t device_stream = 0;
 };
 
 // One operation as the timeline records it (PeerConfig::timeline). Times are in microseconds;
@@ -109,6 +115,9 @@ struct OpOptions {
   int64_t process_set_version = -1;
   // Where the buffers live; the session runs the op on a backend that serves it.
   Memory memory = Memory::kHost;
+  // Device memory: the caller's CUDA stream (a cudaStream_t; 0: the default stream). The op
+  // reads its inputs only after the work the caller queued there before the op started.
+  uint64_t device_stream = 0;
 };
 
 // One buffer of a multi-buffer allreduce (send may equal recv: in place).

@@ -51,6 +51,7 @@
 #include <thread>
 #include <vector>
 
+#include "kungfu/backend.h"
 #include "kungfu/dtype.h"
 #include "kungfu/handle.h"
 #include "kungfu/op.h"
@@ -96,6 +97,11 @@ struct PeerConfig {
   // Makes the session's transport from the options above; empty: StreamTransport (one stream
   // per ordered pair of processes).
   TransportFactory transport;
+  // Backends besides TCP, made for every session (the cluster's and each process set's): a GPU
+  // backend for device memory (kungfu/gpu.h). Operations with OpOptions::memory kDevice run on
+  // one thread of their own, one at a time, in the order this peer issued them (NCCL needs the
+  // same order on every rank; issue them so, as with NCCL itself), and are never fused.
+  std::vector<BackendFactory> backends;
 };
 
 class Session;
@@ -153,6 +159,16 @@ class Peer {
   // Like AllGather, but only `root` gets the result.
   Handle Gather(const void* send, size_t count, DType dtype, int root,
                 std::shared_ptr<GatherResult> out, const OpOptions& options);
+  // Equal blocks, on a backend that offers them (a GPU backend for device memory): recv holds
+  // size x count elements, block r from rank r.
+  Handle AllGatherEqual(const void* send, void* recv, size_t count, DType dtype,
+                        const OpOptions& options);
+  // send holds size x recv_count elements; recv gets this rank's block of their reduction.
+  Handle ReduceScatterEqual(const void* send, void* recv, size_t recv_count, DType dtype,
+                            ReduceOp op, const OpOptions& options);
+  // Block j (count elements) of send goes to rank j; block i of recv comes from rank i.
+  Handle AllToAllEqual(const void* send, void* recv, size_t count, DType dtype,
+                       const OpOptions& options);
   Handle Barrier(const OpOptions& options);
   // Takes the next sequence number of (kind, options.name) like any operation of that kind and
   // fails it with `reason` on every peer: input rejected before it reached the runtime still
@@ -210,7 +226,10 @@ class Peer {
   Status SessionFor(const OpOptions& options, std::shared_ptr<Session>* session,
                     std::string* prefix);
   void Submit(std::function<void()> task);
+  // Device operations: one thread, in issue order (PeerConfig::backends).
+  void SubmitInOrder(std::function<void()> task);
   void WorkerLoop();
+  void InOrderLoop();
   void Record(TimelineEvent e);  // appends to the timeline (or counts it dropped)
 
   const PeerConfig config_;
@@ -236,6 +255,10 @@ class Peer {
   std::vector<std::thread> workers_;
   int idle_workers_ = 0;
   bool pool_stopping_ = false;
+  // The device operations' queue and thread (started at the first one); under pool_mu_.
+  std::condition_variable in_order_cv_;
+  std::deque<std::function<void()>> in_order_;
+  std::thread in_order_thread_;
 
   // Timeline (config_.timeline): events of finished ops, appended by pool workers, taken by
   // DrainTimeline. timeline_mu_ is taken alone.

@@ -37,6 +37,8 @@ class Session {
   // Puts `backend` before the others: it runs the operations of the memory it serves from now
   // on. Call it between operations (one under way keeps its backend).
   void AddBackend(std::unique_ptr<Backend> backend);
+  // Makes a backend with `factory` over this session's transport and host backend and adds it.
+  void AddBackend(const BackendFactory& factory);
   // A peer failed or the session is left: every backend's waits fail at once with `why`.
   void AbortBackends(const Status& why);
 
@@ -75,6 +77,13 @@ class Session {
                    GatherResult* out);
   Status Gather(const OpContext& ctx, const void* send, size_t count, DType dtype, int root,
                 GatherResult* out);
+  // Equal blocks, on a backend that offers them (a GPU backend; kungfu/backend.h says what each
+  // does): allgather into one buffer, reduce-scatter, all-to-all.
+  Status AllGatherEqual(const OpContext& ctx, const void* send, void* recv, size_t count,
+                        DType dtype);
+  Status ReduceScatter(const OpContext& ctx, const void* send, void* recv, size_t recv_count,
+                       DType dtype, ReduceOp op);
+  Status AllToAll(const OpContext& ctx, const void* send, void* recv, size_t count, DType dtype);
   Status Consensus(const OpContext& ctx, const void* data, size_t bytes, bool* agreed);
   // C1 of one outcome per operation (peer.h): an empty message to every peer, then (`wait`)
   // every peer's, until ctx.deadline. OK with `wait`: this peer has committed.

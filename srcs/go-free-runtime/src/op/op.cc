@@ -22,6 +22,8 @@ const char* OpKindName(OpKind kind) {
     case OpKind::kSetStrategy: return "set-strategy";
     case OpKind::kRequest: return "request";
     case OpKind::kInternal: return "internal";
+    case OpKind::kReduceScatter: return "reduce-scatter";
+    case OpKind::kAllToAll: return "all-to-all";
   }
   return "an unknown operation";
 }

@@ -85,6 +85,7 @@ Peer::Peer(const PeerConfig& config)
   KF_CHECK(transport != nullptr);
   session_ = std::make_shared<Session>(std::move(transport), config_.strategy, config_.chunk_bytes,
                                        config_.parallelism);
+  for (const BackendFactory& f : config_.backends) session_->AddBackend(f);
   if (config_.timeline) record_ = [this](TimelineEvent e) { Record(std::move(e)); };
   session_->transport().SetBlobLookup([this](const std::string& name) -> Transport::Blob {
     std::lock_guard<std::mutex> lk(store_mu_);
@@ -210,15 +211,48 @@ void Peer::Stop() {
     std::lock_guard<std::mutex> lk(pool_mu_);
     pool_stopping_ = true;
     pool_cv_.notify_all();
+    in_order_cv_.notify_all();
   }
+  // A device op may wait in a GPU kernel for peers that are gone or stopping: end it now.
+  session_->AbortBackends(Cancelled("the peer stopped"));
   for (auto& w : workers_) w.join();
   workers_.clear();
+  if (in_order_thread_.joinable()) in_order_thread_.join();
   std::lock_guard<std::mutex> lk(store_mu_);
   store_.clear();  // a stopped peer serves nothing: let go of what it held (lent tensors)
 }
 
 // ---------------------------------------------------------------------------------------------
 // Worker pool.
+
+void Peer::SubmitInOrder(std::function<void()> task) {
+  std::unique_lock<std::mutex> lk(pool_mu_);
+  if (pool_stopping_) {
+    lk.unlock();
+    task();
+    return;
+  }
+  in_order_.push_back(std::move(task));
+  if (!in_order_thread_.joinable()) {
+    in_order_thread_ = std::thread([this] { InOrderLoop(); });
+  } else {
+    in_order_cv_.notify_one();
+  }
+}
+
+// Runs the device operations in the order they came, until the peer stops and none is left.
+void Peer::InOrderLoop() {
+  std::unique_lock<std::mutex> lk(pool_mu_);
+  for (;;) {
+    in_order_cv_.wait(lk, [this] { return pool_stopping_ || !in_order_.empty(); });
+    if (in_order_.empty()) return;
+    auto task = std::move(in_order_.front());
+    in_order_.pop_front();
+    lk.unlock();
+    task();
+    lk.lock();
+  }
+}
 
 void Peer::Submit(std::function<void()> task) {
   std::unique_lock<std::mutex> lk(pool_mu_);
@@ -300,6 +334,8 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
     return h;
   }
   ctx.name = prefix + ctx.name;  // a set's numbering runs per set and name
+  ctx.memory = options.memory;
+  ctx.device_stream = options.device_stream;
   ctx.seq = NextSeq(ctx.name);
   int64_t timeout = options.timeout_ms < 0 ? config_.op_timeout_ms : options.timeout_ms;
   ctx.deadline = Clock::now() + std::chrono::milliseconds(timeout);
@@ -330,7 +366,9 @@ Handle Peer::Run(OpSig sig, const OpOptions& options, uint64_t bytes, Body body,
         },
         h);
   };
-  if (session->size() == 1) {
+  if (options.memory == Memory::kDevice) {
+    SubmitInOrder(task);
+  } else if (session->size() == 1) {
     task();  // nothing to wait for
   } else {
     Submit(task);
@@ -392,6 +430,7 @@ Status Peer::SessionFor(const OpOptions& options, std::shared_ptr<Session>* sess
     auto view = std::make_unique<SubsetTransport>(session_->transport(), members, session_);
     s = std::make_shared<Session>(std::move(view), config_.strategy, config_.chunk_bytes,
                                   config_.parallelism);
+    for (const BackendFactory& f : config_.backends) s->AddBackend(f);
   }
   *session = s;
   return Status::OK();
@@ -420,7 +459,8 @@ void Peer::Record(TimelineEvent e) {
 Handle Peer::AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                        const OpOptions& options) {
   // A set's allreduces run unfused: the negotiation runs among every peer of the session.
-  if (fusion_ && options.process_set.empty() && CheckReducible(dtype, op).ok() &&
+  if (fusion_ && options.process_set.empty() && options.memory == Memory::kHost &&
+      CheckReducible(dtype, op).ok() &&
       fusion_->Accepts(count * DTypeSize(dtype), options.strategy)) {
     return fusion_->AllReduce(send, recv, count, dtype, op, options);
   }
@@ -492,6 +532,30 @@ Handle Peer::Gather(const void* send, size_t count, DType dtype, int root,
                KF_RETURN_IF_ERROR(CheckRoot(root, s.size()));
                return s.Gather(ctx, send, count, dtype, root, out.get());
              });
+}
+
+Handle Peer::AllGatherEqual(const void* send, void* recv, size_t count, DType dtype,
+                            const OpOptions& options) {
+  return Run(Sig(OpKind::kAllGather, options), options, count * DTypeSize(dtype),
+             [=](Session& s, const OpContext& ctx) {
+               return s.AllGatherEqual(ctx, send, recv, count, dtype);
+             });
+}
+
+Handle Peer::ReduceScatterEqual(const void* send, void* recv, size_t recv_count, DType dtype,
+                                ReduceOp op, const OpOptions& options) {
+  return Run(Sig(OpKind::kReduceScatter, options, static_cast<int>(op)), options,
+             recv_count * DTypeSize(dtype), [=](Session& s, const OpContext& ctx) {
+               KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
+               return s.ReduceScatter(ctx, send, recv, recv_count, dtype, op);
+             });
+}
+
+Handle Peer::AllToAllEqual(const void* send, void* recv, size_t count, DType dtype,
+                           const OpOptions& options) {
+  return Run(
+      Sig(OpKind::kAllToAll, options), options, count * DTypeSize(dtype),
+      [=](Session& s, const OpContext& ctx) { return s.AllToAll(ctx, send, recv, count, dtype); });
 }
 
 Handle Peer::Barrier(const OpOptions& options) {

@@ -45,6 +45,11 @@ Status Session::BackendFor(const OpContext& ctx, Backend** out) {
                          " memory (a GPU backend serves device memory where NCCL was found)");
 }
 
+void Session::AddBackend(const BackendFactory& factory) {
+  std::unique_ptr<Backend> backend = factory(transport_, *tcp_);
+  if (backend) AddBackend(std::move(backend));
+}
+
 void Session::AbortBackends(const Status& why) {
   std::lock_guard<std::mutex> lk(backends_mu_);
   for (auto& b : backends_) b->Abort(why);
@@ -133,6 +138,27 @@ Status Session::Gather(const OpContext& ctx, const void* send, size_t count, DTy
   Backend* backend = nullptr;
   KF_RETURN_IF_ERROR(BackendFor(ctx, &backend));
   return backend->Gather(ctx, send, count, dtype, root, StrategyFor(-1, 0), out);
+}
+
+Status Session::AllGatherEqual(const OpContext& ctx, const void* send, void* recv, size_t count,
+                               DType dtype) {
+  Backend* backend = nullptr;
+  KF_RETURN_IF_ERROR(BackendFor(ctx, &backend));
+  return backend->AllGatherEqual(ctx, send, recv, count, dtype);
+}
+
+Status Session::ReduceScatter(const OpContext& ctx, const void* send, void* recv, size_t recv_count,
+                              DType dtype, ReduceOp op) {
+  Backend* backend = nullptr;
+  KF_RETURN_IF_ERROR(BackendFor(ctx, &backend));
+  return backend->ReduceScatter(ctx, send, recv, recv_count, dtype, op);
+}
+
+Status Session::AllToAll(const OpContext& ctx, const void* send, void* recv, size_t count,
+                         DType dtype) {
+  Backend* backend = nullptr;
+  KF_RETURN_IF_ERROR(BackendFor(ctx, &backend));
+  return backend->AllToAll(ctx, send, recv, count, dtype);
 }
 
 // The probe: each peer sends the peers of its host the address of a word holding its rank; a peer
