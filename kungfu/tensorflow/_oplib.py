@@ -57,31 +57,13 @@ UNORDERED_OPS = frozenset(("KungfuAllReduce", "KungfuGroupAllReduce", "KungfuBro
                            "KungfuAllGather", "KungfuAllToAll", "KungfuReduceScatter"))
 
 
-def _run_unordered():
-    try:
-        from tensorflow.python.framework import auto_control_deps as acd
-        from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
-    except ImportError:  # a TensorFlow without them: the ops stay ordered (correct, slower)
-        return
-    ordered = getattr(acd, "op_is_stateful", None)
-    if ordered is None or getattr(ordered, "_kungfu", False):
-        return
-
-    def in_control_flow(graph) -> bool:
-        while graph is not None:
-            if isinstance(graph, ControlFlowFuncGraph):
-                return True
-            graph = getattr(graph, "outer_graph", None)
-        return False
-
-    def op_is_stateful(op):
-        if op.type in UNORDERED_OPS and not in_control_flow(op.graph):
-            return False
-        return ordered(op)
-
-    op_is_stateful._kungfu = True
-    acd.op_is_stateful = op_is_stateful
-
-
 lib = _load()
-_run_unordered()
+
+
+def _unorder() -> None:
+    from kungfu.tensorflow import _internals  # after the load: a refused library leaves nothing
+
+    _internals.unorder_collectives(UNORDERED_OPS)
+
+
+_unorder()
