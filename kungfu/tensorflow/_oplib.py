@@ -32,12 +32,23 @@ def _load():
             f"kungfu's TensorFlow op library was built for TensorFlow {built}, but this is "
             f"TensorFlow {tf.__version__}. Rebuild kungfu: {REBUILD}"
         )
-    # Ops find the process's peer through the runtime library, which this shares with the
-    # Python module: make sure that peer exists before any op runs. (A worker joining an elastic
-    # job connects later, when kf.Hook syncs it.)
-    if not _peer.joining():
-        _peer.get()
     return tf.load_op_library(_LIB)
+
+
+class _Ops:
+    """The op library's functions. Importing connects to no peer: the first op asked for does
+    (the kernels find the process's peer through the runtime library, which the op library
+    shares with the Python module, so it must exist before any op runs). A worker joining an
+    elastic job connects later, when kf.Hook syncs it."""
+
+    def __init__(self, library):
+        self._library = library
+
+    def __getattr__(self, name: str):
+        op = getattr(self._library, name)
+        if not _peer.started() and not _peer.joining():
+            _peer.get()
+        return op
 
 
 # Collectives whose result is their output: inside a tf.function they need no order among
@@ -57,7 +68,7 @@ UNORDERED_OPS = frozenset(("KungfuAllReduce", "KungfuGroupAllReduce", "KungfuBro
                            "KungfuAllGather", "KungfuAllToAll", "KungfuReduceScatter"))
 
 
-lib = _load()
+lib = _Ops(_load())
 
 
 def _unorder() -> None:
