@@ -175,19 +175,18 @@ class ElasticLauncher(Launcher):
                 continue  # running, or finished in this version (a later one may want it again)
             if not self._may_start(store, w, cfg):
                 continue
-            joining = {_env.ELASTIC_JOINING.name: "1"} if cfg.version > 0 else {}
+            joining = cfg.version > 0
             spare = None
             if joining:  # a joiner: a warm spare, if one is alive, becomes it
-                spare = self.spares.take(w, {**_env.worker_env(w.spec, list(cfg.peers),
-                                                               cfg.version, self.opts.strategy),
-                                             **joining})
+                spare = self.spares.take(w, _env.worker_env(w.spec, list(cfg.peers), cfg.version,
+                                                            self.opts.strategy, joining=True))
             if spare is not None:
                 key, run, number = spare
                 how = f"spare {number}, started {time.monotonic() - run.started:.1f}s ago, is"
             else:
                 try:
-                    run = self._spawn(w, list(cfg.peers), cfg.version,
-                                      {**self._job_env(), **joining})
+                    run = self._spawn(w, list(cfg.peers), cfg.version, self._job_env(),
+                                      joining=joining)
                 except OSError as e:
                     self.error(f"cannot start worker {w.rank} ({w.spec}): {e}")
                     return 127 if isinstance(e, FileNotFoundError) else 126
