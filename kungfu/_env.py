@@ -267,8 +267,7 @@ ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKE
 
 
 # The variables other launchers set (torchrun, and Horovod's scripts read them too): the worker's
-# place when it starts. In an elastic job they go stale after a resize; kf.rank() and friends
-# are always current.
+# place. In an elastic job the worker rewrites them when it switches clusters (kungfu._peer).
 STANDARD_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 

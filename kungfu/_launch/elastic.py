@@ -23,6 +23,7 @@ failure's.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import signal
@@ -402,6 +403,7 @@ class ElasticLauncher(Launcher):
             # when its version came is started once that one is gone.
             if cfg.version > self.seen:
                 self.progress.new_version(store, self.latest, cfg, now)
+                self._renumber(cfg)
             self.seen, self.latest = cfg.version, cfg
             code = self._apply(store, cfg)
             if code is not None:
@@ -422,6 +424,15 @@ class ElasticLauncher(Launcher):
                     self._failed(run, "stopped answering", 1)
             elif run.returncode is None and now >= when + GRACE_SECONDS:
                 run.proc.kill()  # a stopped (SIGSTOP) process ignores SIGTERM
+
+    def _renumber(self, cfg: ClusterConfig) -> None:
+        """The running workers that `cfg` lists take their rank in it (the prefix of their
+        output lines, the launcher's messages): after a recovery or a resize a survivor's rank
+        is its place in the new cluster, as its own RANK is once it switched."""
+        for spec, key in self.by_spec.items():
+            run = self.running.get(key)
+            if run is not None and spec in cfg.peers and run.worker.spec == spec:
+                run.worker = dataclasses.replace(run.worker, rank=cfg.peers.index(spec))
 
     def _over(self) -> bool:
         if self._alive():
