@@ -89,6 +89,17 @@ def _start(use: str, peer_port: int):
                             stderr=subprocess.PIPE, text=True)
 
 
+def _first_use(p) -> tuple:
+    """Lets the started worker go on to its first use; its stdout and stderr once it ended."""
+    try:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        return p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 @pytest.mark.parametrize("use", ["op", "collective", "optimizer"])
 @pytest.mark.timeout(120)
 def test_import_connects_to_no_peer_first_use_does(use):
@@ -98,9 +109,7 @@ def test_import_connects_to_no_peer_first_use_does(use):
         line = p.stdout.readline()
         assert line.split() == ["imported", "False", "1", "2"], line + p.stderr.read()
         assert peer.accepted == 0, "importing kungfu.tensorflow connected to the peer"
-        p.stdin.write("go\n")
-        p.stdin.flush()
-        out, err = p.communicate(timeout=90)
+        out, err = _first_use(p)
     finally:
         if p.poll() is None:
             p.kill()
@@ -114,13 +123,9 @@ def test_import_connects_to_no_peer_first_use_does(use):
 def test_first_use_names_a_peer_that_is_not_there():
     [gone] = free_ports(1)  # nothing listens there
     p = _start("collective", gone)
-    try:
-        line = p.stdout.readline()
-        assert line.split()[:2] == ["imported", "False"], line + p.stderr.read()
-        p.stdin.write("go\n")
-        p.stdin.flush()
-        out, err = p.communicate(timeout=90)
-    finally:
-        if p.poll() is None:
-            p.kill()
+    line = p.stdout.readline()
+    if line.split()[:2] != ["imported", "False"]:
+        p.kill()
+        pytest.fail(line + p.stderr.read())
+    out, err = _first_use(p)
     assert p.returncode == 3 and f"127.0.0.1:{gone}" in out, out + err
