@@ -84,11 +84,11 @@ def _server_root(url: str) -> str:
 
 
 def connect(url: str, token: Optional[str] = None, credentials: Optional[str] = None) -> Store:
-    """A Store for http://host:port or KungFu's http://host:port/config (the builtin server; `token` defaults to KUNGFU_JOB_TOKEN),
-    etcd://[user:password@]host:port or etcds://... (etcd's gateway over TLS; the CA and client
-    certificate come from KUNGFU_ETCD_CACERT, KUNGFU_ETCD_CERT, KUNGFU_ETCD_KEY). etcd's user
-    and password: from the file `credentials` (default KUNGFU_ETCD_CREDENTIALS; see
-    read_credentials), or from the URL; not both."""
+    """A Store for http://host:port or KungFu's http://host:port/config (the builtin server;
+    `token` defaults to KUNGFU_JOB_TOKEN), etcd://[user:password@]host:port or etcds://...
+    (etcd's gateway over TLS; the CA and client certificate come from KUNGFU_ETCD_CACERT,
+    KUNGFU_ETCD_CERT, KUNGFU_ETCD_KEY). etcd's user and password: from the file `credentials`
+    (default KUNGFU_ETCD_CREDENTIALS; see read_credentials), or from the URL; not both."""
     for scheme, web in (("etcd://", "http://"), ("etcds://", "https://")):
         if url.startswith(scheme):
             parts = urllib.parse.urlsplit("x://" + url[len(scheme):])
