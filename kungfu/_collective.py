@@ -512,15 +512,32 @@ def reducescatter(x, op: str = "sum", name: Optional[str] = None,
 def broadcast_object(obj: Any = None, root: int = 0, name: Optional[str] = None,
                      timeout: Optional[float] = None) -> Any:
     """root's obj on every worker (pickled; any size). The others' obj is ignored. Unpickling
-    runs code chosen by root, as with any pickle: use it within one job."""
+    runs code chosen by root, as with any pickle: use it within one job. An object root cannot
+    pickle fails on every worker with root's reason (root still takes part: it broadcasts the
+    reason instead of the object)."""
     import pickle
 
     base = name or "kungfu::broadcast_object"
-    data = pickle.dumps(obj) if _peer.get().rank == root else b""
-    # The length first, so every worker can allocate what the broadcast writes.
-    size = broadcast(np.array([len(data)], np.int64), root, f"{base}/size", timeout=timeout)
-    buf = np.frombuffer(data, np.uint8) if data else np.zeros(int(size[0]), np.uint8)
-    return pickle.loads(broadcast(buf, root, f"{base}/bytes", timeout=timeout).tobytes())
+    failed = None
+    data = b""
+    if _peer.get().rank == root:
+        try:
+            data = pickle.dumps(obj)
+        except Exception as e:  # noqa: BLE001 - whatever pickling raises, every worker hears it
+            failed = e
+            data = f"{type(e).__name__}: {e}".encode()
+    # The length and whether it is root's pickling error, so every worker can allocate what
+    # the broadcast writes and knows what it is.
+    head = broadcast(np.array([len(data), failed is not None], np.int64), root, f"{base}/size",
+                     timeout=timeout)
+    buf = np.frombuffer(data, np.uint8) if data else np.zeros(int(head[0]), np.uint8)
+    got = broadcast(buf, root, f"{base}/bytes", timeout=timeout).tobytes()
+    if failed is not None:
+        raise failed
+    if head[1]:
+        raise pickle.PicklingError(f"broadcast_object: the root (rank {root}) cannot pickle its "
+                                   f"object: {got.decode(errors='replace')}")
+    return pickle.loads(got)
 
 
 def allgather_object(obj: Any, name: Optional[str] = None,

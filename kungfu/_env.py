@@ -289,26 +289,46 @@ ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKE
 
 
 # The variables other launchers set (torchrun, and Horovod's scripts read them too): the worker's
-# place when it starts. In an elastic job they go stale after a resize; kf.rank() and friends
-# are always current.
+# place. In an elastic job the worker rewrites them when it switches clusters (kungfu._peer).
 STANDARD_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 # What worker_env gives: a warm spare (kungfu/_spare.py) starts without them.
 IDENTITY_VARS = (SELF_SPEC.name, INIT_PEERS.name, INIT_CLUSTER_VERSION.name, ELASTIC_JOINING.name,
                  *STANDARD_RANK_VARS)
+# A warm spare's identity: none (set_worker_env removes every identity variable).
+NO_IDENTITY = {name: None for name in IDENTITY_VARS}
 
 
-def worker_env(self_spec: str, peers: list[str], version: int, strategy: str) -> dict:
-    """The identity variables kungfu-run gives one worker."""
+def worker_env(self_spec: str, peers: list[str], version: int, strategy: Optional[str] = None,
+               joining: Optional[bool] = None) -> dict:
+    """The variables that tell a worker who it is: the one place they are built, for kungfu-run
+    starting a worker, a warm spare taking its place, and a worker that switched clusters
+    (kungfu._peer.replace keeps its own os.environ true). `strategy` None leaves the strategy
+    variable as it is; `joining` None leaves KUNGFU_ELASTIC_JOINING as it is, False removes it.
+    A value None in the result means "remove" (set_worker_env)."""
     rank = peers.index(self_spec)
     host = self_spec.rsplit(":", 1)[0]
     local = [p.rsplit(":", 1)[0] == host for p in peers]
-    return {
+    env = {
         SELF_SPEC.name: self_spec,
         INIT_PEERS.name: ",".join(peers),
         INIT_CLUSTER_VERSION.name: str(version),
-        ALLREDUCE_STRATEGY.name: strategy,
         **dict(zip(STANDARD_RANK_VARS, map(str, (rank, len(peers), sum(local[:rank]),
                                                   sum(local))))),
     }
+    if strategy is not None:
+        env[ALLREDUCE_STRATEGY.name] = strategy
+    if joining is not None:
+        env[ELASTIC_JOINING.name] = "1" if joining else None
+    return env
+
+
+def set_worker_env(environ, env: dict) -> None:
+    """Writes a worker_env (or NO_IDENTITY) into `environ`, a child's environment or
+    os.environ: each variable set, those whose value is None removed."""
+    for name, value in env.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = str(value)

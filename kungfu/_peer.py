@@ -215,7 +215,8 @@ def started_as_joiner() -> bool:
 
 def replace(self_spec: str, peers: List[str], version: int) -> None:
     """Swaps in a new native peer for cluster `version` (the old one, if any, is stopped first:
-    the new one listens on the same address). Call between operations only."""
+    the new one listens on the same address) and writes this worker's place in it into
+    os.environ. Call between operations only."""
     global _peer, _detached, _member
     with _lock:
         old, _peer = _peer, None
@@ -226,6 +227,9 @@ def replace(self_spec: str, peers: List[str], version: int) -> None:
         if self_spec in peers:
             _peer = _create(self_spec, list(peers), version)
             _member = Identity(self_spec, list(peers), version)
+            # RANK, WORLD_SIZE, KUNGFU_SELF_SPEC ... stay true for the script and the processes
+            # it starts from now on (the strategy and the joining flag stay as they were).
+            _env.set_worker_env(os.environ, _env.worker_env(self_spec, list(peers), version))
         else:  # detached: a cluster of one, so that code after training still runs
             _peer = _create(None, [], version)
             _detached = True

@@ -67,7 +67,7 @@ def wait() -> None:
                     pass
             os._exit(0)
         env = json.loads(line.decode())
-        os.environ.update({str(k): str(v) for k, v in env.items()})
+        _env.set_worker_env(os.environ, env)
         os.environ.pop(_env.SPARE_FD.name, None)
         try:
             os.close(fd)

@@ -23,6 +23,7 @@ failure's.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import signal
@@ -175,19 +176,18 @@ class ElasticLauncher(Launcher):
                 continue  # running, or finished in this version (a later one may want it again)
             if not self._may_start(store, w, cfg):
                 continue
-            joining = {_env.ELASTIC_JOINING.name: "1"} if cfg.version > 0 else {}
+            joining = cfg.version > 0
             spare = None
             if joining:  # a joiner: a warm spare, if one is alive, becomes it
-                spare = self.spares.take(w, {**_env.worker_env(w.spec, list(cfg.peers),
-                                                               cfg.version, self.opts.strategy),
-                                             **joining})
+                spare = self.spares.take(w, _env.worker_env(w.spec, list(cfg.peers), cfg.version,
+                                                            self.opts.strategy, joining=True))
             if spare is not None:
                 key, run, number = spare
                 how = f"spare {number}, started {time.monotonic() - run.started:.1f}s ago, is"
             else:
                 try:
-                    run = self._spawn(w, list(cfg.peers), cfg.version,
-                                      {**self._job_env(), **joining})
+                    run = self._spawn(w, list(cfg.peers), cfg.version, self._job_env(),
+                                      joining=joining)
                 except OSError as e:
                     self.error(f"cannot start worker {w.rank} ({w.spec}): {e}")
                     return 127 if isinstance(e, FileNotFoundError) else 126
@@ -403,6 +403,7 @@ class ElasticLauncher(Launcher):
             # when its version came is started once that one is gone.
             if cfg.version > self.seen:
                 self.progress.new_version(store, self.latest, cfg, now)
+                self._renumber(cfg)
             self.seen, self.latest = cfg.version, cfg
             code = self._apply(store, cfg)
             if code is not None:
@@ -423,6 +424,15 @@ class ElasticLauncher(Launcher):
                     self._failed(run, "stopped answering", 1)
             elif run.returncode is None and now >= when + GRACE_SECONDS:
                 run.proc.kill()  # a stopped (SIGSTOP) process ignores SIGTERM
+
+    def _renumber(self, cfg: ClusterConfig) -> None:
+        """The running workers that `cfg` lists take their rank in it (the prefix of their
+        output lines, the launcher's messages): after a recovery or a resize a survivor's rank
+        is its place in the new cluster, as its own RANK is once it switched."""
+        for spec, key in self.by_spec.items():
+            run = self.running.get(key)
+            if run is not None and spec in cfg.peers and run.worker.spec == spec:
+                run.worker = dataclasses.replace(run.worker, rank=cfg.peers.index(spec))
 
     def _over(self) -> bool:
         if self._alive():

@@ -104,7 +104,8 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
   -builtin-config-port P  host the config store here, on port P of this host's address
                       (one launcher of the job hosts it; the others use -config-server);
                       auto: a port the system gives, shown in the "config store at" line
-  -config-server URL  the job's config store: http://HOST:P (a builtin one), or etcd's gateway:
+  -config-server URL  the job's config store: http://HOST:P (a builtin one; KungFu's
+                      http://HOST:P/config too), or etcd's gateway:
                       etcd://HOST:P, or etcds://... over TLS
   -config-server-credentials F  etcd's USER:PASSWORD, read from file F, which only its owner
                       may read (chmod 600); the workers read it too (KUNGFU_ETCD_CREDENTIALS).

@@ -150,17 +150,18 @@ class Processes:
 
     # workers ----------------------------------------------------------------------------
     def _spawn(self, worker: Worker, peers: Optional[List[str]] = None, version: int = 0,
-               extra_env: Optional[Dict[str, str]] = None, spare: Optional[tuple] = None
-               ) -> _Running:
-        """Starts a worker. `spare`: (number, read end of its pipe) for a warm spare, which gets
-        no identity, only the pipe it waits on for one (kungfu/_launch/spares.py)."""
+               extra_env: Optional[Dict[str, str]] = None, spare: Optional[tuple] = None,
+               joining: bool = False) -> _Running:
+        """Starts a worker (`joining`: a running cluster's). `spare`: (number, read end of its
+        pipe) for a warm spare, which gets no identity, only the pipe it waits on for one
+        (kungfu/_launch/spares.py)."""
         env = dict(os.environ)
         peers = [p.spec for p in self.peers] if peers is None else peers
         if spare is None:
-            env.update(_env.worker_env(worker.spec, peers, version, self.opts.strategy))
+            _env.set_worker_env(env, _env.worker_env(worker.spec, peers, version,
+                                                     self.opts.strategy, joining))
         else:
-            for name in _env.IDENTITY_VARS:
-                env.pop(name, None)
+            _env.set_worker_env(env, _env.NO_IDENTITY)
             env[_env.ALLREDUCE_STRATEGY.name] = self.opts.strategy
             env[_env.SPARE_FD.name] = str(spare[1])
         env.update(extra_env or {})

@@ -72,12 +72,23 @@ from kungfu.store._server import (  # noqa: F401
 )
 
 
+def _server_root(url: str) -> str:
+    """The builtin server's root from a -config-server URL: KungFu's launch line names its
+    cluster path (http://HOST:PORT/config), which serves GET/PUT of the cluster, not the
+    key-value API under the root: that path is dropped."""
+    parts = urllib.parse.urlsplit(url)
+    path = parts.path.rstrip("/")
+    if path.endswith(CLUSTER_PATH):
+        path = path[: -len(CLUSTER_PATH)]
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
 def connect(url: str, token: Optional[str] = None, credentials: Optional[str] = None) -> Store:
-    """A Store for http://host:port (the builtin server; `token` defaults to KUNGFU_JOB_TOKEN),
-    etcd://[user:password@]host:port or etcds://... (etcd's gateway over TLS; the CA and client
-    certificate come from KUNGFU_ETCD_CACERT, KUNGFU_ETCD_CERT, KUNGFU_ETCD_KEY). etcd's user
-    and password: from the file `credentials` (default KUNGFU_ETCD_CREDENTIALS; see
-    read_credentials), or from the URL; not both."""
+    """A Store for http://host:port or KungFu's http://host:port/config (the builtin server;
+    `token` defaults to KUNGFU_JOB_TOKEN), etcd://[user:password@]host:port or etcds://...
+    (etcd's gateway over TLS; the CA and client certificate come from KUNGFU_ETCD_CACERT,
+    KUNGFU_ETCD_CERT, KUNGFU_ETCD_KEY). etcd's user and password: from the file `credentials`
+    (default KUNGFU_ETCD_CREDENTIALS; see read_credentials), or from the URL; not both."""
     for scheme, web in (("etcd://", "http://"), ("etcds://", "https://")):
         if url.startswith(scheme):
             parts = urllib.parse.urlsplit("x://" + url[len(scheme):])
@@ -94,7 +105,7 @@ def connect(url: str, token: Optional[str] = None, credentials: Optional[str] = 
                              cacert=_env.ETCD_CACERT.get(), cert=_env.ETCD_CERT.get(),
                              key=_env.ETCD_KEY.get())
     if url.startswith("http://"):
-        return HTTPStore(url, token)
+        return HTTPStore(_server_root(url), token)
     raise ValueError(f"config server URL must start with http://, etcd:// or etcds://, got {url!r}")
 
 

@@ -59,6 +59,7 @@ import keras
 from kungfu import _peer, elastic as _elastic
 from kungfu._loop import Loop
 from kungfu.policy import BasePolicy
+from kungfu.tensorflow import _internals
 from kungfu.tensorflow._monitor import monitor_logs, monitor_metrics
 from kungfu.tensorflow._schedule import learning_rate
 from kungfu.tensorflow._variables import KerasVariables
@@ -226,16 +227,14 @@ class Hook(Loop, keras.callbacks.Callback):
         return True
 
     def _continue_epochs(self) -> None:
-        """model.fit counts its epochs from the state's: Keras (3.x; checked with 3.15) reads
-        the model's `_initial_epoch` after the callbacks' on_train_begin (BackupAndRestore sets
-        it so too), so its "Epoch e/E" lines, its number of epochs and the epoch numbers the
-        callbacks see are the job's. A custom loop's epochs given to before_epoch are shifted
-        instead."""
+        """model.fit counts its epochs from the state's (_internals.set_initial_epoch), so its
+        "Epoch e/E" lines, its number of epochs and the epoch numbers the callbacks see are the
+        job's. A custom loop's epochs given to before_epoch are shifted instead."""
         model = getattr(self, "model", None)
         if model is None:
             super()._continue_epochs()
         else:
-            model._initial_epoch = self.state.epoch
+            _internals.set_initial_epoch(model, self.state.epoch)
 
     def _count_steps(self, batch: int) -> None:
         """Keras's progress bar takes an epoch's number of steps of kungfu's data (its length
@@ -250,9 +249,7 @@ class Hook(Loop, keras.callbacks.Callback):
             return
         total = batch + -(-left // sum(d.sizes(self.state.cluster_size)))
         for bar in self._progbars:
-            bar.target = total
-            if bar.progbar is not None:
-                bar.progbar.target = total
+            _internals.set_progress_total(bar, total)
 
     def _keras_train_function(self, fn, recover: bool):
         """Keras's train function as model.fit calls it under the Hook: it survives a lost peer
@@ -396,5 +393,6 @@ class Hook(Loop, keras.callbacks.Callback):
                 self._output = None
             combine_while_training(self.model, False)
             self.model.kungfu_recover = None
-            self.model._initial_epoch = None  # a later fit counts from its own initial_epoch
+            # a later fit counts from its own initial_epoch
+            _internals.set_initial_epoch(self.model, None)
         self._exit_if_detached()

@@ -172,6 +172,15 @@ class GradientMonitor:
                 due, tf.equal(tf.math.floormod(tf.cast(step, tf.int64), self.interval), 0))
         return due
 
+    def _name(self, name: str) -> str:
+        """The statistics' collective name: `name` and the monitor setting. Workers whose
+        kf.Optimizer(monitor=...) differ ("gns" on one, "variance" on another: different
+        statistics, which summed under one name gave half the right variance) then run
+        differently named collectives, and the runtime's name check fails every one of them
+        within KUNGFU_MISMATCH_GRACE, naming both settings."""
+        every = f"/every-{self.interval}" if self.interval != 1 else ""
+        return f"{name}/{'+'.join(self.monitors)}{every}"
+
     def _batch(self, passes: int) -> tf.Tensor:
         """The samples behind this worker's gradient: its batch size times the backward passes
         averaged into it (kf.Optimizer's backward_passes_per_step)."""
@@ -189,7 +198,7 @@ class GradientMonitor:
         def run():
             return _lib.kungfu_local_gradient_stats(
                 [tf.convert_to_tensor(t) for t in local], self._batch(passes),
-                tf.identity(self.local_scale), op_name=name)
+                tf.identity(self.local_scale), op_name=self._name(name))
 
         return Started(due, tf.cond(due, run, lambda: tf.constant([math.nan] * 6, tf.float64)))
 
@@ -205,7 +214,7 @@ class GradientMonitor:
                 # mean_i |g_i - g|^2 is not known there (NaN): the noise scale does not need it.
                 return _lib.kungfu_gradient_stats_of_sums(
                     started.reduced, [tf.convert_to_tensor(a) for a in averaged])
-            return gradient_stats(local, averaged, self._batch(passes), name,
+            return gradient_stats(local, averaged, self._batch(passes), self._name(name),
                                   scale=tf.identity(self.local_scale))
 
         def run():

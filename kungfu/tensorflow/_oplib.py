@@ -32,12 +32,23 @@ def _load():
             f"kungfu's TensorFlow op library was built for TensorFlow {built}, but this is "
             f"TensorFlow {tf.__version__}. Rebuild kungfu: {REBUILD}"
         )
-    # Ops find the process's peer through the runtime library, which this shares with the
-    # Python module: make sure that peer exists before any op runs. (A worker joining an elastic
-    # job connects later, when kf.Hook syncs it.)
-    if not _peer.joining():
-        _peer.get()
     return tf.load_op_library(_LIB)
+
+
+class _Ops:
+    """The op library's functions. Importing connects to no peer: the first op asked for does
+    (the kernels find the process's peer through the runtime library, which the op library
+    shares with the Python module, so it must exist before any op runs). A worker joining an
+    elastic job connects later, when kf.Hook syncs it."""
+
+    def __init__(self, library):
+        self._library = library
+
+    def __getattr__(self, name: str):
+        op = getattr(self._library, name)
+        if not _peer.started() and not _peer.joining():
+            _peer.get()
+        return op
 
 
 # Collectives whose result is their output: inside a tf.function they need no order among
@@ -57,31 +68,13 @@ UNORDERED_OPS = frozenset(("KungfuAllReduce", "KungfuGroupAllReduce", "KungfuBro
                            "KungfuAllGather", "KungfuAllToAll", "KungfuReduceScatter"))
 
 
-def _run_unordered():
-    try:
-        from tensorflow.python.framework import auto_control_deps as acd
-        from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
-    except ImportError:  # a TensorFlow without them: the ops stay ordered (correct, slower)
-        return
-    ordered = getattr(acd, "op_is_stateful", None)
-    if ordered is None or getattr(ordered, "_kungfu", False):
-        return
-
-    def in_control_flow(graph) -> bool:
-        while graph is not None:
-            if isinstance(graph, ControlFlowFuncGraph):
-                return True
-            graph = getattr(graph, "outer_graph", None)
-        return False
-
-    def op_is_stateful(op):
-        if op.type in UNORDERED_OPS and not in_control_flow(op.graph):
-            return False
-        return ordered(op)
-
-    op_is_stateful._kungfu = True
-    acd.op_is_stateful = op_is_stateful
+lib = _Ops(_load())
 
 
-lib = _load()
-_run_unordered()
+def _unorder() -> None:
+    from kungfu.tensorflow import _internals  # after the load: a refused library leaves nothing
+
+    _internals.unorder_collectives(UNORDERED_OPS)
+
+
+_unorder()

@@ -38,6 +38,7 @@ import tensorflow as tf
 
 from kungfu import _collective, _peer, errors
 from kungfu.elastic import check_learning_rate
+from kungfu.tensorflow import _internals
 
 # Failures the survivors recover from: a peer died or stopped answering (in a TensorFlow op or in a
 # collective of kf.Hook's own). Anything else (peers that disagree, bad input) is raised.
@@ -122,31 +123,29 @@ def combine_while_training(model, on: bool) -> None:
 
 
 def _install(model) -> None:
-    own = model._get_metrics_result_or_logs  # Keras's one place for "the metrics of an epoch"
-    if getattr(own, "kungfu_combined", False):
-        return
+    def wrap(own):  # own: Keras's one place for "the metrics of an epoch"
+        def combined(logs):
+            # kf.Hook adds its own values (the monitored estimates, the cluster's numbers) to
+            # each step's logs; Keras takes the metrics only from logs that hold nothing else.
+            if isinstance(logs, dict):
+                logs = {k: v for k, v in logs.items() if k not in HOOK_LOG_KEYS}
 
-    def combined(logs):
-        # kf.Hook adds its own values (the monitored estimates, the cluster's numbers) to each
-        # step's logs; Keras takes the metrics only from logs that hold nothing else.
-        if isinstance(logs, dict):
-            logs = {k: v for k, v in logs.items() if k not in HOOK_LOG_KEYS}
+            def read():
+                out = own(logs)
+                # Keras passes on a custom train_step's logs as its last step left them (their
+                # keys are not its metrics'): read them again from the metrics, summed or not.
+                return _step_results(model, out) if out is logs else out
 
-        def read():
-            out = own(logs)
-            # Keras passes on a custom train_step's logs as its last step left them (their
-            # keys are not its metrics'): read them again from the metrics, summed or not.
-            return _step_results(model, out) if out is logs else out
+            out = _combined(model, read) if getattr(model, "kungfu_combine", None) else read()
+            if getattr(model, "kungfu_trained", False):  # a training epoch under kf.Hook ended
+                model.kungfu_trained = False
+                epoch_logs = getattr(model, "kungfu_epoch_logs", None)
+                out = {**out, **(epoch_logs() if epoch_logs else {})}
+            return out
 
-        out = _combined(model, read) if getattr(model, "kungfu_combine", None) else read()
-        if getattr(model, "kungfu_trained", False):  # a training epoch under kf.Hook ended
-            model.kungfu_trained = False
-            epoch_logs = getattr(model, "kungfu_epoch_logs", None)
-            out = {**out, **(epoch_logs() if epoch_logs else {})}
-        return out
+        return combined
 
-    combined.kungfu_combined = True
-    model._get_metrics_result_or_logs = combined
+    _internals.wrap_epoch_metrics(model, wrap)
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
@@ -182,26 +181,10 @@ class _Muted(keras.callbacks.Callback):
 
 
 def let_hooks_arrange_callbacks() -> None:
-    """Keras (3.x; checked with 3.15) makes a CallbackList for each model.fit and calls every
-    callback's set_model first (TensorBoard writes there already): a kf.Hook in the list gets
-    the list before that (its `kungfu_arrange`), to arrange the other callbacks
-    (RankZeroOutput.arrange). Patched once, by the first kf.Hook made."""
-    cls = keras.callbacks.CallbackList
-    own = cls.set_model
-    if getattr(own, "kungfu_arranges", False):
-        return
-
-    def set_model(self, model):
-        if not getattr(self, "kungfu_arranged", False):
-            self.kungfu_arranged = True
-            for c in list(self.callbacks):
-                arrange = getattr(c, "kungfu_arrange", None)
-                if arrange is not None:
-                    arrange(self.callbacks)
-        own(self, model)
-
-    set_model.kungfu_arranges = True
-    cls.set_model = set_model
+    """A kf.Hook in a model.fit's callbacks gets the list (its `kungfu_arrange`) before Keras
+    sets any callback up, to arrange the others (RankZeroOutput.arrange). Once, by the first
+    kf.Hook made."""
+    _internals.let_hooks_arrange_callbacks()
 
 
 class CallbackStates:
@@ -223,7 +206,7 @@ class CallbackStates:
         """Per callback: its class, its public numbers, and whether its lazy set-up ran."""
         return [(type(c).__qualname__, {k: v for k, v in vars(c).items()
                                          if not k.startswith("_") and isinstance(v, self._KINDS)},
-                 _set_up(c))
+                 _internals.monitor_op_chosen(c))
                 for c in self.callbacks]
 
     def load(self, states: list) -> None:
@@ -240,17 +223,11 @@ class CallbackStates:
             return
         for c, (kind, attrs, set_up) in zip(self.callbacks, self.pending):
             if type(c).__qualname__ == kind:
-                if set_up and not _set_up(c):
-                    c._set_monitor_op()
+                if set_up and not _internals.monitor_op_chosen(c):
+                    _internals.choose_monitor_op(c)
                 for k, v in attrs.items():
                     setattr(c, k, v)
         self.pending = None
-
-
-def _set_up(callback) -> bool:
-    """Whether a Keras monitoring callback chose its comparison (`_set_monitor_op`, which it
-    runs at its first epoch end); True for a callback without one."""
-    return not hasattr(callback, "_set_monitor_op") or callback.monitor_op is not None
 
 
 class RankZeroOutput:
@@ -264,9 +241,7 @@ class RankZeroOutput:
         self._own = {}
 
     def start(self) -> None:
-        from keras.src.utils import io_utils
-
-        self._interactive = io_utils.is_interactive_logging_enabled()
+        self._interactive = _internals.interactive_logging()
         self.refresh()
         for method in ("save", "save_weights"):
             own = getattr(self.model, method)
@@ -275,24 +250,19 @@ class RankZeroOutput:
 
     def refresh(self) -> None:
         """Progress output on if this worker is rank 0 (and it was on before start())."""
-        from keras.src.utils import io_utils
-
         # A joiner is never rank 0 (joiners take rank 0's state), and a warm spare that has no
         # place yet must not wait for one here (kungfu/_spare.py).
         if self._interactive and not _peer.joining() and _peer.identity().rank == 0:
-            io_utils.enable_interactive_logging()
+            _internals.set_interactive_logging(True)
         else:
-            io_utils.disable_interactive_logging()
+            _internals.set_interactive_logging(False)
 
     def stop(self) -> None:
-        from keras.src.utils import io_utils
-
         for method, own in self._own.items():
             setattr(self.model, method, own)
         self._own = {}
         if self._interactive is not None:
-            (io_utils.enable_interactive_logging if self._interactive
-             else io_utils.disable_interactive_logging)()
+            _internals.set_interactive_logging(self._interactive)
 
     @staticmethod
     def arrange(callbacks: list, name: str) -> None:

@@ -12,7 +12,6 @@ outdated size. Use steps_per_execution=1 (the default). In a custom loop, iterat
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
 import struct
@@ -24,6 +23,7 @@ import numpy as np
 from kungfu import _peer
 from kungfu.elastic import _data, check_batch_size
 from kungfu.elastic._data import RELEASE_TIMEOUT, _apportion  # noqa: F401
+from kungfu.tensorflow import _internals
 
 
 class ElasticData(_data.ElasticData):
@@ -182,39 +182,12 @@ def _index_records(path: str):
     return np.asarray(offsets, np.int64), np.asarray(lengths, np.int64)
 
 
-_PATCHED = False
-
-
 def _keep_keras_from_fixing_epoch_length() -> None:
     """Keras (3.x) takes the number of steps of a dataset of unknown length from its first
     epoch and ends every later epoch after that many steps. An elastic epoch's step count
     changes with the batch size and the cluster size (and a joining worker's first epoch is only
-    the rest of one), so for kungfu's datasets Keras must let the data end each epoch: forget
-    the inferred count (and skip the "ran out of data" warning, which is expected here)."""
-    global _PATCHED
-    if _PATCHED:
-        return
-    try:
-        from keras.src.trainers.epoch_iterator import EpochIterator
-    except ImportError:  # pragma: no cover - Keras moved it; epochs then keep their length
-        return
-    original = EpochIterator.catch_stop_iteration
-
-    @contextlib.contextmanager
-    def catch_stop_iteration(self):
-        ours = getattr(getattr(self.data_adapter, "_dataset", None), "_kungfu_elastic", False)
-        if not ours:
-            with original(self):
-                yield
-            return
-        try:
-            yield
-        except StopIteration:
-            self._current_iterator = None
-            self.data_adapter.on_epoch_end()
-
-    EpochIterator.catch_stop_iteration = catch_stop_iteration
-    _PATCHED = True
+    the rest of one), so for kungfu's datasets Keras must let the data end each epoch."""
+    _internals.let_data_end_epochs(lambda ds: getattr(ds, "_kungfu_elastic", False))
 
 
 def shard(data, rank=None, size=None):

@@ -6,24 +6,23 @@ uses the moving statistics as usual. Each step adds one small allreduce per laye
 + 1 values), named after the layer, so every worker must build the same layers in the same
 order (layer names are then equal).
 
-It overrides `_moments`, a private method of keras.layers.BatchNormalization (checked with Keras
-3.15); tests/integration/test_layers.py fails if Keras changes it.
+Keras's private hook for the statistics is reached through kungfu/tensorflow/_internals.py
+(BatchNormalizationMoments).
 """
 from __future__ import annotations
 
 import keras
 import tensorflow as tf
 
-from kungfu.tensorflow import ops
+from kungfu.tensorflow import _internals, ops
 
 
 @keras.saving.register_keras_serializable(package="kungfu")
-class SyncBatchNormalization(keras.layers.BatchNormalization):
+class SyncBatchNormalization(_internals.BatchNormalizationMoments):
     """keras.layers.BatchNormalization with the cluster's batch statistics in training."""
 
-    def _moments(self, inputs, mask):
+    def moments(self, inputs, mask, axes):
         x = tf.cast(inputs, tf.float64)  # sums of squares over the cluster: keep the digits
-        axes = list(self._reduction_axes)
         if mask is None:
             weights = tf.ones_like(x)
         else:

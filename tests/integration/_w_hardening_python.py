@@ -235,3 +235,20 @@ def equal_timeouts(iters: int, strategy) -> list:
             mine = 0
         rows.append(kf.allgather(np.array([mine], np.int32), name="eqflag").tolist())
     return rows
+
+
+def broadcast_unpicklable(root: int) -> dict:
+    """Root broadcasts an object it cannot pickle (a lock); every worker reports what it
+    raised, then a broadcast_object under the same name runs on."""
+    import threading
+
+    import kungfu as kf
+
+    r = kf.rank()
+    try:
+        kf.broadcast_object(threading.Lock() if r == root else None, root=root, name="obj")
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test judges it
+        error = f"{type(e).__name__}: {e}"
+    after = kf.broadcast_object(("ok", r) if r == root else None, root=root, name="obj")
+    return {"error": error, "after": after}

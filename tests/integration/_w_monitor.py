@@ -222,3 +222,24 @@ def mixed_precision_estimates():
                       "scale": None if scale is None else float(np.asarray(scale))}
     keras.mixed_precision.set_global_policy("float32")
     return out
+
+
+def monitors_that_differ(settings, steps: int = 3):
+    """kf.Optimizer(SGD, monitor=settings[rank]) steps in a tf.function; returns the error
+    this worker raised (None if every step ran) and the variance it read."""
+    kf, tf, keras = _setup()
+    rank = kf.rank()
+    opt = kf.Optimizer(keras.optimizers.SGD(0.1), monitor=settings[rank], batch_size=4)
+    v = tf.Variable(tf.ones([8]))
+
+    @tf.function
+    def step(g):
+        opt.apply([g], [v])
+
+    rng = np.random.default_rng(rank)
+    try:
+        for _ in range(steps):
+            step(tf.constant(rng.standard_normal(8), tf.float32))
+    except Exception as e:  # noqa: BLE001 - the test judges it
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import pytest
 
+from kungfu import _env
 from kungfu._ports import free_port_block, free_port_range, free_ports  # noqa: F401 - for the tests
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -261,9 +262,7 @@ class Spawner:
         start = time.monotonic()
         for r in range(np):
             e = dict(base)
-            e["KUNGFU_SELF_SPEC"] = peers[r]
-            e["KUNGFU_INIT_PEERS"] = ",".join(peers)
-            e["KUNGFU_INIT_CLUSTER_VERSION"] = "0"
+            _env.set_worker_env(e, _env.worker_env(peers[r], peers, 0))
             extra = rank_env(r) if callable(rank_env) else (rank_env or {}).get(r, {})
             for k, v in (extra or {}).items():
                 if v is None:

@@ -45,6 +45,11 @@ JOINING = (os.environ.get("KUNGFU_ELASTIC_JOINING") == "1"
            or os.environ.get("KUNGFU_SPARE_FD") is not None)
 
 
+# The identity variables each record carries as os.environ holds them after the step.
+ENV_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "KUNGFU_SELF_SPEC",
+                 "KUNGFU_INIT_PEERS", "KUNGFU_INIT_CLUSTER_VERSION")
+
+
 class Records:
     """DIR/<host_port>.jsonl, opened at the first record (by then a spare has its address)."""
 
@@ -204,6 +209,8 @@ def main():
                    help="a worker that faults first stops this process (SIGSTOP) for "
                         "--pause-seconds (the config store, to test an outage)")
     p.add_argument("--pause-seconds", type=float, default=3.0)
+    p.add_argument("--print-ranks", action="store_true",
+                   help="print 'step S rank R of N' after every step (kungfu-run prefixes it)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     stop_at = None  # --stop-at-version: [V, N, the step to stop after once V was seen]
@@ -319,8 +326,12 @@ def main():
                                   "errors": policy.errors,
                                   "monitor_n": float(opt.kungfu_monitor.stats.numpy()[4]),
                                   "gns": kf.grad_noise_scale(), "rehearsed": hook.rehearsed,
-                                  "traces": traces(model.train_function)}) + "\n")
+                                  "traces": traces(model.train_function),
+                                  "env": {k: os.environ.get(k) for k in ENV_RANK_VARS}}) + "\n")
             out.flush()
+            if args.print_ranks:
+                me = os.environ.get("KUNGFU_SELF_SPEC")
+                print(f"step {st.step} rank {kf.rank()} of {kf.size()} at {me}", flush=True)
             sig = my_faults.pop((st.step, "+"), None)
             if sig is not None:
                 fault(sig)

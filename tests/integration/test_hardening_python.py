@@ -134,3 +134,16 @@ def test_equal_timeouts_give_one_outcome_on_every_rank(spawn, strategy):
     split = [(i, row) for i, row in enumerate(rows) if len(set(row)) > 1]
     assert not split, f"ops whose outcome differs between ranks (1 ok, 0 timeout): {split}"
     assert all(set(row) <= {0, 1} for row in rows), rows  # 2: a wrong sum
+
+
+@pytest.mark.parametrize("n,root", [(2, 0), (3, 2)], ids=["np2-root0", "np3-root2"])
+def test_broadcast_object_root_cannot_pickle_fails_everywhere_with_its_reason(spawn, n, root):
+    # Before: root raised before the collective and the others failed on a name mismatch
+    # ("kungfu::broadcast_object/size" against whatever root called next) 2 s later.
+    results = spawn(n, W.broadcast_unpicklable, root, env={"KUNGFU_MISMATCH_GRACE": "1s"})
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and "cannot pickle" in r["error"], (rank, r)
+        assert "_thread.lock" in r["error"], (rank, r)  # root's reason
+        if rank != root:
+            assert f"rank {root}" in r["error"] and "PicklingError" in r["error"], (rank, r)
+        assert r["after"] == ("ok", root), (rank, r)

@@ -848,3 +848,27 @@ def test_an_elastic_job_that_loses_every_worker_says_so():
     assert "survived:" not in r.stderr, r.stderr
     assert r.stderr.count("kungfu-run: lost: worker ") == 2, r.stderr
     assert "training did not finish after the failures above" in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_kungfus_config_server_url_with_its_path_is_accepted():
+    """KungFu's elastic launch line names the cluster path: -config-server
+    http://HOST:PORT/config. The launcher and its worker use the same store as with
+    http://HOST:PORT (before: every request went under /config, 404s until the 60 s wait
+    for the store gave up)."""
+    from kungfu import store as st
+
+    server = st.ConfigServer("127.0.0.1", 0).start()
+    try:
+        job = subprocess.run(
+            launcher_cmd("-w", "-np", "1", "-H", "127.0.0.1:1", "-port-range",
+                         free_port_range(1), "-config-server", f"{server.url}/config", PY, "-c",
+                         "import kungfu as kf; print('trained', kf.size())"),
+            capture_output=True, text=True, env=env_with_repo(), timeout=50)
+        stored, _ = st.connect(server.url).config()
+    finally:
+        server.stop()
+    assert job.returncode == 0, job.stderr
+    assert "[0] trained 1" in job.stdout, job.stdout + job.stderr
+    assert "waiting for the config store" not in job.stderr, job.stderr
+    assert stored is not None and len(stored.peers) == 1, stored

@@ -186,3 +186,17 @@ def test_bad_input_is_explained(spawn):
     assert "InvalidArgument" in e["zero_batch"] and "batch size" in e["zero_batch"]
     assert e["int_grads"] is not None
     assert e["variance_only_ok"] is None
+
+
+@pytest.mark.parametrize("settings", [("gns", "variance"), ("variance", "gns")],
+                         ids=["gns-variance", "variance-gns"])
+def test_monitors_that_differ_between_workers_fail_every_worker(spawn, settings):
+    """kf.Optimizer(monitor=["gns"]) on one worker and ["variance"] on the other ran their
+    statistics' allreduce under one name and summed different statistics (half the right
+    variance, no error). Now every worker fails, naming both settings."""
+    results = spawn(2, w.monitors_that_differ, list(settings), timeout=120,
+                    env={**ENV, "KUNGFU_MISMATCH_GRACE": "1s", "KUNGFU_OP_TIMEOUT": "30s"})
+    for rank, r in enumerate(results):
+        err = r["error"]
+        assert err, (rank, r)
+        assert "monitor/gns'" in err and "monitor/variance'" in err, (rank, err)

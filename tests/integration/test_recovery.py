@@ -555,3 +555,42 @@ def test_a_worker_that_dies_just_after_the_survivors_agreed_to_keep_it(tmp_path)
     assert "in place of the lost one" not in r.stderr, r.stderr[-4000:]
     lost = sorted(finals[0]["recoveries"][0]["lost"])
     assert [records[p.replace(":", "_")][0]["rank"] for p in lost] == [1, 2], lost
+
+
+@pytest.mark.timeout(240)
+def test_ranks_in_environ_and_output_follow_recovery_and_replacement(tmp_path):
+    """Rank 1 of 3 is killed: the survivor that was rank 2 becomes rank 1, and the replacement
+    joins as rank 2. After every step each worker's os.environ (RANK, WORLD_SIZE, LOCAL_RANK,
+    KUNGFU_SELF_SPEC, ...) is its place in the cluster it trains in, and kungfu-run prefixes
+    its lines with that rank (once the launcher has read the new version: a line printed in
+    between may still carry the rank before)."""
+    r, records = run_elastic(tmp_path, 3, 3, "--schedule", "3", "--tail", "100000",
+                             "--max-steps", "100", "--step-sleep", "0.25", "--kill", "1@4+",
+                             "--stop-at-version", "2:4", "--print-ranks")
+    log = r.stdout[-3000:] + r.stderr[-6000:]
+    assert r.returncode == 0, log
+    steps = steps_of(records)
+    assert sizes_of(steps) == [3, 2, 3], steps
+    for worker, rows in records.items():
+        for row in rows:
+            if "step" not in row or "digest" not in row:
+                continue
+            env, spec = row["env"], worker.replace("_", ":")
+            peers = env["KUNGFU_INIT_PEERS"].split(",")
+            assert (env["RANK"], env["WORLD_SIZE"], env["KUNGFU_SELF_SPEC"]) == (
+                str(row["rank"]), str(row["size"]), spec), (worker, row["step"], env)
+            assert peers.index(spec) == row["rank"] and len(peers) == row["size"], env
+            assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (env["RANK"], env["WORLD_SIZE"])
+    lines = defaultdict(list)  # spec -> [(prefix, rank printed)]
+    for line in r.stdout.splitlines():
+        m = re.fullmatch(r"\[(\d+)\] step \d+ rank (\d+) of \d+ at (\S+)", line)
+        if m:
+            lines[m.group(3)].append((int(m.group(1)), int(m.group(2))))
+    moved = 0
+    for spec, seen in lines.items():
+        for (before_prefix, before), (prefix, rank) in zip([(None, None)] + seen, seen):
+            assert prefix == rank or (prefix == before_prefix and before is not None), (spec, seen)
+        assert seen[-1][0] == seen[-1][1], (spec, seen)
+        moved += any(rank != seen[0][1] for _, rank in seen)
+    assert moved >= 1, lines  # the survivor that was rank 2 printed as rank 1
+    assert sorted(p for s in lines.values() for p in {s[-1][0]}) == [0, 1, 2], lines

@@ -1,4 +1,6 @@
 """kungfu._env (durations, variable parsing) and worker identity from the environment."""
+import os
+
 import pytest
 
 from kungfu import _env
@@ -145,3 +147,65 @@ def test_identity_bad_version():
     with pytest.raises(ValueError, match="KUNGFU_INIT_CLUSTER_VERSION"):
         identity_from_env({"KUNGFU_SELF_SPEC": "h:1", "KUNGFU_INIT_PEERS": "h:1,h:2",
                            "KUNGFU_INIT_CLUSTER_VERSION": "x"})
+
+
+def test_set_worker_env_joining_spare_and_unchanged():
+    """worker_env/set_worker_env, the one writer of a worker's identity: joining=True sets
+    KUNGFU_ELASTIC_JOINING, False removes a stale one, None (a worker switching clusters)
+    leaves it and the strategy as they were; NO_IDENTITY (a warm spare) removes every one."""
+    peers = ["127.0.0.1:1", "127.0.0.1:2"]
+    stale = {"RANK": "7", "WORLD_SIZE": "9", "KUNGFU_ELASTIC_JOINING": "1",
+             "KUNGFU_ALLREDUCE_STRATEGY": "STAR", "OTHER": "x"}
+    env = dict(stale)
+    _env.set_worker_env(env, _env.worker_env(peers[1], peers, 3, "RING", joining=False))
+    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == "1"
+    assert "KUNGFU_ELASTIC_JOINING" not in env and env["KUNGFU_ALLREDUCE_STRATEGY"] == "RING"
+    env = dict(stale)
+    _env.set_worker_env(env, _env.worker_env(peers[0], peers, 4))
+    assert (env["RANK"], env["KUNGFU_INIT_CLUSTER_VERSION"]) == ("0", "4")
+    assert env["KUNGFU_ELASTIC_JOINING"] == "1" and env["KUNGFU_ALLREDUCE_STRATEGY"] == "STAR"
+    _env.set_worker_env(env, _env.NO_IDENTITY)
+    assert not set(env) & set(_env.IDENTITY_VARS) and env["OTHER"] == "x"
+
+
+def test_a_taken_spare_gets_worker_env(monkeypatch):
+    """A warm spare's identity (one JSON line on its pipe) goes into os.environ through
+    set_worker_env: a null removes a variable the spare inherited."""
+    import json
+
+    from kungfu import _spare
+
+    peers = ["127.0.0.1:1", "127.0.0.1:2"]
+    sent = _env.worker_env(peers[1], peers, 2, "RING", joining=True)
+    sent["LOCAL_WORLD_SIZE"] = None
+    read, write = os.pipe()
+    os.write(write, (json.dumps(sent) + "\n").encode())
+    os.close(write)
+    monkeypatch.setenv("KUNGFU_SPARE_FD", str(read))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
+    for name in ("KUNGFU_SELF_SPEC", "KUNGFU_INIT_PEERS", "KUNGFU_INIT_CLUSTER_VERSION",
+                 "KUNGFU_ELASTIC_JOINING", "KUNGFU_ALLREDUCE_STRATEGY", "RANK", "WORLD_SIZE",
+                 "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(_spare, "_assigned", False)
+    _spare.wait()
+    assert {k: os.environ.get(k) for k in sent} == sent
+    assert "KUNGFU_SPARE_FD" not in os.environ
+
+
+def test_only_env_writes_a_workers_identity():
+    """No module but kungfu/_env.py writes an identity variable into an environment: the
+    launcher, the elastic launcher, its spares and a worker's own switch call set_worker_env."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "kungfu"
+    names = "|".join(re.escape(n) for n in _env.IDENTITY_VARS)
+    write = re.compile(r"(environ|env)\[[^\]]*(SELF_SPEC|INIT_PEERS|INIT_CLUSTER_VERSION|"
+                       r"ELASTIC_JOINING|STANDARD_RANK_VARS|IDENTITY_VARS|" + names + r")"
+                       r"|environ\.update\(|env\.update\(_env\.worker_env|"
+                       r"\{_env\.ELASTIC_JOINING\.name")
+    found = [f"{p.relative_to(root.parent)}:{n}: {line.strip()}"
+             for p in sorted(root.rglob("*.py")) if p.name != "_env.py"
+             for n, line in enumerate(p.read_text().splitlines(), 1) if write.search(line)]
+    assert found == [], "\n".join(found)

@@ -27,10 +27,10 @@ def tfk():
 def test_loss_scale_adapter_matches_this_keras(tfk):
     """Fails when Keras's LossScaleOptimizer changes under kungfu's adapter."""
     kf, tf, keras = tfk
-    from kungfu.tensorflow.optimizers import _loss_scale
+    from kungfu.tensorflow import _internals
 
-    assert _loss_scale.compatible()
-    assert keras.__version__.startswith(_loss_scale.CHECKED_KERAS), keras.__version__
+    assert _internals.loss_scale_compatible()
+    assert keras.__version__.startswith(_internals.CHECKED["keras"]), keras.__version__
     kf.Optimizer(keras.optimizers.SGD(0.1))
     assert keras.optimizers.LossScaleOptimizer._common_apply.kungfu_agreed is True
 

@@ -144,3 +144,17 @@ def test_cooling_hosts(client):
     assert client.cooling_hosts(2500.0) == {}
     client.cool_down("a", 3000.0)  # a later cool-down replaces the earlier one
     assert client.cooling_hosts(2500.0) == {"a": 3000.0}
+
+
+@pytest.mark.parametrize("path", ["/config", "/config/"])
+def test_kungfus_config_url_reaches_the_same_store(path):
+    """KungFu's launch line gives the builtin server's cluster path; the client drops it."""
+    server = st.ConfigServer("127.0.0.1", 0).start()
+    try:
+        kungfu_form = st.connect(server.url + path)
+        assert kungfu_form.propose(st.ClusterConfig(0, ["127.0.0.1:10000"]))
+        assert st.connect(server.url).config()[0] == st.ClusterConfig(0, ["127.0.0.1:10000"])
+        kungfu_form.put("k", "v")
+        assert st.connect(server.url).get("k")[0] == "v"
+    finally:
+        server.stop()

@@ -155,7 +155,7 @@ def prepare_fit(model, steps: Optional[int] = None) -> None:
         return
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):
         # compile under mixed_float16 wraps kf.Optimizer(...) in a LossScaleOptimizer
-        # (kungfu/tensorflow/optimizers/_loss_scale.py makes that agree on overflow).
+        # (kungfu/tensorflow/_internals.py, agree_on_overflow, makes that agree on overflow).
         opt = opt.inner_optimizer
     if not isinstance(opt, Optimizer):
         own_step = getattr(type(model), "train_step", None) is not keras.Model.train_step

@@ -30,8 +30,7 @@ import keras
 import tensorflow as tf
 
 from kungfu._collective import _strategy_code
-from kungfu.tensorflow import _monitor, ops
-from kungfu.tensorflow.optimizers import _loss_scale
+from kungfu.tensorflow import _internals, _monitor, ops
 from kungfu.tensorflow.optimizers._fusion import Averaged
 from kungfu.tensorflow.optimizers._fusion import average_gradients as _average_gradients
 from kungfu.tensorflow.optimizers._fusion import mean_over_workers as _mean_over_workers
@@ -54,16 +53,6 @@ _ALIASES = {
 }
 ALGORITHMS = ("sync-sgd", "sma", "pair-averaging")
 _SERIAL = itertools.count()
-
-
-def _in_xla_context() -> bool:
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - private module moved
-        return False
-    if tf.executing_eagerly():
-        return False
-    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
 def _value(v) -> tf.Tensor:
@@ -148,7 +137,7 @@ class Optimizer:
         return self._kf_op_prefix or f"kungfu/{self._kf_algorithm}/{self._kf_serial}"
 
     def _kf_check_context(self):
-        if _in_xla_context():
+        if _internals.in_xla_context():
             raise RuntimeError(
                 "kungfu's distributed optimizer cannot run inside an XLA-compiled function "
                 "(its collectives have no XLA kernels): compile the model with "
@@ -167,7 +156,8 @@ class Optimizer:
 
     @contextlib.contextmanager
     def _kf_loss_scaled(self, grads, check_finite, loss_scale=None):
-        """For a LossScaleOptimizer around this one (_loss_scale): yields the gradients it is to
+        """For a LossScaleOptimizer around this one (_internals.agree_on_overflow): yields the
+        gradients it is to
         apply and whether they are finite, the same on every worker. Here: the local gradients,
         finite where every worker's are. loss_scale: the scale the gradients carry."""
         finite = tf.cast(check_finite(grads), tf.int32)
@@ -287,7 +277,8 @@ class _SynchronousSGD(Optimizer):
             with tf.control_dependencies(local):
                 stamps.append(tf.timestamp())
             if monitor is not None:  # its statistics' allreduce runs alongside the gradients'
-                started.append(monitor.start(local, _value(self._iterations),
+                step = _value(_internals.iterations_variable(self))
+                started.append(monitor.start(local, step,
                                              f"{self._kf_prefix()}/monitor",
                                              self._kf_backward_passes_per_step))
 
@@ -347,10 +338,10 @@ class _SynchronousSGD(Optimizer):
         so all take the same branch. k is in the averages' names: workers given different k
         fail at once on a name mismatch naming both, instead of averaging different windows."""
         self._kf_build_if_needed(trainable_variables)
-        variables = list(self._trainable_variables if trainable_variables is None
+        variables = list(_internals.trainable_variables(self) if trainable_variables is None
                          else trainable_variables)
         k = self._kf_backward_passes_per_step
-        sums = [self._kf_sums[self._get_variable_index(v)] for v in variables]
+        sums = [self._kf_sums[_internals.variable_index(self, v)] for v in variables]
         for total, g in zip(sums, grads):
             if g is not None:
                 total.assign_add(tf.convert_to_tensor(g))
@@ -373,7 +364,7 @@ class _SynchronousSGD(Optimizer):
         loss_scale = averaged.loss_scale
         if monitor is not None:
             self._kf_build_if_needed(trainable_variables)
-            step = _value(self._iterations)
+            step = _value(_internals.iterations_variable(self))
             if loss_scale is None and isinstance(self, keras.optimizers.LossScaleOptimizer):
                 # kf.Optimizer(LossScaleOptimizer(...)): the gradients averaged here are scaled;
                 # the scale read before apply() may change it.
@@ -397,7 +388,7 @@ class _SynchronousAveraging(Optimizer):
         self._kf_check_context()
         grads = list(grads)
         self._kf_build_if_needed(trainable_variables)
-        variables = list(self._trainable_variables if trainable_variables is None
+        variables = list(_internals.trainable_variables(self) if trainable_variables is None
                          else trainable_variables)
         if len(variables) != len(grads):
             raise ValueError(f"got {len(grads)} gradients for {len(variables)} variables")
@@ -428,7 +419,7 @@ class _PairAveraging(Optimizer):
 
     def _kf_groups(self) -> List[Tuple[tf.DType, list]]:
         groups: Dict[tf.DType, list] = {}
-        for v in self._trainable_variables:
+        for v in _internals.trainable_variables(self):
             groups.setdefault(tf.as_dtype(v.dtype), []).append(v)
         return list(groups.items())
 
@@ -458,7 +449,7 @@ class _PairAveraging(Optimizer):
         rank, size = ops.peer_info()
 
         def average_with_peer():
-            target = choose_peer(self._iterations, rank, size)
+            target = choose_peer(_internals.iterations_variable(self), rank, size)
             for dt, vs in self._kf_groups():
                 total = sum(tf.TensorShape(v.shape).num_elements() for v in vs)
                 fetched = ops.request_variable(target, shape=[total], dtype=dt,
@@ -472,7 +463,8 @@ class _PairAveraging(Optimizer):
             averaged = tf.cond(size > 1, average_with_peer, lambda: tf.constant(False))
         with tf.control_dependencies(None if eager else [averaged]):
             result = super().apply(grads, trainable_variables)
-        with tf.control_dependencies(None if eager else [_value(self._iterations)]):
+        counter = _value(_internals.iterations_variable(self))
+        with tf.control_dependencies(None if eager else [counter]):
             self._kf_save()
         return result
 
@@ -495,21 +487,6 @@ _CLASSES = {
 _DYNAMIC: Dict[tuple, type] = {}
 
 
-def _serialize_like(dynamic: type, base: type) -> None:
-    """Makes Keras serialize instances of `dynamic` exactly as instances of `base`."""
-    try:
-        from keras.src import api_export
-        from keras.src.saving import object_registration
-    except ImportError:  # pragma: no cover - Keras internals moved: names still match
-        return
-    public = api_export.get_name_from_symbol(base)
-    if public is not None:
-        api_export.REGISTERED_OBJS_TO_NAMES[dynamic] = public
-    custom = object_registration.GLOBAL_CUSTOM_NAMES.get(base)
-    if custom is not None:
-        object_registration.GLOBAL_CUSTOM_NAMES[dynamic] = custom
-
-
 def _distributed_class(algorithm_cls: type, base: type) -> type:
     key = (algorithm_cls, base)
     cls = _DYNAMIC.get(key)
@@ -519,7 +496,7 @@ def _distributed_class(algorithm_cls: type, base: type) -> type:
             "__qualname__": base.__qualname__,
             "__doc__": base.__doc__,
         })
-        _serialize_like(cls, base)
+        _internals.serialize_like(cls, base)
         _DYNAMIC[key] = cls
     return cls
 
@@ -545,7 +522,7 @@ def _wrap(optimizer=None, algorithm: str = "sync-sgd", **options):
             "kungfu.Optimizer wraps a Keras 3 optimizer instance (keras.optimizers.Optimizer, "
             f"e.g. keras.optimizers.SGD(0.1)), got {what}")
     name = _normalize_algorithm(algorithm)
-    _loss_scale.install()  # compile may wrap the result in a LossScaleOptimizer
+    _internals.agree_on_overflow()  # compile may wrap the result in a LossScaleOptimizer
     cls = _distributed_class(_CLASSES[name], type(optimizer))
     config = optimizer.get_config()
     try:
@@ -565,7 +542,7 @@ def _wrap(optimizer=None, algorithm: str = "sync-sgd", **options):
 def _copy_state(src, dst) -> None:
     with tf.init_scope():
         with keras.name_scope(dst.name, caller=dst):
-            dst.build(list(src._trainable_variables))
+            dst.build(list(_internals.trainable_variables(src)))
         dst.built = True
         if len(src.variables) != len(dst.variables):
             raise ValueError(
