@@ -64,3 +64,10 @@ def to_tensor(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     else:
         out = torch.from_numpy(np.ascontiguousarray(a))
     return out if like.device.type == "cpu" else out.to(like.device)
+
+
+def numpy_dtype(t: torch.Tensor) -> np.dtype:
+    """The numpy dtype of t's elements (ml_dtypes.bfloat16 for bfloat16)."""
+    if t.dtype == torch.bfloat16:
+        return np.dtype(_bfloat16())
+    return np.dtype(torch.empty((), dtype=t.dtype).numpy().dtype)

@@ -2,7 +2,13 @@
 
 Every call goes through the core's numpy collectives (kungfu._collective): same names, same
 deadlines (`timeout`, by default KUNGFU_OP_TIMEOUT), same errors. A tensor this worker rejects
-(wrong type or dtype) still takes part, as in the core: the other workers fail at once too."""
+(wrong type or dtype) still takes part, as in the core: the other workers fail at once too.
+
+CUDA tensors of in-place allreduce and broadcast (and so SynchronousSGDOptimizer and
+broadcast_parameters) stay on the device where the worker has a GPU backend (kungfu._gpu:
+NCCL, or staging through pinned memory): the op waits for the caller's current stream on the
+device and that stream waits for the op, never the host. Without one they are copied through
+the host (a synchronous .cpu())."""
 from __future__ import annotations
 
 import hashlib
@@ -11,9 +17,9 @@ from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 import torch
 
-from kungfu import _collective
+from kungfu import _collective, _device, _gpu, _peer
 from kungfu.errors import InvalidArgumentError
-from kungfu.torch.ops._tensors import check, host_array, is_view, to_tensor
+from kungfu.torch.ops._tensors import check, host_array, is_view, numpy_dtype, to_tensor
 
 
 class Handle:
@@ -60,12 +66,44 @@ def _in_place(t: torch.Tensor, x: torch.Tensor, launch: Callable) -> Handle:
     return Handle(launch(a, out=a), finish)
 
 
+def _on_device(t: torch.Tensor, x: torch.Tensor, launch: Callable, mean: bool = False) -> Handle:
+    """Runs launch(address, count, dtype, stream, keep) on x's device memory (a contiguous copy
+    where x is not contiguous, copied back by wait()); `mean`: the sum is divided by the size
+    on the device, after the op, on the caller's stream. wait() returns t."""
+    y = x if x.is_contiguous() else x.contiguous()
+    stream = torch.cuda.current_stream(y.device).cuda_stream
+    n = _peer.get().size
+    inner = launch(y.data_ptr(), y.numel(), numpy_dtype(y), stream, y)
+
+    def finish(_):
+        with torch.no_grad():
+            if mean:
+                if y.dtype.is_floating_point:
+                    y.div_(n)
+                else:
+                    y.copy_(torch.div(y, n, rounding_mode="floor"))
+            if y is not x:
+                x.copy_(y)
+        return t
+
+    return Handle(inner, finish)
+
+
+def _device_path(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and _gpu.nccl_available()
+
+
 def all_reduce_async(t: torch.Tensor, op: str = "sum", name: Optional[str] = None,
                      timeout: Optional[float] = None) -> Handle:
     """Reduces t in place across workers (op: sum, avg, min, max, prod); wait() returns t."""
     x = _checked("allreduce", t, name, timeout)
+    op = op or "sum"
+    if _device_path(x):
+        return _on_device(t, x, lambda ptr, count, dtype, stream, keep: _device.allreduce_async(
+            ptr, ptr, count, dtype, "sum" if op == "avg" else op, name, timeout, stream, keep),
+            mean=op == "avg")
     return _in_place(t, x, lambda a, out: _collective.allreduce_async(
-        a, op or "sum", name, timeout=timeout, out=out))
+        a, op, name, timeout=timeout, out=out))
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum", name: Optional[str] = None,
@@ -97,6 +135,9 @@ def broadcast_async(t: torch.Tensor, root: int = 0, name: Optional[str] = None,
                     timeout: Optional[float] = None) -> Handle:
     """Overwrites t in place with root's t; wait() returns t."""
     x = _checked("broadcast", t, name, timeout)
+    if _device_path(x):
+        return _on_device(t, x, lambda ptr, count, dtype, stream, keep: _device.broadcast_async(
+            ptr, ptr, count, dtype, root, name, timeout, stream, keep))
     return _in_place(t, x, lambda a, out: _collective.broadcast_async(
         a, root, name, timeout=timeout, out=out))
 
