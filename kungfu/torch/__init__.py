@@ -12,7 +12,7 @@ Importing it imports torch; `import kungfu` alone never does. Launch workers wit
 """
 from __future__ import annotations
 
-from kungfu import _peer
+from kungfu import _gpu, _peer
 from kungfu.elastic import ElasticData
 from kungfu.torch import ops, optimizers
 from kungfu.torch.elastic import ElasticTrainer
@@ -39,7 +39,26 @@ def local_size() -> int:
     return _peer.identity().local_size
 
 
+def nccl_available() -> bool:
+    """Whether NCCL and the CUDA runtime were found in this process, so CUDA tensors stay on the
+    device (docs/torch.md, GPUs). kungfu loads them at run time: no build has them built in."""
+    return _gpu.nccl_available()
+
+
+def nccl_built() -> bool:
+    """KungFu's name for nccl_available()."""
+    return _gpu.nccl_available()
+
+
+def show_nccl_version() -> str:
+    """NCCL's version and where it was found, or why it was not."""
+    return _gpu.show_nccl_version()
+
+
 __all__ = [
+    "nccl_available",
+    "nccl_built",
+    "show_nccl_version",
     "ops",
     "optimizers",
     "rank",
