@@ -56,8 +56,13 @@ def schedule_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def schedule_run(schedule_dir):
+    """Sizes 1 -> 2 -> 4 -> 3 -> 1 -> 4 in 4 slots. The joiners are warm spares (-spares 3: the
+    launcher keeps one started in every free slot), so no grow waits for a TensorFlow start-up;
+    joiners started cold are tested below, in tests/integration/test_recovery.py and in
+    test_torch_elastic.py."""
     return run_elastic(schedule_dir, 1, 4, "--schedule", "2,4,3,1,4", "--bad-requests",
-                       launcher_args=("-timeline", str(schedule_dir / "timeline")))
+                       launcher_args=("-timeline", str(schedule_dir / "timeline"),
+                                      "-spares", "3"))
 
 
 @pytest.mark.timeout(300)
@@ -181,13 +186,15 @@ def test_every_sample_once_per_epoch(schedule_run):
     assert _every_sample_once_per_epoch(records) >= 3
 
 
-def _write_tfrecord(tmp_path) -> Path:
-    files = tmp_path / "tfrecord"
-    files.mkdir()
+@pytest.fixture(scope="module")
+def tfrecord_files(tmp_path_factory) -> Path:
+    """The samples in 3 TFRecord files, written once for the tests that read them (by a
+    process of its own: elastic_train.py writes them from its arrays)."""
+    files = tmp_path_factory.mktemp("tfrecord")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     subprocess.run([sys.executable, str(HERE / "elastic_train.py"), "--write-tfrecord",
-                    str(files), "--samples", str(SAMPLES), "--out", str(tmp_path)],
+                    str(files), "--samples", str(SAMPLES), "--out", str(files)],
                    check=True, env=env, timeout=120, capture_output=True)
     assert len(list(files.glob("*.tfrecord"))) == 3
     return files
@@ -195,16 +202,15 @@ def _write_tfrecord(tmp_path) -> Path:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stream", [False, True], ids=["by-position", "tf.data-stream"])
-def test_elastic_data_over_tfrecord_files(tmp_path, stream):
+def test_elastic_data_over_tfrecord_files(tmp_path, tfrecord_files, stream):
     """kf.ElasticData over 3 TFRecord files, never loaded whole: by position (kf.RecordFiles),
     or as a tf.data.TFRecordDataset stream that every worker reads in order. Resizes mid-epoch
     (1 -> 2 -> 3 -> 2) keep every sample once per epoch, and each batch equals the arrays the
     files were written from (checked in the workers). The joiners are warm spares (-spares 2),
     so that no resize waits for TensorFlow's start-up."""
-    files = _write_tfrecord(tmp_path)
     r, records = run_elastic(tmp_path, 1, 3, "--schedule", "2,3,2", "--gap", "4", "--tail",
-                             "40", "--tfrecord", str(files), *(["--stream"] if stream else []),
-                             launcher_args=("-spares", "2"))
+                             "40", "--tfrecord", str(tfrecord_files),
+                             *(["--stream"] if stream else []), launcher_args=("-spares", "2"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     steps = steps_of(records)
     assert sizes_of(steps) == [1, 2, 3, 2]

@@ -11,9 +11,31 @@ import _w_keras as w  # noqa: E402
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
+def _in_turn(session_spawn, name: str, variants: list, timeout: float = 240) -> dict:
+    """Body `name` of _w_keras.py with each of `variants` (its arguments), one after the other
+    in one spawn of 2 workers: {variant: [rank 0's result, rank 1's]}."""
+    calls = [(name, args) for args in variants]
+    ranks = session_spawn(2, w.in_turn, calls, env=ENV, timeout=timeout)
+    return {args: [results[i] for results in ranks] for i, args in enumerate(variants)}
+
+
+@pytest.fixture(scope="module")
+def deciding(session_spawn):
+    return _in_turn(session_spawn, "deciding_callbacks", [(True,), (False,)])
+
+
+@pytest.fixture(scope="module")
+def gns_boards(session_spawn, tmp_path_factory):
+    folders = {hook_first: str(tmp_path_factory.mktemp("board")) for hook_first in (True, False)}
+    runs = _in_turn(session_spawn, "tensorboard_gns", [(folders[h], h) for h in (True, False)])
+    return {h: runs[(folders[h], h)] for h in (True, False)}
+
+
+# Both orders of the Keras callbacks' list run in one spawn, one after the other (each with
+# its own model and kf.Hook), so the fixtures above start TensorFlow once for both.
 @pytest.mark.parametrize("hook_first", [True, False], ids=["hook-first", "hook-last"])
-def test_deciding_callbacks_agree_and_evaluate_is_over_every_shard(spawn, hook_first):
-    r0, r1 = spawn(2, w.deciding_callbacks, hook_first, env=ENV, timeout=150)
+def test_deciding_callbacks_agree_and_evaluate_is_over_every_shard(deciding, hook_first):
+    r0, r1 = deciding[(hook_first,)]
     # The same epoch metrics on both workers, so the same decisions.
     assert r0["plateau_loss"] == r1["plateau_loss"]
     assert r0["lr"] == r1["lr"] == pytest.approx(0.01)  # the combined loss improved each epoch
@@ -27,12 +49,22 @@ def test_deciding_callbacks_agree_and_evaluate_is_over_every_shard(spawn, hook_f
         assert r0["evaluate"][key] == pytest.approx(r0["expected"][key], rel=1e-5), key
 
 
+@pytest.fixture(scope="module")
+def writers(session_spawn, tmp_path_factory):
+    """one_writer under kf.Hook, then with BroadcastGlobalVariablesCallback (each in a folder
+    of its own), in one spawn: {hook: [rank 0's result, rank 1's]}."""
+    folders = {hook: str(tmp_path_factory.mktemp("writer")) for hook in (True, False)}
+    runs = _in_turn(session_spawn, "one_writer", [(folders[h], h) for h in (True, False)])
+    return {h: runs[(folders[h], h)] for h in (True, False)}
+
+
 @pytest.mark.parametrize("hook", [True, False], ids=["hook", "broadcast-callback"])
-def test_workers_start_equal_print_once_and_checkpoint_once(spawn, tmp_path, hook):
+def test_workers_start_equal_print_once_and_checkpoint_once(writers, hook):
     """A model built at its first batch starts from rank 0's weights (kf.Hook by itself, or
     BroadcastGlobalVariablesCallback); under kf.Hook the progress bar and ModelCheckpoint's
-    files come from rank 0 only, while training."""
-    r0, r1 = spawn(2, w.one_writer, str(tmp_path), hook, env=ENV, timeout=150)
+    files come from rank 0 only, while training (and after it, the next fit without a Hook
+    prints and writes on every worker again)."""
+    r0, r1 = writers[hook]
     assert r0["weights"] == r1["weights"]
     assert "Epoch 2/2" in r0["printed"]
     assert r0["files"] == ["e1.weights.h5", "e2.weights.h5"]  # no temporary file left
@@ -56,11 +88,10 @@ def test_kf_shard_gives_every_worker_the_same_number_of_steps(spawn):
 
 
 @pytest.mark.parametrize("hook_first", [True, False], ids=["hook-first", "hook-last"])
-def test_the_gradient_noise_scale_reaches_tensorboard_in_either_order(spawn, tmp_path,
-                                                                      hook_first):
+def test_the_gradient_noise_scale_reaches_tensorboard_in_either_order(gns_boards, hook_first):
     import math
 
-    r0, r1 = spawn(2, w.tensorboard_gns, str(tmp_path), hook_first, env=ENV, timeout=150)
+    r0, r1 = gns_boards[hook_first]
     for r in (r0, r1):
         assert r["batch"] == 16  # learned from the first batch
         gns = r["scalars"].get("epoch_gns")
@@ -104,9 +135,10 @@ def test_kf_load_model_resumes_distributed_and_a_plain_reload_is_warned_of(spawn
     """A model saved with kf.Optimizer reloads with its plain optimizer (it saves as the one it
     wraps): keras.models.load_model then trains each worker alone, and fit says so;
     kf.load_model distributes the optimizer again, with its saved state."""
-    plain = spawn(2, w.resume_from_saved, str(tmp_path / "keras"), "keras", env=ENV,
-                  timeout=150)
-    ours = spawn(2, w.resume_from_saved, str(tmp_path / "kf"), "kf", env=ENV, timeout=150)
+    # Both in one spawn, one after the other: plain Keras' load first.
+    calls = [("resume_from_saved", (str(tmp_path / loader), loader)) for loader in ("keras", "kf")]
+    plain, ours = zip(*spawn(2, w.in_turn, calls, env=ENV, timeout=240))
+    plain, ours = list(plain), list(ours)
     for r in plain + ours:
         assert r["iterations"] == 4  # one epoch of 64 samples in batches of 16, then saved
         assert r["slots"] == r["saved_slots"]  # the saved Adam state, kept by the wrapping
