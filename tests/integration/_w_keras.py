@@ -8,12 +8,6 @@ from _w_tf_optim import _digest, _setup
 SHARD = 64
 
 
-def in_turn(calls):
-    """Several bodies of this module, one after the other in this worker (one TensorFlow
-    start-up for them all): [(name, args)] -> their results, in that order."""
-    return [globals()[name](*args) for name, args in calls]
-
-
 def shard(rank: int):
     """Worker `rank`'s own data: y = x w + noise, rank 1's ten times larger (its loss is ~100
     times rank 0's, so decisions from local metrics differ)."""

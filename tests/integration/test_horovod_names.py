@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 import _w_horovod_names as W  # noqa: E402
+from _w_in_turn import in_turn  # noqa: E402
 from conftest import REPO_ROOT as REPO, free_port_range  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,13 +60,25 @@ def test_backward_passes_per_step_and_schedule(spawn):
     assert outs[0]["schedule_digest"] == outs[1]["schedule_digest"]
 
 
-@pytest.mark.parametrize("order", ["compile", "inner", "sma"])
-def test_mixed_precision_overflow_on_one_rank(spawn, order):
+ORDERS = ["compile", "inner", "sma"]
+
+
+@pytest.fixture(scope="module")
+def mixed_precision(session_spawn):
+    """The three wrappings one after the other in one spawn (each sets the same mixed_float16
+    policy and builds its own model): {order: [rank 0's result, rank 1's]}."""
+    calls = [("_w_horovod_names:mixed_precision_checks", (order,)) for order in ORDERS]
+    ranks = session_spawn(2, in_turn, calls, env=ENV, timeout=240)
+    return {order: [results[i] for results in ranks] for i, order in enumerate(ORDERS)}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_mixed_precision_overflow_on_one_rank(mixed_precision, order):
     """Rank 1's inputs are 51 times rank 0's: its gradients overflow first. Every rank skips the
     same steps (the optimizer's step count after each batch is the same) and the loss scale
     follows the same path; under sync-sgd the weights stay equal (sma keeps local steps, so its
     weights differ by design); nothing waits for the op deadline."""
-    outs = spawn(2, W.mixed_precision_checks, order, env=ENV, timeout=150)
+    outs = mixed_precision[order]
     assert [o["wrapper"] for o in outs] == ["LossScaleOptimizer"] * 2
     applied = outs[0]["applied"]
     assert len(applied) == 16 and 0 < applied[-1] < 16, applied  # some steps were skipped

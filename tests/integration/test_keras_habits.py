@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 import _w_keras as w  # noqa: E402
+from _w_in_turn import in_turn  # noqa: E402
 
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 
@@ -14,8 +15,8 @@ ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 def _in_turn(session_spawn, name: str, variants: list, timeout: float = 240) -> dict:
     """Body `name` of _w_keras.py with each of `variants` (its arguments), one after the other
     in one spawn of 2 workers: {variant: [rank 0's result, rank 1's]}."""
-    calls = [(name, args) for args in variants]
-    ranks = session_spawn(2, w.in_turn, calls, env=ENV, timeout=timeout)
+    calls = [(f"_w_keras:{name}", args) for args in variants]
+    ranks = session_spawn(2, in_turn, calls, env=ENV, timeout=timeout)
     return {args: [results[i] for results in ranks] for i, args in enumerate(variants)}
 
 
@@ -136,8 +137,9 @@ def test_kf_load_model_resumes_distributed_and_a_plain_reload_is_warned_of(spawn
     wraps): keras.models.load_model then trains each worker alone, and fit says so;
     kf.load_model distributes the optimizer again, with its saved state."""
     # Both in one spawn, one after the other: plain Keras' load first.
-    calls = [("resume_from_saved", (str(tmp_path / loader), loader)) for loader in ("keras", "kf")]
-    plain, ours = zip(*spawn(2, w.in_turn, calls, env=ENV, timeout=240))
+    calls = [("_w_keras:resume_from_saved", (str(tmp_path / loader), loader))
+             for loader in ("keras", "kf")]
+    plain, ours = zip(*spawn(2, in_turn, calls, env=ENV, timeout=240))
     plain, ours = list(plain), list(ours)
     for r in plain + ours:
         assert r["iterations"] == 4  # one epoch of 64 samples in batches of 16, then saved

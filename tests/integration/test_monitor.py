@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 import _w_monitor as w  # noqa: E402
+from _w_in_turn import in_turn  # noqa: E402
 
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 
@@ -60,18 +61,48 @@ def reference(per_rank_steps, decay, interval, scales=None):
     return out
 
 
+STATS_CASES = [(1, 1, "both", None), (2, 1, "both", None), (3, 2, "both", None),
+               (4, 3, "both", [2.0, 0.5, 0.0, 1.0]), (1, 1, "gns", None),
+               (3, 2, "gns", [1.0, 0.5, 0.0])]
+DECAY, STEPS = 0.7, 7
+
+
+def _stats_args(interval, monitors, scales) -> tuple:
+    chosen = ("gns", "variance") if monitors == "both" else ("gns",)
+    return STEPS, DECAY, interval, chosen, scales
+
+
+# The bodies each world size runs, one after the other in one spawn (each builds its own model;
+# none changes a process-wide setting): TensorFlow starts once per size.
+PLAN = {n: [("stats_steps", _stats_args(*case[1:])) for case in STATS_CASES if case[0] == n]
+        for n in (1, 2, 3, 4)}
+PLAN[2] += [("fit_logs", (3, 4)), ("compat_names", ())]
+
+
+@pytest.fixture(scope="module")
+def planned(session_spawn):
+    """planned(n, body, args): every rank's result of that call of PLAN[n]."""
+    cache = {}
+
+    def get(n, body, args=()):
+        if n not in cache:
+            calls = [(f"_w_monitor:{name}", a) for name, a in PLAN[n]]
+            cache[n] = session_spawn.run(n, in_turn, calls, env=ENV, timeout=240,
+                                         fail_fast=True)
+        i = PLAN[n].index((body, args))
+        return [results[i] for results in cache[n].check()]
+
+    return get
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("n,interval,monitors,scales", [
-    (1, 1, "both", None), (2, 1, "both", None), (3, 2, "both", None),
-    (4, 3, "both", [2.0, 0.5, 0.0, 1.0]), (1, 1, "gns", None), (3, 2, "gns", [1.0, 0.5, 0.0])])
-def test_estimates_match_numpy_reference(spawn, n, interval, monitors, scales):
+@pytest.mark.parametrize("n,interval,monitors,scales", STATS_CASES)
+def test_estimates_match_numpy_reference(planned, n, interval, monitors, scales):
     # "gns" alone takes the other path: its statistics are reduced alongside the gradients
     # (start), |g|^2 comes from the averages afterwards. With scales, the average weighs the
     # workers unequally (as kf.ElasticData's parts), and one has no samples of its own.
-    decay, steps = 0.7, 7
-    chosen = ("gns", "variance") if monitors == "both" else ("gns",)
-    results = spawn(n, w.stats_steps, steps, decay, interval, chosen, scales, env=ENV,
-                    timeout=150)
+    decay = DECAY
+    results = planned(n, "stats_steps", _stats_args(interval, monitors, scales))
     assert {step["early"] for r in results for step in r} == {monitors == "gns"}
     # The same averaged gradient everywhere (the reference reads rank 0's).
     for r in results[1:]:
@@ -135,8 +166,8 @@ def test_mixed_precision_estimates_are_of_the_unscaled_gradients(spawn):
 
 
 @pytest.mark.timeout(300)
-def test_keras_logs_carry_the_estimates(spawn):
-    results = spawn(2, w.fit_logs, 3, 4, env=ENV, timeout=150)
+def test_keras_logs_carry_the_estimates(planned):
+    results = planned(2, "fit_logs", (3, 4))
     r0, r1 = results
     assert r0 == r1  # the same logs on both workers
     batches = r0["batches"]
@@ -155,8 +186,8 @@ def test_keras_logs_carry_the_estimates(spawn):
 
 
 @pytest.mark.timeout(200)
-def test_kungfu_compatible_names(spawn):
-    results = spawn(2, w.compat_names, env=ENV, timeout=120)
+def test_kungfu_compatible_names(planned):
+    results = planned(2, "compat_names")
     for r in results:
         assert r["gns_opt"] == ("sync-sgd", ("gns",), 2, 0.8, 16.0)
         assert r["var_opt"] == ("sync-sgd", ("variance",))
@@ -172,6 +203,7 @@ def test_kungfu_compatible_names(spawn):
 
 @pytest.mark.timeout(120)
 def test_bad_input_is_explained(spawn):
+    # A spawn of its own: it checks what a fresh process says (no monitor enabled yet).
     e = spawn(1, w.bad_input, env=ENV, timeout=90)[0]
     assert e["none"].startswith("RuntimeError") and "monitor=['gns']" in e["none"]
     assert e["unknown"].startswith("ValueError") and "'noise'" in e["unknown"]

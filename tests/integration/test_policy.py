@@ -6,15 +6,38 @@ import pytest
 pytest.importorskip("tensorflow")
 
 import _w_policy as w  # noqa: E402
+from _w_in_turn import in_turn  # noqa: E402
 
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 SAMPLES, EPOCHS = 101, 3
+# The bodies each world size runs, one after the other in one spawn (each builds its own model
+# and kf.Hook): TensorFlow starts once per size. adaptive_fit comes first, since it checks the
+# strategy it starts from; the later bodies run under the tree it installs (their results do not
+# depend on the strategy). adaptive_strategy runs without tensor fusion: a spawn of its own.
+PLAN = {2: [("adaptive_fit", (SAMPLES, EPOCHS)), ("custom_loop", (30,)),
+            ("seed_form_policy", ()), ("talk_gns_policy", (6,))],
+        3: [("adaptive_fit", (SAMPLES, EPOCHS)), ("outside_hook", ())]}
+
+
+@pytest.fixture(scope="module")
+def planned(session_spawn):
+    """planned(n, body): every rank's result of `body` in PLAN[n]."""
+    cache = {}
+
+    def get(n, body):
+        if n not in cache:
+            calls = [(f"_w_policy:{name}", args) for name, args in PLAN[n]]
+            cache[n] = session_spawn.run(n, in_turn, calls, env=ENV, timeout=280,
+                                         fail_fast=True)
+        i = [name for name, _ in PLAN[n]].index(body)
+        return [results[i] for results in cache[n].check()]
+
+    return get
 
 
 @pytest.fixture(scope="module", params=[2, 3])
-def fit_run(request, session_spawn):
-    return request.param, session_spawn(request.param, w.adaptive_fit, SAMPLES, EPOCHS, env=ENV,
-                                        timeout=150)
+def fit_run(request, planned):
+    return request.param, planned(request.param, "adaptive_fit")
 
 
 @pytest.mark.timeout(400)
@@ -72,9 +95,9 @@ def test_every_sample_once_per_epoch_despite_batch_change(fit_run):
     assert {4, 7} <= shapes
 
 
-@pytest.mark.timeout(200)
-def test_actions_outside_a_hook(spawn):
-    results = spawn(3, w.outside_hook, env=ENV, timeout=120)
+@pytest.mark.timeout(300)
+def test_actions_outside_a_hook(planned):
+    results = planned(3, "outside_hook")
     for r in results:
         assert r["tree"] == {"tree": [0, 0, 0]}
         assert r["ring"] == {"name": "RING"}
@@ -116,9 +139,9 @@ def test_adaptive_strategy_picks_the_fastest_and_leaves_a_slowed_one(spawn):
     assert chosen and fastest not in chosen, decisions
 
 
-@pytest.mark.timeout(200)
-def test_hook_in_a_custom_loop(spawn):
-    results = spawn(2, w.custom_loop, 30, env=ENV, timeout=120)
+@pytest.mark.timeout(300)
+def test_hook_in_a_custom_loop(planned):
+    results = planned(2, "custom_loop")
     r0, r1 = results
     # Steps 0-2 at batch 3 (3 x 2 x 3 = 18 samples), then 6: 12 left in epoch 0 -> one step.
     assert r0["shapes"][:4] == [3, 3, 3, 6] and r1["shapes"][:4] == [3, 3, 3, 6]
@@ -128,19 +151,19 @@ def test_hook_in_a_custom_loop(spawn):
         assert got == list(range(30))
 
 
-@pytest.mark.timeout(120)
-def test_policy_hooks_without_the_state_argument(spawn):
+@pytest.mark.timeout(300)
+def test_policy_hooks_without_the_state_argument(planned):
     # The seed's form (`def after_step(self):`) failed with "takes 1 positional argument".
-    for calls in spawn(2, w.seed_form_policy, env=ENV, timeout=90):
+    for calls in planned(2, "seed_form_policy"):
         # 12 samples, 3 per worker per step at np=2: 2 steps per epoch, 2 epochs.
         assert calls == {"before_epoch": 2, "after_step": 4, "after_epoch": 1 + 2}
 
 
-@pytest.mark.timeout(200)
-def test_a_policy_asking_for_more_workers_than_slots_is_refused_and_training_goes_on(spawn):
+@pytest.mark.timeout(300)
+def test_a_policy_asking_for_more_workers_than_slots_is_refused_and_training_goes_on(planned):
     """The talk's GNS policy under a plain (not elastic) kungfu-run: every kf.resize(size + 1)
     returns False with a warning that says why; training ends normally with the same weights."""
-    results = spawn(2, w.talk_gns_policy, 6, env=ENV, timeout=150)
+    results = planned(2, "talk_gns_policy")
     digests = {r["weights"] for r in results}
     assert len(digests) == 1
     for r in results:

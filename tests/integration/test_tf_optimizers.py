@@ -11,23 +11,41 @@ pytest.importorskip("tensorflow")
 pytest.importorskip("sklearn")
 
 import _w_tf_optim as w  # noqa: E402
+from _w_in_turn import in_turn  # noqa: E402
 
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def sync_runs(session_spawn):
-    return {n: session_spawn(n, w.sync_sgd_checks, env=ENV, timeout=120) for n in (1, 2, 3)}
+# The bodies each world size runs, one after the other in one spawn (each builds its own
+# models): TensorFlow starts once per size for them.
+PLAN = {1: ["sync_sgd_checks"], 2: ["sync_sgd_checks"], 3: ["sync_sgd_checks", "averaging_checks"]}
 
 
 @pytest.fixture(scope="module")
-def averaging_run(session_spawn):
-    return session_spawn(3, w.averaging_checks, env=ENV, timeout=120)
+def planned(session_spawn):
+    """{n: {body: every rank's result}} for PLAN."""
+    runs = {}
+    for n, bodies in PLAN.items():
+        ranks = session_spawn(n, in_turn, [(f"_w_tf_optim:{b}", ()) for b in bodies], env=ENV,
+                              timeout=180)
+        runs[n] = {b: [results[i] for results in ranks] for i, b in enumerate(bodies)}
+    return runs
+
+
+@pytest.fixture(scope="module")
+def sync_runs(planned):
+    return {n: planned[n]["sync_sgd_checks"] for n in (1, 2, 3)}
+
+
+@pytest.fixture(scope="module")
+def averaging_run(planned):
+    return planned[3]["averaging_checks"]
 
 
 @pytest.fixture(scope="module")
 def single_run(session_spawn):
+    # A spawn of its own: it checks what a fresh process imports.
     return session_spawn(1, w.single_worker_checks, env=ENV, timeout=90)[0]
 
 

@@ -4,15 +4,33 @@ import numpy as np
 import pytest
 
 import _w_training_surface as W
+from _w_in_turn import in_turn
 
 pytestmark = pytest.mark.timeout(240)
 NPS = [2, 3]
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "KUNGFU_OP_TIMEOUT": "60s"}
+BODIES = ["sync_batch_norm", "compression", "sparse_gradients"]
+
+
+@pytest.fixture(scope="module")
+def surface(session_spawn):
+    """surface(n, body): every rank's result of _w_training_surface's `body` on n workers. The
+    three bodies run one after the other in one spawn per n (each builds its own model)."""
+    cache = {}
+
+    def get(n, body):
+        if n not in cache:
+            calls = [(f"_w_training_surface:{name}", ()) for name in BODIES]
+            cache[n] = session_spawn.run(n, in_turn, calls, env=ENV, timeout=220,
+                                         fail_fast=True)
+        return [results[BODIES.index(body)] for results in cache[n].check()]
+
+    return get
 
 
 @pytest.mark.parametrize("n", NPS)
-def test_sync_batch_norm_uses_the_cluster_batch(spawn, n):
-    results = spawn(n, W.sync_batch_norm, env=ENV, timeout=200)
+def test_sync_batch_norm_uses_the_cluster_batch(surface, n):
+    results = surface(n, "sync_batch_norm")
     everything = np.concatenate([W.bn_input(k) for k in range(n)]).astype(np.float64)
     mean, var = everything.mean(0), everything.var(0)
     for r, res in enumerate(results):
@@ -30,8 +48,8 @@ def test_sync_batch_norm_uses_the_cluster_batch(spawn, n):
 
 
 @pytest.mark.parametrize("n", NPS)
-def test_fp16_compression_is_close_and_the_same_everywhere(spawn, n):
-    results = spawn(n, W.compression, env=ENV, timeout=200)
+def test_fp16_compression_is_close_and_the_same_everywhere(surface, n):
+    results = surface(n, "compression")
     for res in results:
         assert res["bad"] is not None and "fp16" in res["bad"], res["bad"]
         for full, half, named in zip(res["none"], res["fp16"], res["hvd-name"]):
@@ -46,8 +64,8 @@ def test_fp16_compression_is_close_and_the_same_everywhere(spawn, n):
 
 
 @pytest.mark.parametrize("n", NPS)
-def test_sparse_gradients_train_like_dense_ones(spawn, n):
-    results = spawn(n, W.sparse_gradients, env=ENV, timeout=200)
+def test_sparse_gradients_train_like_dense_ones(surface, n):
+    results = surface(n, "sparse_gradients")
     for res in results:
         for s, d in zip(res["sparse"], res["dense"]):
             assert np.allclose(s, d, rtol=1e-6, atol=1e-7)
