@@ -80,9 +80,9 @@ std::map<std::string, Scenario>& Scenarios() {
 struct ScenarioRegistrar {
   ScenarioRegistrar(const char* name, Scenario fn) { Scenarios()[name] = fn; }
 };
-#define SCENARIO(name)                                                          \
-  void Scenario_##name(const ChildArgs& a);                                     \
-  const ScenarioRegistrar scenario_registrar_##name(#name, &Scenario_##name);   \
+#define SCENARIO(name)                                                        \
+  void Scenario_##name(const ChildArgs& a);                                   \
+  const ScenarioRegistrar scenario_registrar_##name(#name, &Scenario_##name); \
   void Scenario_##name(const ChildArgs& a)
 
 // Runs `scenario` on `size` processes with `env` added to their environment, and checks that
@@ -116,8 +116,7 @@ void RunRanks(const std::string& scenario, int size, const std::vector<std::stri
     for (std::string& s : args) argv.push_back(&s[0]);
     argv.push_back(nullptr);
     pid_t pid;
-    const int rc =
-        posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data());
+    const int rc = posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data());
     if (!CHECK_EQ(rc, 0)) break;
     pids.push_back(pid);
   }
@@ -178,7 +177,10 @@ void EncodeAt(DType dt, double v, unsigned char* p) {
 }
 
 double DecodeAt(DType dt, const unsigned char* p) {
-  float f; int64_t x; uint16_t h; int16_t s;
+  float f;
+  int64_t x;
+  uint16_t h;
+  int16_t s;
   switch (dt) {
     case DType::kFloat32: std::memcpy(&f, p, 4); return f;
     case DType::kInt64: std::memcpy(&x, p, 8); return static_cast<double>(x);
@@ -267,7 +269,11 @@ struct Child {
 void CheckAllReduces(const ChildArgs& a, Child& c, DType dt, size_t count) {
   const int n = a.size;
   const std::string tag = std::string(kungfu::DTypeName(dt)) + " np " + std::to_string(n);
-  struct Red { ReduceOp op; bool mean; const char* name; };
+  struct Red {
+    ReduceOp op;
+    bool mean;
+    const char* name;
+  };
   for (const Red& red : {Red{ReduceOp::kSum, false, "sum"}, Red{ReduceOp::kMin, false, "min"},
                          Red{ReduceOp::kMax, false, "max"}, Red{ReduceOp::kProd, false, "prod"},
                          Red{ReduceOp::kSum, true, "avg"}}) {
@@ -297,10 +303,12 @@ void CheckAllReduces(const ChildArgs& a, Child& c, DType dt, size_t count) {
                   return c.comm->AllReduce(s, r, count, dt, red.op, o, w);
                 });
     if (red.op == ReduceOp::kSum && !red.mean) {
-      RunAndCheck(c.stream, dt, in, want, "allreduce in place " + tag,
-                  [&](const void* s, void* r, std::unique_ptr<GpuWork>* w) {
-                    return c.comm->AllReduce(s, r, count, dt, red.op, o, w);
-                  }, /*in_place=*/true);
+      RunAndCheck(
+          c.stream, dt, in, want, "allreduce in place " + tag,
+          [&](const void* s, void* r, std::unique_ptr<GpuWork>* w) {
+            return c.comm->AllReduce(s, r, count, dt, red.op, o, w);
+          },
+          /*in_place=*/true);
     }
   }
 }
@@ -322,7 +330,21 @@ void CheckMoves(const ChildArgs& a, Child& c, DType dt, size_t count) {
               [&](const void* s, void* r, std::unique_ptr<GpuWork>* w) {
                 return c.comm->AllGather(s, r, count, dt, o, w);
               });
+  RunAndCheck(c.stream, dt, Inputs(me, count, 7), Inputs(me, count, 7), "copy " + tag,
+              [&](const void* s, void* r, std::unique_ptr<GpuWork>* w) {
+                return c.comm->Copy(r, s, count * kungfu::DTypeSize(dt),
+                                    abi::cudaMemcpyDeviceToDevice, o, w);
+              });
   if (dt == DType::kInt16) return;  // moved as bytes; NCCL cannot reduce it
+  // Only the root's recv gets the sum; the others' stays as it was (-99, RunAndCheck's filler).
+  std::vector<double> reduced(count, me == root ? 0 : -99);
+  for (int r = 0; me == root && r < n; ++r) {
+    for (size_t i = 0; i < count; ++i) reduced[i] += Val(r, i, 8);
+  }
+  RunAndCheck(c.stream, dt, Inputs(me, count, 8), reduced, "reduce " + tag,
+              [&](const void* s, void* r, std::unique_ptr<GpuWork>* w) {
+                return c.comm->Reduce(s, r, count, dt, ReduceOp::kSum, root, o, w);
+              });
   std::vector<double> scattered(count, 0);
   for (int r = 0; r < n; ++r) {
     for (size_t i = 0; i < count; ++i) scattered[i] += Val(r, me * count + i, 5);

@@ -113,6 +113,8 @@ ncclResult_t Comm::Init(const std::string& name, int nranks, int rank) {
   stall_rank_ = static_cast<int>(EnvInt("KUNGFU_GPU_DOUBLE_STALL_RANK", -1));
   fault_op_ = static_cast<uint64_t>(EnvInt("KUNGFU_GPU_DOUBLE_AFTER_OPS", 0));
   timeout_ms_ = EnvInt("KUNGFU_GPU_DOUBLE_TIMEOUT_MS", 60000);
+  const char* trace = std::getenv("KUNGFU_GPU_DOUBLE_TRACE");
+  trace_ = trace ? trace : "";
   std::string why;
   const ncclResult_t r =
       seg_.Join(name, nranks, rank, EnvInt("KUNGFU_GPU_DOUBLE_INIT_TIMEOUT_MS", 30000), &why);
@@ -133,6 +135,13 @@ ncclResult_t Comm::Issue(Op op, cudaStream_t stream) {
   if (op.kind != kP2pGroup) op.coll_index = next_coll_++;
   if (op.ticket == fault_op_ && seg_.rank() == fail_rank_) op.fault = Op::kFail;
   if (op.ticket == fault_op_ && seg_.rank() == stall_rank_) op.fault = Op::kStall;
+  if (!trace_.empty()) {  // "<op> <count> rank <rank> of <ranks>": one write, appended whole
+    if (FILE* f = std::fopen(trace_.c_str(), "a")) {
+      std::fprintf(f, "%s %zu rank %d of %d\n", KindName(op.kind), op.count, seg_.rank(),
+                   seg_.nranks());
+      std::fclose(f);
+    }
+  }
   StreamOf(stream)->Enqueue(
       [self = shared_from_this(), op = std::move(op)] { self->RunInTurn(op); });
   return ncclSuccess;

@@ -106,6 +106,9 @@ class Comm : public std::enable_shared_from_this<Comm> {
   int stall_rank_ = -1;
   uint64_t fault_op_ = 0;
   int64_t timeout_ms_ = 60000;
+  // KUNGFU_GPU_DOUBLE_TRACE: a file that gets one line per op issued (what a test checks about
+  // which communicators an operation used).
+  std::string trace_;
   Clock::time_point deadline_;  // of the running op; only the op holding the turn uses it
 
   std::atomic<bool> aborted_{false};

@@ -7,6 +7,7 @@ scripts/gpu_check.sh runs the real thing on a GPU machine."""
 import glob
 import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -90,3 +91,74 @@ def test_without_nccl_a_device_collective_says_why(spawn):
         assert kind == "InvalidArgumentError"
         assert "no GPU backend" in message and "/nonexistent/libnccl.so.2" in message, message
         assert status.startswith("NCCL: not available")
+
+
+HIERARCHICAL_WORKER = """
+import sys
+import numpy as np
+from kungfu import _device, _peer
+
+r, n = _peer.get().rank, _peer.get().size
+out = {}
+for count in (1, 5, 70000):
+    for dtype in (np.float32, np.int64):
+        x = (np.arange(count) % 1000 + r + 1).astype(dtype)
+        y = np.full(count, -1, dtype=dtype)
+        _device.allreduce_async(x.ctypes.data, y.ctypes.data, count=count, dtype=dtype,
+                                keep=(x, y)).wait()
+        out[f"sum-{count}-{np.dtype(dtype).name}"] = y
+z = (np.arange(1000) * (r + 1) % 997).astype(np.float64)
+_device.allreduce_async(z.ctypes.data, z.ctypes.data, count=z.size, dtype=np.float64, op="max",
+                        keep=z).wait()  # in place
+out["max"] = z
+b = np.full(3, float(r))
+_device.broadcast_async(b.ctypes.data, b.ctypes.data, count=3, dtype=np.float64, root=n - 1,
+                        keep=b).wait()  # the session-wide communicator, beside the hosts' ones
+out["broadcast"] = b
+np.savez(sys.argv[1] + f"/rank{r}.npz", **out)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", [(2, 2), (1, 3)], ids=["2+2", "1+3"])
+def test_the_allreduce_across_hosts_is_hierarchical(double, tmp_path, workers):
+    """Two network namespaces as hosts: the device allreduce runs NCCL inside each host (the
+    double's trace shows reduces and broadcasts on communicators of one host's ranks, never an
+    allreduce of every rank), the TCP ring across hosts; the results are exact on every rank,
+    uneven hosts included."""
+    from test_multihost import netns_hosts, run_on_both  # one definition of the hosts
+
+    script = tmp_path / "worker.py"
+    script.write_text(HIERARCHICAL_WORKER)
+    trace = tmp_path / "trace.txt"
+    np_ = sum(workers)
+    with netns_hosts(2) as hosts:
+        spec = ",".join(f"{ip}:{w}" for ip, w in zip(hosts.ip, workers))
+        results = run_on_both(
+            hosts,
+            [["-np", str(np_), "-H", spec, "-self", ip, "-timeout", "90s", sys.executable, str(script),
+              str(tmp_path)] for ip in hosts.ip],
+            timeout=120,
+            env={**_env(double, "nccl"), "KUNGFU_GPU_DOUBLE_TRACE": str(trace)})
+    for rc, out, err in results:
+        assert rc == 0, f"exit {rc}\nstdout:\n{out}\nstderr:\n{err}"
+    got = [np.load(tmp_path / f"rank{r}.npz") for r in range(np_)]
+    for count in (1, 5, 70000):
+        k = np.arange(count) % 1000
+        want = sum(k + q + 1 for q in range(np_))
+        for dtype in ("float32", "int64"):
+            for r in range(np_):
+                np.testing.assert_array_equal(got[r][f"sum-{count}-{dtype}"], want.astype(dtype))
+    want_max = np.max([np.arange(1000) * (q + 1) % 997 for q in range(np_)], axis=0)
+    for r in range(np_):
+        np.testing.assert_array_equal(got[r]["max"], want_max)
+        np.testing.assert_array_equal(got[r]["broadcast"], np.full(3, np_ - 1.0))
+    ops = [line.split() for line in trace.read_text().splitlines()]
+    host_sizes = {str(w) for w in workers}
+    assert not [o for o in ops if o[0] == "allreduce"], "an allreduce of NCCL ran: not hierarchical"
+    reduces = [o for o in ops if o[0] == "reduce"]
+    assert reduces and all(o[-1] in host_sizes for o in reduces), reduces
+    # The one broadcast of every rank's communicator is the test's own; the others spread
+    # segments inside a host.
+    assert sorted(o[-1] for o in ops if o[0] == "broadcast" and o[-1] == str(np_)) == \
+        [str(np_)] * np_

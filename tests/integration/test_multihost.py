@@ -97,12 +97,14 @@ def launcher_env(pythonpath: str = "") -> dict:
     return env
 
 
-def run_on_both(hosts: Hosts, args_per_host, timeout: float = 60, pythonpath: str = ""):
-    """Runs one launcher per host (args_per_host[i] in hosts.ns[i]); returns (rc, out, err)."""
+def run_on_both(hosts: Hosts, args_per_host, timeout: float = 60, pythonpath: str = "",
+                env: dict | None = None):
+    """Runs one launcher per host (args_per_host[i] in hosts.ns[i]), with `env` added to its
+    environment; returns (rc, out, err)."""
     procs = [
         subprocess.Popen(["ip", "netns", "exec", ns, PY, "-m", "kungfu.cmd", *args],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=launcher_env(pythonpath))
+                         env={**launcher_env(pythonpath), **(env or {})})
         for ns, args in zip(hosts.ns, args_per_host)
     ]
     try:

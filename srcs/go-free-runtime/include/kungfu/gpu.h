@@ -7,6 +7,9 @@
 //    backend, every rank joins. A failed communicator stays failed; the next session (a resize,
 //    a recovery) makes the next one. While an op waits, a peer's failure seen by the transport, or
 //    the op's deadline, aborts the communicator, so no rank stays in a kernel.
+//    A session across hosts allreduces hierarchically (backend/gpu/nccl_hierarchical.cc): NCCL
+//    inside each host (a second communicator, of the host's ranks), the TCP ring across hosts on
+//    each rank's share from pinned host memory, NCCL again inside.
 //  - Staging, where NCCL cannot serve (none found, or ranks that share a GPU, which NCCL refuses):
 //    chunks copied down into pinned host buffers on a stream of the backend's own, reduced by the
 //    host backend (the TCP algorithms), copied back; the copies of the next and the previous

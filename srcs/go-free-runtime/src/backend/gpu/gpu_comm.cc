@@ -409,6 +409,41 @@ Status GpuComm::Broadcast(const void* send, void* recv, size_t count, DType dtyp
       work);
 }
 
+Status GpuComm::Reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+                       int root, const GpuOpOptions& options, std::unique_ptr<GpuWork>* work) {
+  if (root < 0 || root >= size()) {
+    return InvalidArgument("reduce: root " + std::to_string(root) + " of " +
+                           std::to_string(size()));
+  }
+  ncclDataType_t type;
+  ncclRedOp_t redop;
+  KF_RETURN_IF_ERROR(ReduceArgs(dtype, op, options.mean, &type, &redop).WithContext("reduce"));
+  const auto& nccl = state_->libs.nccl;
+  return Enqueue(
+      "reduce", options,
+      [&](ncclComm_t c, cudaStream_t s) {
+        return nccl.Reduce(send, recv, count, type, redop, root, c, s);
+      },
+      work);
+}
+
+Status GpuComm::Copy(void* dst, const void* src, size_t bytes, cuda_abi::cudaMemcpyKind kind,
+                     const GpuOpOptions& options, std::unique_ptr<GpuWork>* work) {
+  const CudartApi& cu = state_->libs.cudart;
+  cudaError_t failed = cuda_abi::cudaSuccess;
+  Status st = Enqueue(
+      "copy", options,
+      [&](ncclComm_t, cudaStream_t s) {
+        failed = cu.MemcpyAsync(dst, src, bytes, kind, s);
+        // Refused before it ran: the stream and the communicator are as they were.
+        return failed == cuda_abi::cudaSuccess ? cuda_abi::ncclSuccess
+                                               : cuda_abi::ncclInvalidArgument;
+      },
+      work);
+  if (failed != cuda_abi::cudaSuccess) return CudaError(state_->libs, "cudaMemcpyAsync", failed);
+  return st;
+}
+
 Status GpuComm::AllGather(const void* send, void* recv, size_t send_count, DType dtype,
                           const GpuOpOptions& options, std::unique_ptr<GpuWork>* work) {
   ncclDataType_t type;

@@ -123,6 +123,14 @@ class GpuComm {
   // send holds size() * recv_count elements; block r is reduced into rank r's recv.
   Status ReduceScatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op,
                        const GpuOpOptions& options, std::unique_ptr<GpuWork>* work);
+  // recv (read on `root` only) gets the reduction of every rank's send.
+  Status Reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, int root,
+                const GpuOpOptions& options, std::unique_ptr<GpuWork>* work);
+  // A copy of `bytes` between host and device memory (or within either), ordered on the
+  // communicator's stream with its collectives: the staging of an op that leaves the device in
+  // between (the hierarchical allreduce's step across hosts).
+  Status Copy(void* dst, const void* src, size_t bytes, cuda_abi::cudaMemcpyKind kind,
+              const GpuOpOptions& options, std::unique_ptr<GpuWork>* work);
   // send and recv hold size() * count elements: block p of send goes to rank p, block p of
   // recv comes from rank p (grouped ncclSend/ncclRecv).
   Status AllToAll(const void* send, void* recv, size_t count, DType dtype,

@@ -5,58 +5,108 @@
 namespace kungfu {
 
 NcclBackend::NcclBackend(const GpuLibraries& libs, int device, Transport& transport, Backend& host)
-    : libs_(libs), device_(device), transport_(transport), host_(host), caller_(libs) {}
+    : libs_(libs),
+      device_(device),
+      transport_(transport),
+      host_(host),
+      hosts_(MakeHostLayout(transport.peers())),
+      caller_(libs) {}
 
-NcclBackend::~NcclBackend() = default;  // ~GpuComm destroys the communicator (or aborts it)
+NcclBackend::~NcclBackend() {  // ~GpuComm destroys each communicator (or aborts it)
+  comm_.reset();
+  host_comm_.reset();
+  if (pinned_ != nullptr) libs_.cudart.FreeHost(pinned_);
+}
 
 void NcclBackend::Abort(const Status& why) {
   std::lock_guard<std::mutex> lk(state_mu_);
   if (failed_.ok()) failed_ = why;
-  if (comm_) comm_->Abort(why.message());
+  for (GpuComm* c : {comm_.get(), host_comm_.get()}) {
+    if (c != nullptr) c->Abort(why.message());
+  }
 }
 
-Status NcclBackend::Comm(const OpContext& ctx, GpuComm** out) {
+Status NcclBackend::Failed(const Status& st) {
+  std::lock_guard<std::mutex> lk(state_mu_);
+  if (failed_.ok()) failed_ = st;
+  return st;
+}
+
+Status NcclBackend::UniqueId(const OpContext& ctx, Scope scope, std::string* id) {
+  const int rank = transport_.rank();
+  const int first = hosts_.ranks_of_host[hosts_.host_of[rank]][0];  // this host's first rank
+  const bool makes = scope == Scope::kAll ? rank == 0 : rank == first;
+  std::string mine;
+  if (makes) KF_RETURN_IF_ERROR(GpuComm::NewUniqueId(libs_, &mine));
+  OpContext sub = ctx;
+  sub.name = SubOpName(ctx.name, scope == Scope::kAll ? "nccl-id" : "nccl-host-id");
+  sub.memory = Memory::kHost;
+  Strategy star;
+  star.kind = StrategyKind::kStar;
+  star.trees = {Tree(transport_.size(), 0)};
+  if (scope == Scope::kAll) {
+    id->assign(cuda_abi::kNcclUniqueIdBytes, '\0');
+    if (makes) *id = mine;
+    return host_.Broadcast(sub, id->data(), id->data(), id->size(), DType::kUInt8, 0, star);
+  }
+  // Every host's first rank contributes its id, the others nothing: an allgather of blocks of
+  // any size, from which each rank takes its host's.
+  GatherResult all;
+  KF_RETURN_IF_ERROR(host_.Gather(sub, mine.data(), mine.size(), DType::kUInt8, -1, star, &all));
+  size_t offset = 0;
+  for (int r = 0; r < first; ++r) offset += all.counts[r];
+  if (all.counts[first] != cuda_abi::kNcclUniqueIdBytes) {
+    return Internal("the NCCL id of this host's first rank has " +
+                    std::to_string(all.counts[first]) + " bytes");
+  }
+  id->assign(static_cast<const char*>(all.data.data()) + offset, all.counts[first]);
+  return Status::OK();
+}
+
+Status NcclBackend::Comm(const OpContext& ctx, Scope scope, GpuComm** out) {
+  std::unique_ptr<GpuComm>& slot = scope == Scope::kAll ? comm_ : host_comm_;
   {
     std::lock_guard<std::mutex> lk(state_mu_);
     if (!failed_.ok()) return failed_;
-    *out = comm_.get();
+    *out = slot.get();
   }
-  if (*out == nullptr) {  // only ops make it, one at a time (run_mu_)
-    std::string id(cuda_abi::kNcclUniqueIdBytes, '\0');
-    if (transport_.rank() == 0) KF_RETURN_IF_ERROR(GpuComm::NewUniqueId(libs_, &id));
-    OpContext sub = ctx;
-    sub.name = SubOpName(ctx.name, "nccl-id");
-    sub.memory = Memory::kHost;
-    Strategy star;
-    star.kind = StrategyKind::kStar;
-    star.trees = {Tree(transport_.size(), 0)};
-    KF_RETURN_IF_ERROR(
-        host_.Broadcast(sub, id.data(), id.data(), id.size(), DType::kUInt8, 0, star));
-    std::unique_ptr<GpuComm> comm;
-    Status made = GpuComm::Create(libs_, id, transport_.rank(), transport_.size(), device_, &comm);
-    std::lock_guard<std::mutex> lk(state_mu_);
-    if (!made.ok()) failed_ = made.WithContext("joining the NCCL communicator");
-    if (!failed_.ok()) return failed_;  // made, or aborted meanwhile
-    comm_ = std::move(comm);
-    *out = comm_.get();
-  }
+  if (*out != nullptr) return Status::OK();  // only ops make one, one at a time (run_mu_)
+  std::string id;
+  KF_RETURN_IF_ERROR(UniqueId(ctx, scope, &id));
+  const int rank = transport_.rank();
+  const auto& local = hosts_.ranks_of_host[hosts_.host_of[rank]];
+  std::unique_ptr<GpuComm> comm;
+  Status made = scope == Scope::kAll
+                    ? GpuComm::Create(libs_, id, rank, transport_.size(), device_, &comm)
+                    : GpuComm::Create(libs_, id, hosts_.local_rank[rank],
+                                      static_cast<int>(local.size()), device_, &comm);
+  std::lock_guard<std::mutex> lk(state_mu_);
+  if (!made.ok()) failed_ = made.WithContext("joining the NCCL communicator");
+  if (!failed_.ok()) return failed_;  // made, or aborted meanwhile
+  slot = std::move(comm);
+  *out = slot.get();
   return Status::OK();
 }
 
 Status NcclBackend::Run(const OpContext& ctx, const char* what, const std::vector<Issue>& issue) {
   std::lock_guard<std::mutex> lk(run_mu_);
   GpuComm* comm = nullptr;
-  KF_RETURN_IF_ERROR(Comm(ctx, &comm));
+  KF_RETURN_IF_ERROR(Comm(ctx, Scope::kAll, &comm));
+  return Issued(ctx, what, *comm, issue, true);
+}
+
+Status NcclBackend::Issued(const OpContext& ctx, const char* what, GpuComm& comm,
+                           const std::vector<Issue>& issue, bool after_caller) {
   GpuOpOptions options;
-  KF_RETURN_IF_ERROR(caller_.Ready(ctx.device_stream, &options.ready));
+  if (after_caller) KF_RETURN_IF_ERROR(caller_.Ready(ctx.device_stream, &options.ready));
   std::vector<std::unique_ptr<GpuWork>> works;
   Status st;
   for (const Issue& f : issue) {
     works.emplace_back();
-    st = f(*comm, options, &works.back());
+    st = f(comm, options, &works.back());
     if (!st.ok()) {
       works.pop_back();
-      comm->Abort(st.message());  // the ops already issued would wait for peers forever
+      comm.Abort(st.message());  // the ops already issued would wait for peers forever
       break;
     }
     KF_RETURN_IF_ERROR(caller_.Then(ctx.device_stream, works.back()->done_event()));
@@ -64,18 +114,15 @@ Status NcclBackend::Run(const OpContext& ctx, const char* what, const std::vecto
   for (auto& w : works) {
     Status ended = WaitWatching(
         ctx, what, transport_, [&](Status* s) { return w->Poll(s); },
-        [&](const Status& why) { comm->Abort(why.message()); });
+        [&](const Status& why) { comm.Abort(why.message()); });
     if (st.ok()) st = ended;
   }
-  if (!st.ok()) {
-    std::lock_guard<std::mutex> state(state_mu_);
-    if (failed_.ok()) failed_ = st;
-  }
-  return st;
+  return st.ok() ? st : Failed(st);
 }
 
 Status NcclBackend::AllReduce(const OpContext& ctx, const std::vector<Piece>& pieces, DType dtype,
                               ReduceOp op, const Strategy&, const Spawner&, size_t) {
+  if (hosts_.host_count() > 1) return AllReduceAcrossHosts(ctx, pieces, dtype, op);
   std::vector<Issue> issue;
   for (const Piece& x : pieces) {
     if (x.count == 0) continue;

@@ -3,11 +3,13 @@
 #pragma once
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "backend/gpu/device_ops.h"
 #include "backend/gpu/gpu_comm.h"
 #include "kungfu/backend.h"
+#include "kungfu/peer_id.h"
 
 namespace kungfu {
 
@@ -32,24 +34,46 @@ class NcclBackend : public Backend {
 
  private:
   using Issue = std::function<Status(GpuComm&, const GpuOpOptions&, std::unique_ptr<GpuWork>*)>;
-  // The communicator, made at the first op: rank 0's unique id broadcast over the host backend
-  // as a sub-operation of `ctx`.
-  Status Comm(const OpContext& ctx, GpuComm** out);
-  // Runs the ops `issue` enqueues (after the caller's stream), then waits for them all.
+  // Which ranks a communicator joins: all of the session's, or this host's (the hierarchical
+  // allreduce's inside steps).
+  enum class Scope { kAll, kHost };
+  // The communicator of `scope`, made at its first op: for kAll rank 0's unique id is broadcast
+  // over the host backend, for kHost every host's first rank's is gathered (a sub-operation of
+  // `ctx` either way). run_mu_ held.
+  Status Comm(const OpContext& ctx, Scope scope, GpuComm** out);
+  Status UniqueId(const OpContext& ctx, Scope scope, std::string* id);
+  // Runs the ops `issue` enqueues on the session-wide communicator, then waits for them all.
   Status Run(const OpContext& ctx, const char* what, const std::vector<Issue>& issue);
+  // Enqueues `issue` on `comm` (after the caller's stream where after_caller), makes the caller's
+  // stream wait for each op, and waits for them all, watching the transport. run_mu_ held.
+  Status Issued(const OpContext& ctx, const char* what, GpuComm& comm,
+                const std::vector<Issue>& issue, bool after_caller);
+  // Remembers the first failure: every later op of this session fails with it.
+  Status Failed(const Status& st);
+  // nccl_hierarchical.cc: the allreduce of a session that spans several hosts.
+  Status AllReduceAcrossHosts(const OpContext& ctx, const std::vector<Piece>& pieces, DType dtype,
+                              ReduceOp op);
+  Status AcrossHosts(const OpContext& ctx, GpuComm& local, const Piece& x, size_t index,
+                     DType dtype, ReduceOp op);
+  Status HostBuffer(size_t bytes, char** out);  // pinned, grown as needed; run_mu_ held
 
   const GpuLibraries& libs_;
   const int device_;
   Transport& transport_;
   Backend& host_;
+  const HostLayout hosts_;
   CallerStream caller_;
   // run_mu_ is held while an op issues and waits (ops run one at a time, in issue order);
-  // state_mu_ guards comm_ and failed_, briefly, and is what Abort takes (from any thread, an op
-  // under way included: GpuComm::Abort is thread-safe). Lock order: run_mu_, then state_mu_.
+  // state_mu_ guards the communicators and failed_, briefly, and is what Abort takes (from any
+  // thread, an op under way included: GpuComm::Abort is thread-safe). Lock order: run_mu_, then
+  // state_mu_.
   std::mutex run_mu_;
   std::mutex state_mu_;
-  std::unique_ptr<GpuComm> comm_;
-  Status failed_;  // once a communicator failed, every later op of this session fails so
+  std::unique_ptr<GpuComm> comm_;       // every rank of the session
+  std::unique_ptr<GpuComm> host_comm_;  // this host's ranks (sessions across hosts)
+  Status failed_;           // once a communicator failed, every later op of this session fails so
+  char* pinned_ = nullptr;  // HostBuffer's; run_mu_
+  size_t pinned_bytes_ = 0;
 };
 
 class StagingBackend : public Backend {
