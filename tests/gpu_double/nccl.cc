@@ -4,8 +4,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "comm.h"
@@ -137,6 +139,13 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int
     return ncclInvalidArgument;
   }
   const std::string name(id.internal + 4, strnlen(id.internal + 4, sizeof(id.internal) - 4));
+  // KUNGFU_GPU_DOUBLE_STALL_INIT_RANK: that rank never joins (a peer gone after the unique id
+  // went out); its call returns only after the double's stuck limit.
+  const char* stall = std::getenv("KUNGFU_GPU_DOUBLE_STALL_INIT_RANK");
+  if (stall != nullptr && *stall != '\0' && std::atoi(stall) == rank) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(kfdouble::kStuckMs));
+    return ncclSystemError;
+  }
   auto c = std::make_shared<kfdouble::Comm>();
   const ncclResult_t r = c->Init(name, nranks, rank);
   if (r != ncclSuccess) return r;

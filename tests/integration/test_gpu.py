@@ -78,6 +78,16 @@ def test_a_stalled_rank_ends_at_the_deadline_on_every_rank(spawn, double):
     assert "deadline" in got[0][1], got[0]
 
 
+def test_a_rank_that_never_joins_the_communicator_ends_at_the_deadline(spawn, double):
+    # ncclCommInitRank has no deadline of its own: rank 1 got the unique id and never joins.
+    # Rank 0 must not wait for the double's 120 s: the first op's deadline ends the join.
+    env = _env(double, "nccl", KUNGFU_GPU_DOUBLE_STALL_INIT_RANK=1, KUNGFU_OP_TIMEOUT="3s")
+    got = spawn.run(2, _w_gpu.allreduce_twice, 30.0, env=env, timeout=60)
+    o = got.outcomes[0]
+    assert not o.ok and "joining the NCCL communicator" in o.describe(), o.describe()
+    assert "joining the NCCL communicator ran past its deadline" in o.describe(), o.describe()
+
+
 def test_a_new_cluster_gets_a_new_communicator(spawn, double):
     got = spawn(3, _w_gpu.shrink_and_reduce, env=_env(double, "nccl"))
     assert [g[0] for g in got] == [6.0, 6.0, 6.0]

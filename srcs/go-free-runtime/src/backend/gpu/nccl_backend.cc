@@ -1,6 +1,7 @@
 #include "backend/gpu/nccl_backend.h"
 
 #include <string>
+#include <thread>
 
 namespace kungfu {
 
@@ -63,6 +64,45 @@ Status NcclBackend::UniqueId(const OpContext& ctx, Scope scope, std::string* id)
   return Status::OK();
 }
 
+// ncclCommInitRank blocks until every rank has joined, with no deadline of its own (a peer that
+// died after the id went out would keep it waiting forever). So it runs on a thread of its own,
+// and this one waits as for any op: until the op's deadline or a peer's failure seen by the
+// transport. A join given up on is left to end on its own; what it made is then destroyed
+// there.
+Status NcclBackend::Join(const OpContext& ctx, const std::string& id, int rank, int size,
+                         std::unique_ptr<GpuComm>* out) {
+  struct Joining {
+    std::mutex mu;
+    bool done = false, abandoned = false;
+    Status status;
+    std::unique_ptr<GpuComm> comm;
+  };
+  auto j = std::make_shared<Joining>();
+  std::thread([j, libs = &libs_, id, rank, size, device = device_] {
+    std::unique_ptr<GpuComm> comm;
+    Status st = GpuComm::Create(*libs, id, rank, size, device, &comm);
+    std::lock_guard<std::mutex> lk(j->mu);
+    j->done = true;
+    j->status = st;
+    if (!j->abandoned) j->comm = std::move(comm);  // else destroyed here, on this thread
+  }).detach();
+  Status st = WaitWatching(
+      ctx, "joining the NCCL communicator", transport_,
+      [&](Status* s) {
+        std::lock_guard<std::mutex> lk(j->mu);
+        if (!j->done && !j->abandoned) return false;
+        *s = j->abandoned ? Cancelled("the join was given up") : j->status;
+        return true;
+      },
+      [&](const Status&) {
+        std::lock_guard<std::mutex> lk(j->mu);
+        j->abandoned = !j->done;
+      });
+  std::lock_guard<std::mutex> lk(j->mu);
+  if (st.ok()) *out = std::move(j->comm);
+  return st;
+}
+
 Status NcclBackend::Comm(const OpContext& ctx, Scope scope, GpuComm** out) {
   std::unique_ptr<GpuComm>& slot = scope == Scope::kAll ? comm_ : host_comm_;
   {
@@ -77,9 +117,8 @@ Status NcclBackend::Comm(const OpContext& ctx, Scope scope, GpuComm** out) {
   const auto& local = hosts_.ranks_of_host[hosts_.host_of[rank]];
   std::unique_ptr<GpuComm> comm;
   Status made = scope == Scope::kAll
-                    ? GpuComm::Create(libs_, id, rank, transport_.size(), device_, &comm)
-                    : GpuComm::Create(libs_, id, hosts_.local_rank[rank],
-                                      static_cast<int>(local.size()), device_, &comm);
+                    ? Join(ctx, id, rank, transport_.size(), &comm)
+                    : Join(ctx, id, hosts_.local_rank[rank], static_cast<int>(local.size()), &comm);
   std::lock_guard<std::mutex> lk(state_mu_);
   if (!made.ok()) failed_ = made.WithContext("joining the NCCL communicator");
   if (!failed_.ok()) return failed_;  // made, or aborted meanwhile

@@ -42,6 +42,9 @@ class NcclBackend : public Backend {
   // `ctx` either way). run_mu_ held.
   Status Comm(const OpContext& ctx, Scope scope, GpuComm** out);
   Status UniqueId(const OpContext& ctx, Scope scope, std::string* id);
+  // GpuComm::Create within ctx's deadline, watching the transport for a failed peer.
+  Status Join(const OpContext& ctx, const std::string& id, int rank, int size,
+              std::unique_ptr<GpuComm>* out);
   // Runs the ops `issue` enqueues on the session-wide communicator, then waits for them all.
   Status Run(const OpContext& ctx, const char* what, const std::vector<Issue>& issue);
   // Enqueues `issue` on `comm` (after the caller's stream where after_caller), makes the caller's
