@@ -48,17 +48,23 @@ def collectives(count: int):
     return out
 
 
-def allreduce_twice(timeout: float):
-    """Two allreduces; the second one's error (type name and message), or None."""
+def allreduce_twice(timeout):
+    """Two allreduces (timeout None: the op deadline, KUNGFU_OP_TIMEOUT); the error of the first
+    that fails (type name, message, seconds it took, which), or None. The rank named by
+    LINGER_RANK stays LINGER_S seconds after its error, so that the others see their own
+    outcome rather than its exit."""
     x = np.ones(1000, dtype=np.float32)
-    _run(_device.allreduce_async, x, x, count=x.size, dtype=np.float32, timeout=timeout)
-    if os.environ.get("DIE_AFTER_FIRST") == str(_peer.get().rank):
-        os._exit(3)
-    start = time.monotonic()
-    try:
-        _run(_device.allreduce_async, x, x, count=x.size, dtype=np.float32, timeout=timeout)
-    except Exception as e:  # noqa: BLE001 - what the test looks at
-        return type(e).__name__, str(e), time.monotonic() - start
+    rank = _peer.get().rank
+    for which in ("first", "second"):
+        if which == "second" and os.environ.get("DIE_AFTER_FIRST") == str(rank):
+            os._exit(3)
+        start = time.monotonic()
+        try:
+            _run(_device.allreduce_async, x, x, count=x.size, dtype=np.float32, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - what the test looks at
+            if os.environ.get("LINGER_RANK") == str(rank):
+                time.sleep(float(os.environ["LINGER_S"]))
+            return type(e).__name__, str(e), time.monotonic() - start, which
     return None
 
 

@@ -61,31 +61,37 @@ def test_a_killed_rank_fails_the_others_with_a_peer_error(spawn, double):
     for r in (0, 2):
         o = run.outcomes[r]
         assert o.ok, o.describe()
-        kind, message, _ = o.value
+        kind, message, _, _ = o.value
         # The transport saw the peer go and the communicator was aborted: not the 60 s deadline.
         assert kind != "OpTimeoutError" and "deadline" not in message, message
         assert kind in ("PeerFailedError", "UnavailableError"), (kind, message)
 
 
 def test_a_stalled_rank_ends_at_the_deadline_on_every_rank(spawn, double):
-    # Once every rank has begun, an op ends at the op deadline (KUNGFU_OP_TIMEOUT), not the
-    # per-call one (peer.h, C2); the double would wait 60 s.
+    # Rank 1 stalls in its second op (the double would wait 120 s); the op ends at the op
+    # deadline (KUNGFU_OP_TIMEOUT, no per-call timeout) on every rank: the first rank whose
+    # deadline passes aborts its communicator, which the double reports (as NCCL reports a peer that closed its connections) to
+    # a rank still waiting as a remote error. Rank 1 stays a while after, so no rank's outcome
+    # is rank 1's exit.
     env = _env(double, "nccl", KUNGFU_GPU_DOUBLE_STALL_RANK=1, KUNGFU_GPU_DOUBLE_AFTER_OPS=1,
-               KUNGFU_OP_TIMEOUT="3s")
-    got = spawn(2, _w_gpu.allreduce_twice, 30.0, env=env, timeout=60)
-    for kind, message, _ in got:
-        assert "allreduce" in message, message
-    assert "deadline" in got[0][1], got[0]
+               KUNGFU_OP_TIMEOUT="3s", LINGER_RANK=1, LINGER_S=6)
+    got = spawn(2, _w_gpu.allreduce_twice, None, env=env, timeout=60)
+    messages = [message for _, message, _, _ in got]
+    for kind, message, _, which in got:
+        assert which == "second" and "allreduce" in message, message
+        assert "ran past its deadline" in message or "remote process exited" in message, message
+    assert any("ran past its deadline" in m for m in messages), messages
 
 
 def test_a_rank_that_never_joins_the_communicator_ends_at_the_deadline(spawn, double):
     # ncclCommInitRank has no deadline of its own: rank 1 got the unique id and never joins.
     # Rank 0 must not wait for the double's 120 s: the first op's deadline ends the join.
-    env = _env(double, "nccl", KUNGFU_GPU_DOUBLE_STALL_INIT_RANK=1, KUNGFU_OP_TIMEOUT="3s")
-    got = spawn.run(2, _w_gpu.allreduce_twice, 30.0, env=env, timeout=60)
-    o = got.outcomes[0]
-    assert not o.ok and "joining the NCCL communicator" in o.describe(), o.describe()
-    assert "joining the NCCL communicator ran past its deadline" in o.describe(), o.describe()
+    env = _env(double, "nccl", KUNGFU_GPU_DOUBLE_STALL_INIT_RANK=1, KUNGFU_OP_TIMEOUT="3s",
+               LINGER_RANK=1, LINGER_S=6)
+    got = spawn(2, _w_gpu.allreduce_twice, None, env=env, timeout=60)
+    for kind, message, _, which in got:
+        assert which == "first", (kind, message)
+        assert "joining the NCCL communicator ran past its deadline" in message, message
 
 
 def test_a_new_cluster_gets_a_new_communicator(spawn, double):

@@ -23,8 +23,8 @@
 //      deadline (Session::Commit). (Sending it always lets a peer with a per-call timeout commit
 //      when the others have none.)
 //  C2. A peer that has heard every peer begin has committed: from then on its waits end only at
-//      a peer failure (peer_timeout_ms), an abort, or op_timeout_ms after the commit (a bound on
-//      every wait), never at the per-call deadline.
+//      a peer failure (peer_timeout_ms), an abort, or the later of op_timeout_ms after the commit
+//      and the per-call deadline (a bound on every wait, never shorter than the caller asked).
 //  C3. A peer whose deadline passes before it committed fails, and aborts the op on every peer
 //      (step 3).
 // Why it holds: every collective needs data from every peer (an allreduce or allgather reduces
