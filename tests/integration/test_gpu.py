@@ -70,9 +70,9 @@ def test_a_killed_rank_fails_the_others_with_a_peer_error(spawn, double):
 def test_a_stalled_rank_ends_at_the_deadline_on_every_rank(spawn, double):
     # Rank 1 stalls in its second op (the double would wait 120 s); the op ends at the op
     # deadline (KUNGFU_OP_TIMEOUT, no per-call timeout) on every rank: the first rank whose
-    # deadline passes aborts its communicator, which the double reports (as NCCL reports a peer that closed its connections) to
-    # a rank still waiting as a remote error. Rank 1 stays a while after, so no rank's outcome
-    # is rank 1's exit.
+    # deadline passes aborts its communicator, which the double reports to a rank still waiting
+    # as a remote error (as NCCL reports a peer that closed its connections). Rank 1 stays a
+    # while after, so no rank's outcome is rank 1's exit.
     env = _env(double, "nccl", KUNGFU_GPU_DOUBLE_STALL_RANK=1, KUNGFU_GPU_DOUBLE_AFTER_OPS=1,
                KUNGFU_OP_TIMEOUT="3s", LINGER_RANK=1, LINGER_S=6)
     got = spawn(2, _w_gpu.allreduce_twice, None, env=env, timeout=60)
