@@ -16,8 +16,8 @@ jobs=$(nproc 2>/dev/null || echo 2)
 #   headers; about 25% less);
 # - Ninja where it is installed: make builds the targets named on one command line one after the
 #   other (CMake's top Makefile is .NOTPARALLEL), so every test compiled on one core;
-# - the TSan build runs beside the ASan tests and the libFuzzer build beside the TSan tests, on
-#   the time they leave idle (below).
+# - the three builds (ASan + UBSan, TSan, libFuzzer) run beside pytest, at the lowest priority,
+#   on the time its workers leave idle (below); the sanitizer tests run after it.
 # (-O1 runs the tests as fast as -O2: ctest took 43 s under ASan and 148 s under TSan at -O2, 45 s
 # and 152 s at -O1.)
 all_tests=$(cd tests/cpp && ls test_*.cc | sed 's/\.cc$//')
@@ -51,16 +51,26 @@ sanitized() {  # $1: address or thread; then the targets
 took() {  # where the time goes: $1 what, since $2 (a SECONDS value)
   echo "test.sh: $1 took $((SECONDS - $2))s"
 }
-# The tests wait more than they compute (ctest -j 2 keeps the 2-core machine about half busy
-# under ASan): the next build runs beside them at the lowest priority (nice 19), on the time they
-# leave idle, so that it does not slow them. A build that fails stops the run where it is waited
-# for; on any exit the script waits for what it started.
+# pytest waits more than it computes (its workers sleep through start-ups, deadlines and
+# recoveries): the sanitizer builds run beside it at the lowest priority (nice 19), on the time
+# it leaves idle, so that they do not slow it; the sanitizer tests, which have deadlines of their
+# own, run after it on an idle machine. A build that fails fails the run once pytest is done; on
+# any exit the script waits for what it started.
 trap 'wait' EXIT
-background_build() {  # $1: a name for its pid, then the command (a function of this script)
-  local name=$1
-  shift
-  (renice -n 19 -p "$BASHPID" > /dev/null && "$@") &
-  printf -v "$name" '%s' "$!"
+builds() {
+  local t=$SECONDS
+  # shellcheck disable=SC2086  # one target per word
+  sanitized address $all_tests
+  took "the ASan + UBSan build (beside pytest)" "$t"
+  t=$SECONDS
+  # shellcheck disable=SC2046
+  sanitized thread $(echo "$all_tests" | grep -v -E "$not_threaded")
+  took "the TSan build (beside pytest)" "$t"
+  if command -v clang++ >/dev/null 2>&1; then
+    t=$SECONDS
+    fuzz_build
+    took "the libFuzzer build (beside pytest)" "$t"
+  fi
 }
 fuzz_build() {
   CC=clang CXX=clang++ configure build/fuzz -DKUNGFU_BUILD_PYTHON=OFF \
@@ -69,25 +79,20 @@ fuzz_build() {
     || { cat build-fuzz.log; exit 1; }
   rm -f build-fuzz.log
 }
+(renice -n 19 -p "$BASHPID" > /dev/null && builds) &
+builds_pid=$!
 t=$SECONDS
-# shellcheck disable=SC2086  # one target per word
-sanitized address $all_tests
-took "the ASan + UBSan build" "$t"
+status=0
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 tests "$@" || status=$?
+took "pytest" "$t"
 t=$SECONDS
-# shellcheck disable=SC2046
-background_build tsan_build sanitized thread $(echo "$all_tests" | grep -v -E "$not_threaded")
+wait "$builds_pid" || { echo "test.sh: a sanitizer build failed (above)"; exit 1; }
+took "waiting for the sanitizer builds after pytest" "$t"
+t=$SECONDS
 (cd build/sanitize-address \
   && ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:allocator_may_return_null=1 \
      UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ctest --output-on-failure -j "$jobs")
 took "ctest under ASan + UBSan" "$t"
-wait "$tsan_build"
-took "ctest under ASan + UBSan and the TSan build beside it" "$t"
-# libFuzzer on the frame and handshake parsers for a bounded time (needs clang; see
-# tests/cpp/fuzz_frames.cc). A finding fails CI and leaves its input in build/fuzz/. Built beside
-# the TSan tests, run after them (on a core of its own: the run is bounded in time).
-fuzz=0
-command -v clang++ >/dev/null 2>&1 && fuzz=1
-[ "$fuzz" = 0 ] || background_build fuzz_pid fuzz_build
 # test_algorithms computes more than it waits: alone, since beside another test it can pass its
 # own per-case limit under ThreadSanitizer; the others wait more than they compute, two at a time.
 t=$SECONDS
@@ -96,14 +101,14 @@ t=$SECONDS
   && ctest --output-on-failure -R '^test_algorithms$' \
   && ctest --output-on-failure -j "$jobs" -E "$not_threaded|^test_algorithms\$")
 took "ctest under TSan" "$t"
-if [ "$fuzz" = 1 ]; then
-  wait "$fuzz_pid"
-  took "ctest under TSan and the libFuzzer build" "$t"
+# libFuzzer on the frame and handshake parsers for a bounded time (needs clang; see
+# tests/cpp/fuzz_frames.cc). A finding fails CI and leaves its input in build/fuzz/.
+if [ -x build/fuzz/fuzz_frames ]; then
   (cd build/fuzz && ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1 \
      ./fuzz_frames -max_total_time=30 -seed=1 -timeout=10 -rss_limit_mb=4096 2>&1 | tail -n 30)
 else
   echo "clang++ not found: the libFuzzer run of the parsers is skipped (scripts/install.sh installs clang where it can)"
 fi
 trap - EXIT
-echo "test.sh: the C++ runtime's sanitizer and fuzz runs took ${SECONDS}s"
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 tests "$@"
+echo "test.sh: everything took ${SECONDS}s"
+exit "$status"
