@@ -188,12 +188,28 @@ def _gone(pids, deadline=20.0):
     return alive
 
 
+def _children(pid, name):
+    """The processes called `name` whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/comm") as f:
+                comm = f.read().strip()
+        except (OSError, IndexError):
+            continue
+        if entry.isdigit() and int(fields[1]) == pid and comm == name:
+            found.append(int(entry))
+    return found
+
+
 @pytest.mark.parametrize("how", ["remote launcher killed", "remote worker fails", "SIGINT",
-                                 "SIGTERM"])
+                                 "SIGTERM", "starter killed"])
 def test_the_job_ends_on_every_host(cluster, tmp_path, how):
     """Host a runs rank 0 and starts b's launcher (rank 1). A remote launcher killed or a remote
-    worker failing fails the job naming the host; SIGINT or SIGTERM to the starting launcher
-    stops both hosts' workers."""
+    worker failing fails the job naming the host; SIGINT or SIGTERM to the starting launcher, or
+    its death by SIGKILL, stops both hosts' workers."""
     hosts, _, _, _ = cluster
     a, b, _c = hosts.ip
     _worker(tmp_path)
@@ -203,12 +219,15 @@ def test_the_job_ends_on_every_host(cluster, tmp_path, how):
     lines: list = []
     try:
         found = _read_until(p, [0, 1], lines)
-        remote_launcher = found[1][0]
+        # The workers, b's launcher, and (for the kill) the ssh that started it.
+        watched = [found[0][1], found[1][1], found[1][0]]
         if how == "remote launcher killed":
-            os.kill(remote_launcher, signal.SIGKILL)
-        elif how == "remote worker fails":
-            pass
-        else:
+            os.kill(found[1][0], signal.SIGKILL)
+        elif how == "starter killed":  # the pipes close: every host stops its workers
+            watched += _children(p.pid, "ssh")
+            assert len(watched) == 4, watched
+            p.kill()
+        elif how in ("SIGINT", "SIGTERM"):
             p.send_signal(signal.SIGINT if how == "SIGINT" else signal.SIGTERM)
         p.wait(timeout=40)
     finally:
@@ -216,9 +235,10 @@ def test_the_job_ends_on_every_host(cluster, tmp_path, how):
             p.kill()
     time.sleep(0.5)  # the last lines
     err = "".join(lines)
-    pids = [found[0][1], found[1][1], remote_launcher]
-    assert _gone(pids) == [], f"left running: {pids}"
-    if how == "remote launcher killed":
+    assert _gone(watched) == [], f"left running: {watched}\n{err}"
+    if how == "starter killed":
+        assert p.returncode == -signal.SIGKILL
+    elif how == "remote launcher killed":
         assert p.returncode == 255, err
         assert f"kungfu-run: {b}: cannot be reached over ssh, or its launcher died" in err, err
     elif how == "remote worker fails":  # the worker's exit code, as a launcher per host gives

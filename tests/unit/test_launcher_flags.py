@@ -377,10 +377,11 @@ def test_help(flag):
     assert r.stderr == ""
     text = r.stdout
     for f in ["-np", "-H", "-self", "-nic", "-port-range", "-strategy", "-logdir", "-q",
-              "-timeout", "-timeline"]:
+              "-timeout", "-timeline", "-show-ranks", "-ssh-port", "-ssh-identity-file",
+              "-stdin-control"]:
         assert f"\n  {f} " in text, f
     for fact in ["10000-11000", "127.0.0.1:N", "AUTO", "124", "rank-r.log", "kungfu-run -np 4",
-                 "default 1", *flags.strategy_names()]:
+                 "default 1", "The ssh start", "KUNGFU_SSH", "within 30s", *flags.strategy_names()]:
         assert fact in text, fact
 
 
