@@ -190,7 +190,8 @@ def local_hosts(opts: Options, hosts: Sequence[HostSpec]) -> List[str]:
             return names
         # The ssh start: those that are this machine; this launcher starts the others'.
         mine = this_machine()
-        return [n for n in names if (_resolve(n) or "") in mine or _is_loopback(_resolve(n) or n)]
+        addresses = {n: _resolve(n) or n for n in names}
+        return [n for n in names if addresses[n] in mine or _is_loopback(addresses[n])]
     if opts.nic is not None:
         me = nic_ipv4(opts.nic)
         how = f"-nic {opts.nic} ({me})"
