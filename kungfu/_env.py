@@ -188,6 +188,24 @@ GPU_COUNT = Var("KUNGFU_GPU_COUNT", _count, None,
                 "how many GPUs kungfu-run assumes this host has (default: counted with "
                 "`nvidia-smi -L`, or /proc/driver/nvidia/gpus); 0 turns the GPU mapping off")
 
+
+
+def _command(s: str) -> list:
+    words = shlex.split(s)
+    if not words:
+        raise ValueError("must name a command")
+    return words
+
+
+SSH = Var("KUNGFU_SSH", _command, ["ssh"],
+          "the command (with its options, shell-quoted) with which kungfu-run starts the "
+          "launchers of the other hosts of -H when it is given no -self or -nic (the ssh "
+          "start, docs/kungfu-run.md), e.g. 'ssh -F ~/.ssh/cluster_config'; -ssh-port and "
+          "-ssh-identity-file are added to it")
+SSH_START_TIMEOUT = Var("KUNGFU_SSH_START_TIMEOUT", _positive_duration, 30.0,
+                        "the ssh start: how long a host's launcher may take to start (ssh's "
+                        "connection and log-in included) before the job fails naming the host")
+
 # Tuning: users may set these.
 OP_TIMEOUT = Var("KUNGFU_OP_TIMEOUT", _positive_duration, 300.0, "deadline of one collective")
 PEER_TIMEOUT = Var("KUNGFU_PEER_TIMEOUT", _positive_duration, 10.0,
@@ -285,7 +303,7 @@ ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKE
        EXIT_NOTE_FD, RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT,
        PEER_TIMEOUT, MISMATCH_GRACE, CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, FUSION_BYTES,
        RESULT_POOL_BYTES, NCCL_LIBRARY, CUDART_LIBRARY, GPU, GPU_CHUNK_BYTES,
-       TIMELINE, GPU_COUNT, SAMPLE_TIME, SAMPLE_JITTER, SLOWDOWN]
+       TIMELINE, GPU_COUNT, SSH, SSH_START_TIMEOUT, SAMPLE_TIME, SAMPLE_JITTER, SLOWDOWN]
 
 
 # The variables other launchers set (torchrun, and Horovod's scripts read them too): the worker's

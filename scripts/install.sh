@@ -52,3 +52,7 @@ optional_apt clang++ clang "the libFuzzer run in scripts/test.sh will be skipped
 # Slurm: kungfu-run in a real two-node Slurm cluster (tests/integration/test_slurm.py).
 optional_apt slurmd "slurmctld slurmd slurm-client iproute2" \
   "the Slurm tests (tests/integration/test_slurm.py) will be skipped"
+# OpenSSH's server: the ssh start of a job on several hosts, from one kungfu-run command, between
+# network namespaces (tests/integration/test_ssh_start.py).
+optional_apt sshd "openssh-server openssh-client" \
+  "the ssh start's tests (tests/integration/test_ssh_start.py) will be skipped"

@@ -5,13 +5,14 @@ strategy) is declared here, where -help states it.
 """
 from __future__ import annotations
 
+import difflib
 import functools
 import itertools
 import os
 import sys
 import textwrap
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 from kungfu import _env, _native, store
 from kungfu._hosts import UsageError, parse_port_range
@@ -58,15 +59,21 @@ class Options:
     host_cooldown: Optional[float] = None  # -w: seconds a host that failed twice gets no worker
     spares: int = 0  # -w: warm spare processes this launcher keeps (kungfu/_launch/spares.py)
     manager: Optional[str] = None  # what was taken from Slurm or Kubernetes (_launch/cluster.py)
+    show_ranks: Optional[FrozenSet[int]] = None  # -show-ranks: the ranks whose output is printed
+    ssh_port: Optional[int] = None  # the ssh start (kungfu/_launch/ssh.py): ssh's -p
+    ssh_identity_file: Optional[str] = None  # the ssh start: ssh's -i
+    stdin_control: bool = False  # started over ssh by another launcher (kungfu/_launch/ssh.py)
 
 
 _HELP = """\
 usage: kungfu-run [flags] [--] command [args...]
 
-Starts the workers of a kungfu job that run on this host. Run one kungfu-run per host, each with
-the same -np and -H. Workers are numbered host-major in -H order: the first host's slots get
-ranks 0, 1, ..., then the next host's, until -np workers are placed. A worker on its host's
-slot i listens on port (first port of -port-range) + i.
+Starts the workers of a kungfu job. Workers are numbered host-major in -H order: the first
+host's slots get ranks 0, 1, ..., then the next host's, until -np workers are placed. A worker on
+its host's slot i listens on port (first port of -port-range) + i. A job on several hosts starts
+from one command: given no -self or -nic, kungfu-run starts the workers of the hosts of -H that
+are this machine, and the launchers of the others over ssh (below). Or run one kungfu-run per
+host, each with the same -np and -H and its own -self or -nic.
 
 Flags (single or double dash: -np 4, --np 4, -np=4):
   -np N               number of workers in the whole job (default 1)
@@ -74,13 +81,16 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
                       host name, SLOTS defaults to 1 (default 127.0.0.1:N, all workers here)
   -self IP            this host's address as written in -H; only workers on it are started
   -nic IFACE          take this host's address from the first IPv4 address of IFACE
-                      (without -self or -nic, -H must name one host or only loopback addresses,
-                      and then this launcher starts every worker)
+                      (with neither, this launcher starts every worker when -H names one host
+                      or only loopback addresses, and otherwise the ssh start below)
   -port-range A-B     ports the workers of a host listen on (default {ports}; a launcher that
                       runs the whole job moves to free ports when those are taken)
   -strategy S         default allreduce strategy, case-insensitive (default {strategy}):
 {strategies}
-  -logdir DIR         also write the output of worker r to DIR/rank-r.log (DIR is created)
+  -logdir DIR         also write the output of worker r to DIR/rank-r.log (DIR is created);
+                      every rank's output, whatever -show-ranks shows
+  -show-ranks LIST    print the output of these ranks only, e.g. 0 or 0,2,4-7 (default: all);
+                      kungfu-run's own lines are always printed
   -timeline DIR       every worker writes a Chrome trace of each collective it runs (bytes,
                       strategy, wait for peers) and of elastic phases to DIR/HOST-PID.trace.json
                       (KUNGFU_TIMELINE=DIR); when the job ends kungfu-run merges this host's
@@ -135,8 +145,24 @@ Flags (single or double dash: -np 4, --np 4, -np=4):
                       needs 128 bits (32 hex digits or 22 base64 characters); make one with
                       python -c "import secrets; print(secrets.token_hex(32))"; the file must
                       be its owner's alone (chmod 600)
+  -ssh-port P         the ssh start: the port of the other hosts' ssh servers (ssh -p P)
+  -ssh-identity-file F  the ssh start: the private key ssh logs in with (ssh -i F)
+  -stdin-control      what the ssh start gives the launchers it starts: the job's secret is the
+                      first line of stdin, and the end of stdin (the starting launcher stopped
+                      the job, or is gone) stops this launcher's workers as SIGTERM does
   -V, -version        print kungfu-run's version and exit
   -h, -help, --help   print this help and exit
+
+The ssh start: with several hosts in -H and neither -self nor -nic (and not under Slurm or
+Kubernetes), kungfu-run starts the workers of the hosts of -H that are this machine (by their
+addresses) and, for each other host, "cd $PWD && PYTHON -m kungfu.cmd -stdin-control -self HOST
+..." over ssh (PYTHON: the one running kungfu-run; ssh: {ssh} or KUNGFU_SSH, in batch mode, so
+never a password prompt) with the same -np, -H, -port-range and -strategy, the KUNGFU_* settings
+and PYTHONPATH of this launcher, and the job's secret on its stdin. Their output comes back here
+(-show-ranks and -logdir see every rank). A host whose launcher cannot be reached, does not
+start within {ssh_start:g}s (KUNGFU_SSH_START_TIMEOUT) or fails fails the job with an error that
+names it; SIGINT, SIGTERM, -timeout and a failure stop the other hosts' workers too. Static jobs
+only: with -w, give each host's launcher -self or -nic.
 
 In a Slurm job step (srun --ntasks-per-node=1 kungfu-run ...) and without -H, the hosts are the
 step's nodes, this host is the node it runs on, -np defaults to one worker per allocated GPU (else
@@ -194,6 +220,8 @@ def help_text() -> str:
              _env.ALLREDUCE_STRATEGY.name]
         ),
         grace=GRACE_SECONDS,
+        ssh=" ".join(_env.SSH.default),
+        ssh_start=_env.SSH_START_TIMEOUT.default,
     )
 
 
@@ -215,10 +243,13 @@ _VALUE_FLAGS = {
     "max-restarts": "max_restarts",
     "host-cooldown": "host_cooldown",
     "spares": "spares",
+    "show-ranks": "show_ranks",
+    "ssh-port": "ssh_port",
+    "ssh-identity-file": "ssh_identity_file",
 }
 # Flags that take no value, or =true / =false.
 _BOOL_FLAGS = {"q": "quiet", "v": "verbose", "gpu-per-worker": "gpu_per_worker", "w": "elastic",
-               "replace": "replace"}
+               "replace": "replace", "stdin-control": "stdin_control"}
 _HELP_FLAGS = {"h", "help"}
 _VERSION_FLAGS = {"V", "version"}
 # Other launchers' spellings (torchrun, horovodrun, mpirun) -> kungfu-run's.
@@ -231,6 +262,31 @@ _SPELLINGS = {
     "host": "-H HOST:SLOTS,...",
     "hostfile": "-H HOST:SLOTS,... (hosts on the command line)",
 }
+
+
+def _did_you_mean(name: str) -> str:
+    """"; did you mean ...?" for an unknown flag: another launcher's spelling of one of ours
+    (_SPELLINGS), or the flag (or spelling) closest to it as difflib measures (a typo such as
+    -nps, -logdr, --nproc-per-nodes); "" when none is close."""
+    known = [*_VALUE_FLAGS, *_BOOL_FLAGS, *_SPELLINGS, "help", "version"]
+    close = [name] if name in _SPELLINGS else difflib.get_close_matches(name, known, n=1,
+                                                                        cutoff=0.75)
+    if not close:
+        return ""
+    if close[0] in _SPELLINGS:
+        return f"; did you mean {_SPELLINGS[close[0]]}?"
+    return f"; did you mean -{close[0]}?"
+
+
+def parse_ranks(text: str) -> FrozenSet[int]:
+    """-show-ranks: "0,2,4-7" -> {0, 2, 4, 5, 6, 7}."""
+    ranks = set()
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or (dash and int(high) < int(low)):
+            raise UsageError(f"-show-ranks takes ranks and ranges such as 0,2,4-7, got {text!r}")
+        ranks.update(range(int(low), int(high if dash else low) + 1))
+    return frozenset(ranks)
 
 
 def _parse_np(text: str, flag: str = "np") -> int:
@@ -296,9 +352,8 @@ def parse_args(argv: Sequence[str]) -> Options:
             opts.version = True
             return opts
         if name not in _VALUE_FLAGS:
-            hint = _SPELLINGS.get(name)
-            hint = f"; did you mean {hint}?" if hint else ""
-            raise UsageError(f"unknown flag {arg.split('=', 1)[0]!r}{hint} (see {PROG} -help)")
+            raise UsageError(f"unknown flag {arg.split('=', 1)[0]!r}{_did_you_mean(name)} "
+                             f"(see {PROG} -help)")
         if eq:
             value = inline
         else:
@@ -337,6 +392,12 @@ def _set_value(opts: Options, name: str, value: str) -> None:
         opts.strategy = parse_strategy(value)
     elif attr == "timeout":
         opts.timeout = _parse_timeout(value)
+    elif attr == "show_ranks":
+        opts.show_ranks = parse_ranks(value)
+    elif attr == "ssh_port":
+        if not value.isdigit() or not 0 < int(value) < 65536:
+            raise UsageError(f"-ssh-port must be a port number, got {value!r}")
+        opts.ssh_port = int(value)
     elif attr == "builtin_config_port":
         if value == "auto":
             opts.builtin_config_port = 0  # the store binds port 0: the system picks a free one
@@ -365,6 +426,9 @@ def _check_together(opts: Options) -> None:
     """The checks of flags that go (or do not go) together."""
     if opts.self_host is not None and opts.nic is not None:
         raise UsageError("give only one of -self and -nic")
+    if opts.stdin_control and (opts.self_host is None or opts.elastic):
+        raise UsageError("-stdin-control is for a launcher that the ssh start runs: with -self "
+                         "and without -w")
     if opts.quiet and opts.verbose:
         raise UsageError("give only one of -q and -v")
     if opts.elastic and (opts.builtin_config_port is None) == (opts.config_server is None):

@@ -77,7 +77,7 @@ class Launcher(Processes):
                   f"ui.perfetto.dev or chrome://tracing)")
 
     # the event loop: one for every mode; elastic mode (kungfu/_launch/elastic.py) extends it
-    # through _begin, _poll, _on_exit, _over, _conclude, _close and _success.
+    # through _begin, _poll, _on_exit, _on_event, _over, _conclude, _close and _success.
 
     POLL_SECONDS = 0.5  # the longest wait for an event between two polls
 
@@ -112,6 +112,8 @@ class Launcher(Processes):
                     self._on_exit(event, now)
                 elif event is not None and event[0] == "signal":
                     self._on_signal_event(event[1], now)
+                elif event is not None:
+                    self._on_event(event, now)
                 if deadline is not None and not self.stopping and now >= deadline:
                     self.error(f"timeout: the job did not finish within "
                                f"{_fmt_seconds(self.opts.timeout)}; stopping "
@@ -224,10 +226,13 @@ class Launcher(Processes):
             others = len(self._alive())
             tail = f"; stopping the other {_plural(others, 'local worker')}"
             self.error(f"worker {rank} ({run.worker.spec}) {_describe_exit(rc)}"
-                       + (tail if others else ""))
+                       + self._hidden_output(rank) + (tail if others else ""))
             self._stop(_exit_code(rc), signal.SIGTERM, now)
         elif rc != 0 and self.result is None and self.received_signal is not None:
             self.result = _exit_code(rc)
+
+    def _on_event(self, event: tuple, now: float) -> None:
+        """An event of another kind than a worker's exit or a signal (the ssh start's)."""
 
     def _conclude(self) -> None:
         """The loop ended (before _close)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import BinaryIO, Callable, Optional, Sequence
+from typing import BinaryIO, Callable, FrozenSet, Optional, Sequence
 
 from kungfu._hosts import Worker
 
@@ -34,15 +34,23 @@ def _binary(stream) -> BinaryIO:
     return getattr(stream, "buffer", stream)
 
 
+def shown(ranks: Optional[FrozenSet[int]], label: str) -> bool:
+    """Whether -show-ranks `ranks` (None: all) print the lines labelled `label` (a rank, or
+    "spare N": a spare has no rank, and is shown only when every rank is)."""
+    return ranks is None or (label.isdigit() and int(label) in ranks)
+
+
 def copy_lines(label: Callable[[], str], pipe: BinaryIO, sink: _Output, log: Optional[BinaryIO],
-               log_lock: threading.Lock) -> None:
+               log_lock: threading.Lock, ranks: Optional[FrozenSet[int]] = None) -> None:
     """Copies a worker's pipe to `sink` line by line with "[label] " in front (its rank; it may
-    change: a warm spare gets a rank when it is taken), and to its -logdir file `log` as it is,
-    until the pipe ends."""
+    change: a warm spare gets a rank when it is taken) when -show-ranks `ranks` show it, and to
+    its -logdir file `log` as it is, always, until the pipe ends."""
     for line in iter(pipe.readline, b""):
         if not line.endswith(b"\n"):
             line += b"\n"
-        sink.write(f"[{label()}] ".encode() + line)
+        tag = label()
+        if shown(ranks, tag):
+            sink.write(f"[{tag}] ".encode() + line)
         if log is not None:
             with log_lock:
                 try:

@@ -12,7 +12,7 @@ import re
 import secrets
 import socket
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Set, Tuple
 
 from kungfu import _env
@@ -38,6 +38,9 @@ class Plan:
     peers: List[Worker]  # every worker of the job (-w: of its first version)
     mine: List[Worker]  # the workers this launcher starts
     here: Set[str]  # the hosts of -H that are this one
+    # The ssh start (kungfu/_launch/ssh.py): the hosts with workers whose launchers this one
+    # starts over ssh; empty when each host runs its own (-self, -nic, a cluster manager).
+    remote: List[HostSpec] = field(default_factory=list)
 
 
 def prepare(opts: Options) -> Plan:
@@ -54,6 +57,9 @@ def prepare(opts: Options) -> Plan:
     peers = plan_workers(opts.np, hosts, opts.port_range)
     here = set(local_hosts(opts, hosts))
     mine = [w for w in peers if w.host in here]
+    remote = [] if opts.self_host is not None or opts.nic is not None else [
+        h for h in hosts if h.host not in here and any(w.host == h.host for w in peers)]
+    _check_ssh_start(opts, remote)
     # Alone: this launcher starts every worker the job may have (elastic: every slot).
     alone = all(h.host in here for h in hosts) if opts.elastic else len(mine) == len(peers)
     if opts.port_range == DEFAULT_PORT_RANGE and alone:
@@ -61,7 +67,7 @@ def prepare(opts: Options) -> Plan:
         if moved is not None:
             peers = plan_workers(opts.np, hosts, opts.port_range)
             mine = [w for w in peers if w.host in here]
-    opts.job_token = job_token(opts, alone)
+    opts.job_token = job_token(opts, alone or bool(remote))  # the ssh start hands it on
     slots = ", ".join(f"{h.host}:{h.slots}" for h in hosts)
     logger.debug(f"plan: {_plural(opts.np, 'worker')} on {slots}; this host"
                  f" ({', '.join(sorted(here))}) starts {_ranks(mine) if mine else 'none'}"
@@ -69,7 +75,17 @@ def prepare(opts: Options) -> Plan:
     _make_dirs(opts)
     if opts.config_server is not None:
         check_store_credentials(opts)
-    return Plan(hosts, peers, mine, here)
+    return Plan(hosts, peers, mine, here, remote)
+
+
+def _check_ssh_start(opts: Options, remote: List[HostSpec]) -> None:
+    """The flags of the ssh start go with it, and it with a static job."""
+    if remote and opts.elastic:
+        raise UsageError(f"-H names several hosts ({opts.hosts}) and -w: give each host's "
+                         f"launcher -self IP or -nic IFACE (the ssh start runs static jobs)")
+    if not remote and (opts.ssh_port is not None or opts.ssh_identity_file is not None):
+        raise UsageError("-ssh-port and -ssh-identity-file are for the ssh start (several hosts "
+                         "in -H, not all of them this one, and neither -self nor -nic)")
 
 
 def _make_dirs(opts: Options) -> None:
@@ -172,10 +188,10 @@ def local_hosts(opts: Options, hosts: Sequence[HostSpec]) -> List[str]:
     if opts.self_host is None and opts.nic is None:
         if len(names) == 1 or all(_is_loopback(n) for n in names):
             return names
-        raise UsageError(
-            f"-H names several hosts ({', '.join(names)}); "
-            "give -self IP or -nic IFACE to say which one this is"
-        )
+        # The ssh start: those that are this machine; this launcher starts the others'.
+        mine = this_machine()
+        addresses = {n: _resolve(n) or n for n in names}
+        return [n for n in names if addresses[n] in mine or _is_loopback(addresses[n])]
     if opts.nic is not None:
         me = nic_ipv4(opts.nic)
         how = f"-nic {opts.nic} ({me})"
@@ -188,6 +204,17 @@ def local_hosts(opts: Options, hosts: Sequence[HostSpec]) -> List[str]:
     if not matches:
         raise UsageError(f"{how} is not one of the hosts of -H ({', '.join(names)})")
     return matches[:1]
+
+
+def this_machine() -> Set[str]:
+    """The IPv4 addresses of this machine's network interfaces (the first of each), loopback
+    included."""
+    found = {"127.0.0.1"}
+    for _, iface in socket.if_nameindex():
+        addr = _nic_ipv4_ioctl(iface)
+        if addr is not None:
+            found.add(addr)
+    return found
 
 
 def _taken(hosts: Sequence[HostSpec], port_range: Tuple[int, int]) -> List[str]:

@@ -22,7 +22,8 @@ from typing import BinaryIO, Dict, List, Optional
 from kungfu import _env
 from kungfu._hosts import Worker
 from kungfu._launch.flags import EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND, Options
-from kungfu._launch.output import _binary, _Output, _plural, configure_logging, copy_lines, logger
+from kungfu._launch.output import (_binary, _Output, _plural, configure_logging, copy_lines,
+                                   logger, shown)
 from kungfu._launch.plan import gpu_count, visible_devices
 
 BLAME_WINDOW = 0.1  # seconds of exits compared to find the worker that failed first
@@ -137,6 +138,16 @@ class Processes:
 
     def error(self, msg: str) -> None:
         logger.error(msg)
+
+    def _hidden_output(self, rank: int) -> str:
+        """For the line that reports a failed worker whose output -show-ranks hides: where to
+        find it."""
+        if shown(self.opts.show_ranks, str(rank)):
+            return ""
+        if self.opts.logdir is not None:
+            where = os.path.join(self.opts.logdir, f"rank-{rank}.log")
+            return f" (its output, which -show-ranks hides: {where})"
+        return " (its output is hidden by -show-ranks)"
 
     # signals ----------------------------------------------------------------------------
     def _on_signal(self, signum, _frame):
@@ -317,7 +328,8 @@ class Processes:
             self._notes_reader.start()
         for pipe, sink in ((run.proc.stdout, self.out), (run.proc.stderr, self.err)):
             t = threading.Thread(target=copy_lines, daemon=True,
-                                 args=(run.label, pipe, sink, run.log, run.log_lock))
+                                 args=(run.label, pipe, sink, run.log, run.log_lock,
+                                       self.opts.show_ranks))
             t.start()
             run.readers.append(t)
         threading.Thread(target=self._wait, args=(run, key), daemon=True).start()

@@ -5,7 +5,8 @@ from Slurm, so that one line starts a job over the allocation's nodes (docs/slur
 
 In a step (SLURM_STEP_NODELIST and SLURMD_NODENAME set) and without -H, each launcher takes:
 
-- the hosts: the step's nodes, in Slurm's order, each at its address (`scontrol show node`'s
+- the hosts: the step's nodes (SLURM_STEP_NODELIST as `scontrol show hostnames` expands it, or
+  kungfu's own reading of it where scontrol does not answer), in Slurm's order, each at its address (`scontrol show node`'s
   NodeAddr, which may differ from its name; the name where scontrol does not answer), with
   ceil(np / nodes) slots, or the node's GPUs where Slurm gave some (SLURM_GPUS_ON_NODE); with
   -w at least the node's CPUs (SLURM_CPUS_ON_NODE), so a resize may grow within the allocation;
@@ -32,6 +33,20 @@ from kungfu._hosts import ManagedHosts, UsageError
 SCONTROL_SECONDS = 10.0  # a healthy controller answers in milliseconds
 STORE_PORTS = (29000, 30000)  # -w: the builtin store's port, chosen by the job's id
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def expand_nodelist(text: str) -> List[str]:
+    """A Slurm node list expanded in order, by Slurm itself (`scontrol show hostnames`, which
+    knows every form Slurm writes) where scontrol answers, else by expand_hostlist. ValueError
+    for a list that neither reads."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", text], capture_output=True,
+                             text=True, timeout=SCONTROL_SECONDS, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return expand_hostlist(text)
+    names = out.stdout.split()
+    # scontrol answers a list it cannot read with nothing on stdout (and exit code 0).
+    return names if out.returncode == 0 and names else expand_hostlist(text)
 
 
 def expand_hostlist(text: str) -> List[str]:
@@ -107,7 +122,7 @@ def step(environ: Mapping[str, str]) -> Optional[Step]:
     if not nodelist or not me:
         return None
     try:
-        nodes = expand_hostlist(nodelist)
+        nodes = expand_nodelist(nodelist)
     except ValueError as e:
         raise UsageError(f"SLURM_STEP_NODELIST: {e}") from None
     tasks = environ.get("SLURM_STEP_NUM_TASKS")

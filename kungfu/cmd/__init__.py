@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 from kungfu._version import __version__
 from kungfu._hosts import UsageError
-from kungfu._launch import flags, output, plan
+from kungfu._launch import flags, output, plan, ssh
 from kungfu._launch.elastic import ElasticLauncher
 from kungfu._launch.launcher import Launcher
 
@@ -23,7 +23,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run(argv: Sequence[str]) -> int:
     """Checks the command line and plans the job, then runs this host's part of it: with -w
-    the elastic launcher, else the static one."""
+    the elastic launcher, else the static one; the ssh start (kungfu/_launch/ssh.py) runs the
+    static one here and starts the other hosts' launchers."""
     try:
         opts = flags.parse_args(argv)
         if opts.help:
@@ -38,11 +39,17 @@ def run(argv: Sequence[str]) -> int:
                                  opts.verbose)
         if opts.manager:
             output.logger.info(opts.manager)
+        if opts.stdin_control:
+            ssh.read_secret(ssh.settings()[1])
         job = plan.prepare(opts)
     except UsageError as e:
         sys.stderr.write(f"{flags.PROG}: {e}\n")
         sys.stderr.flush()
         return flags.EXIT_USAGE
+    if opts.stdin_control:
+        return ssh.run_remote(opts, job.mine, job.peers)
+    if job.remote:
+        return ssh.SshLauncher(opts, job.peers, job.mine, job.remote).run()
     if opts.elastic:
         return ElasticLauncher(opts, job.peers, job.mine, job.hosts, job.here).run()
     if not job.mine:

@@ -417,6 +417,36 @@ def test_logdir(script, tmp_path):
         assert f"rank={rank} size=3 " in lines[0] or f"rank={rank} size=3 " in lines[1]
 
 
+def test_show_ranks_prints_some_ranks_and_logdir_keeps_all(script, tmp_path):
+    """-show-ranks 0,2 of 4 workers: only their lines are printed, on both streams; -logdir
+    holds every rank's; a hidden rank that fails is reported with where its output is."""
+    logdir = tmp_path / "logs"
+    path = script(ALLREDUCE + "    if r == 3:\n        sys.exit(5)\n")
+    r = run_launcher("-np", "4", "-port-range", free_port_range(4), "-logdir", str(logdir),
+                     "-show-ranks", "0,2", PY, path)
+    assert r.returncode == 5, r.stderr
+    shown = prefixed(r.stdout)
+    assert sorted(shown) == [0, 2], r.stdout
+    for rank in (0, 2):
+        assert shown[rank] == [f"rank={rank} size=4 local={rank}/4 sum=[10, 100] max=4.5 "
+                               f"spec=127.0.0.1:{shown[rank][0].rsplit(':', 1)[1]}"]
+    assert "[1] " not in r.stderr and "[3] " not in r.stderr and "[2] stderr of 2" in r.stderr
+    for rank in range(4):
+        lines = (logdir / f"rank-{rank}.log").read_text().splitlines()
+        assert f"stderr of {rank}" in lines and any(
+            line.startswith(f"rank={rank} size=4 ") and "sum=[10, 100]" in line for line in lines)
+    assert (f"worker 3 (127.0.0.1:" in r.stderr and "exited with code 5 (its output, which "
+            f"-show-ranks hides: {logdir / 'rank-3.log'})" in r.stderr), r.stderr
+
+
+def test_a_near_miss_of_a_flag_gets_a_suggestion():
+    for typo, hint in (("-nps", "did you mean -np?"), ("--show-rank", "did you mean -show-ranks?"),
+                       ("--nproc_per_node", "did you mean -H")):
+        r = run_launcher(typo, "2", PY, "-c", "pass")
+        assert r.returncode == 2 and hint in r.stderr, (typo, r.stderr)
+        assert r.stderr.count("\n") == 1 and r.stdout == ""
+
+
 def start_and_wait_ready(path: str, sync: str, np_: int, *extra: str):
     proc = subprocess.Popen(
         launcher_cmd("-np", str(np_), "-port-range", free_port_range(np_), *extra, PY, path,

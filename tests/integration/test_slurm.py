@@ -108,3 +108,23 @@ def test_a_step_without_the_jobs_secret_is_refused_saying_how_to_make_one(cluste
     assert r.returncode != 0, r.stdout + r.stderr
     assert r.stderr.count("needs one secret on every host") == 2, r.stderr
     assert "secrets.token_hex(32)" in r.stderr and "export it before srun" in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_the_clusters_scontrol_expands_node_lists(cluster, monkeypatch):
+    """kungfu-run expands SLURM_STEP_NODELIST with the cluster's own scontrol: the same names in a
+    step, and a list only Slurm reads (two space-separated parts) read as Slurm reads it."""
+    from kungfu._launch import slurm
+
+    monkeypatch.setenv("SLURM_CONF", str(cluster / "slurm.conf"))
+    assert slurm.expand_nodelist("n[1-2]") == ["n1", "n2"]
+    assert slurm.expand_nodelist("n[1-2] n[10-11]") == ["n1", "n2", "n10", "n11"]
+    assert slurm.expand_hostlist("n[1-2] n[10-11]") != ["n1", "n2", "n10", "n11"]
+    env = _env(cluster, "")
+    r = subprocess.run(["srun", "-N", "2", "--ntasks-per-node=1", sys.executable, "-c",
+                        "import os; from kungfu._launch import slurm; "
+                        "print(slurm.expand_nodelist(os.environ['SLURM_STEP_NODELIST']))"],
+                       capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=50,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["['n1', 'n2']"] * 2, r.stdout

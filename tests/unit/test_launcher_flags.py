@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import queue
 import secrets
+import shlex
 import subprocess
 import sys
 import threading
@@ -240,10 +241,75 @@ def test_local_hosts_nic_loopback():
     assert plan.local_hosts(opts, _hosts.parse_hosts(opts.hosts)) == ["127.0.0.1"]
 
 
-def test_local_hosts_several_hosts_need_self():
-    opts = flags.parse_args(["-H", "10.0.0.1,10.0.0.2", "cmd"])
-    with pytest.raises(_hosts.UsageError, match="-self"):
-        plan.local_hosts(opts, _hosts.parse_hosts(opts.hosts))
+def test_several_hosts_without_self_are_the_ssh_start(monkeypatch):
+    # The hosts of -H that are this machine run here; the others' launchers start over ssh.
+    monkeypatch.delenv("KUNGFU_JOB_TOKEN", raising=False)
+    opts = flags.parse_args(["-np", "3", "-H", "10.0.0.1,127.0.0.1:2", "cmd"])
+    assert "127.0.0.1" in plan.this_machine()
+    assert plan.local_hosts(opts, _hosts.parse_hosts(opts.hosts)) == ["127.0.0.1"]
+    job = plan.prepare(opts)
+    assert [h.host for h in job.remote] == ["10.0.0.1"]
+    assert [w.rank for w in job.mine] == [1, 2] and len(opts.job_token) == 64
+    # A host past -np gets no launcher; with -self each launcher runs its own host.
+    opts = flags.parse_args(["-np", "2", "-H", "127.0.0.1:2,10.0.0.1", "-port-range", "7000-7001",
+                             "cmd"])
+    assert plan.prepare(opts).remote == []
+    monkeypatch.setenv("KUNGFU_JOB_TOKEN", STRONG_TOKEN)
+    opts = flags.parse_args(["-H", "10.0.0.1,127.0.0.1", "-self", "127.0.0.1", "cmd"])
+    assert plan.prepare(opts).remote == []
+
+
+def test_the_ssh_start_runs_the_other_launchers_with_the_jobs_flags(monkeypatch):
+    from kungfu._launch import ssh
+
+    opts = flags.parse_args(["-np", "3", "-H", "10.0.0.1,10.0.0.2:2", "-strategy", "ring", "-v",
+                             "-logdir", "/tmp/x", "-show-ranks", "0", "-ssh-port", "2222",
+                             "-ssh-identity-file", "/k/id", "-timeout", "5m", "--", "python",
+                             "t.py", "--lr", "0.1 x"])
+    environ = {"KUNGFU_OP_TIMEOUT": "9s", "KUNGFU_JOB_TOKEN": "secret", "PATH": "/bin",
+               "KUNGFU_SELF_SPEC": "a:1", "PYTHONPATH": "/r p", "KUNGFU_SSH": "ssh -F none"}
+    remote = ssh.remote_command(opts, "10.0.0.2", "/w d", environ)
+    words = shlex.split(remote)
+    assert words[:4] == ["cd", "/w d", "&&", "exec"]
+    # The settings of the job, never its secret (stdin) nor this host's own.
+    assert words[4:7] == ["env", "KUNGFU_OP_TIMEOUT=9s", "PYTHONPATH=/r p"]
+    assert words[7:10] == [sys.executable, "-m", "kungfu.cmd"]
+    again = flags.parse_args(words[10:])
+    assert (again.stdin_control, again.self_host, again.np, again.hosts, again.strategy) == (
+        True, "10.0.0.2", 3, "10.0.0.1,10.0.0.2:2", "RING")
+    assert again.verbose and again.command == ["python", "t.py", "--lr", "0.1 x"]
+    # Output, -logdir and -timeout stay with the launcher that started the job.
+    assert (again.logdir, again.show_ranks, again.timeout, again.ssh_port) == (None,) * 4
+    monkeypatch.setenv("KUNGFU_SSH", "myssh -F none")
+    argv = ssh.ssh_command(opts, "10.0.0.2", remote)
+    assert argv[:3] == ["myssh", "-F", "none"] and argv[-2:] == ["10.0.0.2", remote]
+    assert "BatchMode=yes" in argv and argv[argv.index("-p") + 1] == "2222"
+    assert argv[argv.index("-i") + 1] == "/k/id"
+
+
+@pytest.mark.parametrize("text, ranks", [("0", {0}), ("0,2", {0, 2}), ("1-3,7", {1, 2, 3, 7}),
+                                         (" 4 , 0-1", {0, 1, 4})])
+def test_show_ranks(text, ranks):
+    assert flags.parse_args(["-show-ranks", text, "cmd"]).show_ranks == ranks
+
+
+@pytest.mark.parametrize("typo, hint", [
+    ("-nps", "did you mean -np?"), ("--logdr", "did you mean -logdir?"),
+    ("-stratgy", "did you mean -strategy?"), ("-show-rank", "did you mean -show-ranks?"),
+    ("--nproc-per-nodes", "did you mean -H HOST:SLOTS (workers per host)"),
+    ("--nproc_per_node", "did you mean -H HOST:SLOTS (workers per host)"),
+    ("-n", "did you mean -np N"), ("-max-restart", "did you mean -max-restarts?"),
+])
+def test_a_near_miss_gets_a_suggestion(typo, hint):
+    with pytest.raises(_hosts.UsageError, match="unknown flag") as e:
+        flags.parse_args([typo, "2", "cmd"])
+    assert hint in str(e.value), str(e.value)
+
+
+def test_a_flag_far_from_every_flag_gets_no_suggestion():
+    with pytest.raises(_hosts.UsageError) as e:
+        flags.parse_args(["-bogus", "cmd"])
+    assert "did you mean" not in str(e.value)
 
 
 # --- the command line as a user sees it ------------------------------------------------------
@@ -261,7 +327,14 @@ BAD = [
     (["-H", "10.0.0.300:2", "true"], "-H"),
     (["-H", "bad_host:2", "true"], "-H"),
     (["-H", "127.0.0.1,127.0.0.1", "true"], "more than once"),
-    (["-H", "10.0.0.1:1,10.0.0.2:1", "-np", "2", "true"], "-self"),
+    (["-H", "10.0.0.1:1,10.0.0.2:1", "-w", "-builtin-config-port", "auto", "true"], "-self"),
+    (["-ssh-port", "22", "true"], "for the ssh start"),
+    (["-H", "10.0.0.1,10.0.0.2", "-self", "10.0.0.1", "-ssh-identity-file", "k", "true"],
+     "for the ssh start"),
+    (["-ssh-port", "70000", "true"], "-ssh-port"),
+    (["-show-ranks", "1-", "true"], "-show-ranks"),
+    (["-show-ranks", "3-1", "true"], "-show-ranks"),
+    (["-stdin-control", "true"], "-stdin-control"),
     (["-H", "127.0.0.1:2", "-self", "10.9.9.9", "true"], "not one of the hosts"),
     (["-nic", "kfnosuch0", "true"], "interface"),
     (["-self", "127.0.0.1", "-nic", "lo", "true"], "only one of"),
@@ -304,10 +377,11 @@ def test_help(flag):
     assert r.stderr == ""
     text = r.stdout
     for f in ["-np", "-H", "-self", "-nic", "-port-range", "-strategy", "-logdir", "-q",
-              "-timeout", "-timeline"]:
+              "-timeout", "-timeline", "-show-ranks", "-ssh-port", "-ssh-identity-file",
+              "-stdin-control"]:
         assert f"\n  {f} " in text, f
     for fact in ["10000-11000", "127.0.0.1:N", "AUTO", "124", "rank-r.log", "kungfu-run -np 4",
-                 "default 1", *flags.strategy_names()]:
+                 "default 1", "The ssh start", "KUNGFU_SSH", "within 30s", *flags.strategy_names()]:
         assert fact in text, fact
 
 

@@ -3,6 +3,8 @@ this host, -np and -w's store taken from a step's environment. A real Slurm runs
 end in tests/integration/test_slurm.py."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from kungfu._hosts import UsageError
@@ -126,3 +128,26 @@ def test_nodes_that_share_an_address_are_refused(monkeypatch):
     with pytest.raises(UsageError, match="share addresses"):
         _parse(["python", "x.py"], STEP, addresses=lambda nodes: {n: "127.0.0.1" for n in nodes},
                monkeypatch=monkeypatch)
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None,
+                    reason="needs Slurm's scontrol (scripts/install.sh installs slurm-client)")
+def test_slurm_itself_expands_the_node_list_where_scontrol_answers(monkeypatch, tmp_path):
+    # scontrol reads host lists without a controller, given a configuration.
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=kft\nSlurmctldHost=localhost\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    # A list of two space-separated parts, which scontrol reads and the fallback does not:
+    # the names come from Slurm.
+    assert slurm.expand_nodelist("n[1-2] gpu[09-10]") == ["n1", "n2", "gpu09", "gpu10"]
+    assert slurm.expand_hostlist("n[1-2] gpu[09-10]") != ["n1", "n2", "gpu09", "gpu10"]
+    assert slurm.expand_nodelist("node[01-03,07],gpu5") == [
+        "node01", "node02", "node03", "node07", "gpu5"]
+    # A list scontrol refuses (it says so on stderr, exit code 0) gets the fallback's error.
+    with pytest.raises(ValueError, match="runs backwards"):
+        slurm.expand_nodelist("n[3-1]")
+    # Where there is no scontrol, the fallback reads the list.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert slurm.expand_nodelist("n[1-2] gpu[09-10]") == slurm.expand_hostlist(
+        "n[1-2] gpu[09-10]")
+    assert slurm.expand_nodelist("n[8-10]") == ["n8", "n9", "n10"]
