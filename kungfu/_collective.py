@@ -28,6 +28,19 @@ def _dtype_code(dtype: np.dtype) -> int:
     return code
 
 
+# An average of these the runtime returns as the mean itself (each worker's part divided and
+# summed in float32: their sum may overflow where the mean fits; OpOptions::average in op.h);
+# of other floats it returns the sum, which the caller divides.
+_MEAN_IN_RUNTIME = ("float16", "bfloat16")
+
+
+def _divide(recv: np.ndarray, n: int) -> None:
+    """recv = the sum it holds divided by n (in float64, a block at a time: no temporary the
+    size of the result), unless the runtime made it the mean already."""
+    if recv.dtype.name not in _MEAN_IN_RUNTIME:
+        np.divide(recv, n, out=recv, dtype=np.float64, casting="unsafe")
+
+
 def _strategy_code(strategy: Optional[str]) -> int:
     if strategy is None:
         return -1
@@ -278,8 +291,7 @@ def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Op
         if exact is not None:
             exact.into(into, recv)
         elif average:
-            # in float64, a block at a time (no temporary the size of the result)
-            np.divide(recv, n, out=recv, dtype=np.float64, casting="unsafe")
+            _divide(recv, n)
         return inp.back(recv)
 
     return Handle(native, result)
@@ -293,7 +305,9 @@ def allreduce(x, op: str = "sum", name: Optional[str] = None, strategy: Optional
     x must have the same shape and dtype on every worker, and op must be the same (else every
     worker fails, naming both). avg on integers is the floor of the exact mean (no overflow,
     whatever the dtype: the workers sum a 64-bit quotient and remainder); avg on floats divides
-    the sum. float16/bfloat16 are computed in float32 per step.
+    the sum, except float16/bfloat16, whose avg is each worker's value divided by the size and
+    summed in float32 (their sum may overflow where the mean fits). float16/bfloat16 are
+    computed in float32 per step.
     min and max propagate NaN (NaN wins, as numpy's minimum/maximum). `out` (an array of x's
     shape and dtype, x itself for in place) receives the result without a new allocation.
     """
@@ -494,7 +508,7 @@ def reducescatter_async(x, op: str = "sum", name: Optional[str] = None,
         if exact is not None:
             exact.into(into, recv)
         elif average:
-            np.divide(recv, n, out=recv, dtype=np.float64, casting="unsafe")
+            _divide(recv, n)
         return recv
 
     return Handle(native, result)

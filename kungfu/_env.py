@@ -89,13 +89,13 @@ def token_bits(token: str) -> float:
     return len(token) * math.log2(size)
 
 
-def check_job_token(token: str) -> str:
+def check_job_token(token: str, what: str = "the job token") -> str:
     """`token` if it is strong enough (MIN_TOKEN_BITS), else a ValueError that says why and how
-    to make one, without showing it."""
+    to make one, without showing it (`what`: the secret's name in the message)."""
     bits = token_bits(token)
     if bits < MIN_TOKEN_BITS:
         raise ValueError(
-            f"the job token is too weak: {len(token)} characters, about {int(bits)} bits, fewer "
+            f"{what} is too weak: {len(token)} characters, about {int(bits)} bits, fewer "
             f"than {MIN_TOKEN_BITS} (judged by length and alphabet: 32 hex digits or 22 base64 "
             f"characters make {MIN_TOKEN_BITS}); make one with: {MAKE_TOKEN}")
     return token
@@ -125,6 +125,17 @@ JOB_TOKEN = Var("KUNGFU_JOB_TOKEN", check_job_token, None,
                 "this is set (give every host's launcher the same value for a multi-host job). "
                 f"At least {MIN_TOKEN_BITS} bits (see token_bits): kungfu-run and the workers "
                 "refuse a weaker one", secret=True)
+
+def check_checkpoint_key(key: str) -> str:
+    return check_job_token(key, "the checkpoint key")
+
+
+CHECKPOINT_KEY = Var("KUNGFU_CHECKPOINT_KEY", check_checkpoint_key, None,
+                     "the authenticity key of kf.Hook's (and ElasticTrainer's) checkpoint file, "
+                     "unless checkpoint_key= is given: the file is signed with its HMAC-SHA256, "
+                     "and only a file signed with it is resumed from (a changed or forged one is "
+                     "refused). Keep it apart from the checkpoints; the same strength rule as "
+                     "KUNGFU_JOB_TOKEN", secret=True)
 
 # Elastic jobs (kungfu-run -w): set by kungfu-run for each worker.
 def _bool(s: str) -> bool:
@@ -297,9 +308,9 @@ SLOWDOWN = Var("KUNGFU_SLOWDOWN", _slowdown, [],
                "RANK take FACTOR times KUNGFU_SAMPLE_TIME per sample, from its STEP-th batch "
                "on (default 0; later entries of a rank replace earlier ones)")
 
-ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
-       ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, SPARE_FD, ETCD_CACERT, ETCD_CERT, ETCD_KEY,
-       ETCD_CREDENTIALS, WATCHDOG_FD,
+ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CHECKPOINT_KEY,
+       CONFIG_SERVER, ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, SPARE_FD, ETCD_CACERT,
+       ETCD_CERT, ETCD_KEY, ETCD_CREDENTIALS, WATCHDOG_FD,
        EXIT_NOTE_FD, RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT,
        PEER_TIMEOUT, MISMATCH_GRACE, CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, FUSION_BYTES,
        RESULT_POOL_BYTES, NCCL_LIBRARY, CUDART_LIBRARY, GPU, GPU_CHUNK_BYTES,

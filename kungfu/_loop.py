@@ -38,9 +38,9 @@ import math
 import os
 import sys
 import time
-from typing import List, Optional
+from typing import List, Optional, Union
 
-from kungfu import _peer, elastic as _elastic, errors, timeline
+from kungfu import _env, _peer, elastic as _elastic, errors, timeline
 from kungfu.elastic import Membership, Round, TrainingState, Variables
 from kungfu.policy import BasePolicy
 
@@ -112,6 +112,20 @@ class ClusterLogs:
         return out
 
 
+def _checkpoint_key(key: Union[str, bytes, None]) -> Union[str, bytes, None]:
+    """The key a checkpoint is signed with: `key`, else KUNGFU_CHECKPOINT_KEY, else None (the
+    file is only checksummed). A string key must be as strong as a job token (kungfu/_env.py);
+    bytes at least 16."""
+    if key is None:
+        return _env.CHECKPOINT_KEY.get()
+    if isinstance(key, str):
+        return _env.check_checkpoint_key(key)
+    if not isinstance(key, bytes) or len(key) < 16:
+        raise ValueError("checkpoint_key must be a str as strong as a job token, or at least 16 "
+                         f"random bytes; make one with: {_env.MAKE_TOKEN}")
+    return key
+
+
 class Loop(_elastic.Trainer):
     """Runs policies (kf.BasePolicy) at a training loop's step boundaries and applies their
     actions consistently on every worker; drives resize and recovery (module doc). `data`: an
@@ -124,7 +138,8 @@ class Loop(_elastic.Trainer):
 
     def __init__(self, *policies: BasePolicy, data=None, optimizer=None, name: str,
                  exit_on_detach: bool = True, checkpoint: Optional[str] = None,
-                 checkpoint_every: int = 100, cluster_logs: bool = True):
+                 checkpoint_every: int = 100, cluster_logs: bool = True,
+                 checkpoint_key: Union[str, bytes, None] = None):
         if checkpoint is not None and (isinstance(checkpoint_every, bool) or not isinstance(
                 checkpoint_every, int) or checkpoint_every < 1):
             raise ValueError(f"checkpoint_every must be a positive number of steps, got "
@@ -161,6 +176,7 @@ class Loop(_elastic.Trainer):
         self.membership = Membership(self, self._binding())
         self.membership.checkpoint = checkpoint
         self.membership.checkpoint_every = checkpoint_every
+        self.membership.checkpoint_key = _checkpoint_key(checkpoint_key)
         # The policies' decisions: recorded, agreed and applied (kungfu/elastic/_round.py).
         self.round = Round(self, self.membership, name)
 
@@ -300,10 +316,15 @@ class Loop(_elastic.Trainer):
 
     # -- recovery (kungfu/elastic has the protocol and the commits) ------------------------------
 
+    def _unbuilt(self) -> str:
+        """Why this loop's variables may be fewer than they will be (a model or optimizer that
+        creates its variables in its first step), for a checkpoint's message; "" if not."""
+        return ""
+
     def _resume(self) -> bool:
         """At the start of training, when the checkpoint file exists: every worker takes its
         state (Membership.resume) and the first epoch continues the checkpoint's."""
-        if not self.membership.resume():
+        if not self.membership.resume(self._unbuilt()):
             return False
         # The first epoch is the checkpoint's, continued (mid-epoch) or begun (written at an
         # epoch's end).

@@ -135,6 +135,22 @@ def _is_dataset(x) -> bool:
     return type(x).__module__.startswith("tensorflow") and hasattr(x, "as_numpy_iterator")
 
 
+def describe_data(spec: dict) -> str:
+    """ElasticData.describe's record in words: "80 samples of float32[4] and int64[] (arrays,
+    in order)"."""
+    n = "an unknown number of" if spec.get("samples") is None else spec["samples"]
+    parts = " and ".join(f"{dtype}{shape}" for dtype, shape in spec.get("sample", []))
+    return f"{n} samples of {parts or 'unknown shape'} ({spec.get('source')}, {spec.get('order')})"
+
+
+def data_mismatch(recorded: dict, ours: dict) -> bool:
+    """Whether data described as `ours` is other data than `recorded` (ElasticData.describe):
+    another number of samples (where both are known), source, sample shape or order."""
+    known = recorded.get("samples") is not None and ours.get("samples") is not None
+    return ((known and recorded["samples"] != ours["samples"])
+            or any(recorded.get(k) != ours.get(k) for k in ("source", "order", "sample")))
+
+
 class ElasticData:
     """Samples served as per-worker batches by global sample offset. `x` (and `y`) are arrays
     (an np.memmap too: nothing is copied but each batch), or `x` is a random-access source:
@@ -222,6 +238,29 @@ class ElasticData:
                                 "its first epoch was read")
             return n
         return len(self.source) if self.source is not None else len(self.x)
+
+    def describe(self) -> dict:
+        """What the data is, as a checkpoint records it (data_mismatch): its number of samples
+        (None: a stream whose length is not known yet), where they come from, what one sample
+        looks like and the order they are served in: a data position means nothing in other
+        data."""
+        try:
+            n = len(self)
+        except TypeError:
+            n = None
+        if self.stream is not None:
+            source = "a tf.data stream"
+            order = (f"shuffle buffer {self.stream.shuffle_buffer}, seed {self.seed}"
+                     if self.stream.shuffle_buffer else "in order")
+        else:
+            source = "arrays" if self.source is None else type(self.source).__name__
+            order = f"shuffled, seed {self.seed}" if self.shuffle else "in order"
+        return {"samples": n, "source": source, "order": order,
+                "sample": [[p.dtype.name, list(p.shape[1:])] for p in self._sample]}
+
+    def sample(self) -> tuple:
+        """One sample's parts as batches of one (what the batches' parts look like)."""
+        return self._sample
 
     def epoch_done(self, offset: Optional[int] = None) -> bool:
         """Whether no sample of the current epoch is left at `offset` (default: the position)."""

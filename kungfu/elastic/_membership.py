@@ -38,8 +38,9 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from kungfu import _collective, _env, _peer, timeline
-from kungfu.elastic import _checkpoint
+from kungfu.elastic import _checkpoint, _checkpoint_content
 from kungfu.elastic._checkpoint import CheckpointError
+from kungfu.elastic._data import data_mismatch, describe_data
 from kungfu.elastic._protocol import ExpelledError, broadcast_blob, context
 from kungfu.elastic._state import TrainingState
 from kungfu.store import ClusterConfig, StoreError
@@ -213,6 +214,7 @@ class Membership:
         self._request_check = 0.0  # ... and for a cluster asked for from outside
         self.checkpoint: Optional[str] = None
         self.checkpoint_every = 100
+        self.checkpoint_key: _checkpoint.Key = None  # an HMAC key the files are signed with
         self._checkpoint_failing: Optional[int] = None  # the step whose write failed first
 
     def _enter(self, state: State) -> None:
@@ -514,18 +516,20 @@ class Membership:
 
     def _save_checkpoint(self, c: Commit) -> None:
         """Writes commit `c` to the checkpoint file (kungfu/elastic/_checkpoint.py: checked
-        format, atomic, mode 0600). A write that fails (a full disk, a folder gone) is this
-        worker's own trouble, not a lost peer: it is reported once, with the path, and training
-        goes on; the next checkpoint tries again (and says when one is written again)."""
-        content = pickle.dumps({
-            "arrays": self.variables.arrays(c.snapshot),
-            "variables": self.variables.describe(c.variables), "state": c.state,
-            "policies": c.policies, "data": None if c.data is None else c.data[:4],
-            "epochs_total": self.trainer.epochs_total})
+        format, atomic, mode 0600, signed with checkpoint_key if set; its content runs no code
+        when loaded: _checkpoint_content.py). A write that fails (a full disk, a folder gone, a
+        policy state that cannot be stored) is this worker's own trouble, not a lost peer: it
+        is reported once, with the path, and training goes on; the next checkpoint tries again
+        (and says when one is written again)."""
         step = self.trainer.state.step
         try:
-            _checkpoint.write(self.checkpoint, content)
-        except OSError as e:
+            data = self.trainer.data
+            content = _checkpoint_content.pack_commit(
+                self.variables.arrays(c.snapshot), self.variables.describe(c.variables),
+                c.state, c.policies, None if c.data is None else c.data[:4],
+                None if data is None else data.describe(), self.trainer.epochs_total)
+            _checkpoint.write(self.checkpoint, content, self.checkpoint_key)
+        except (OSError, CheckpointError) as e:
             if self._checkpoint_failing is None:
                 print(f"kungfu: cannot write the checkpoint {self.checkpoint} at step {step} "
                       f"({e}); training goes on and the next checkpoint tries again (further "
@@ -539,13 +543,14 @@ class Membership:
                   flush=True)
             self._checkpoint_failing = None
 
-    def resume(self) -> bool:
+    def resume(self, unbuilt: str = "") -> bool:
         """At the start of training, when the checkpoint file exists: rank 0 reads it and every
-        worker takes its state (variables, trainer and policy state, data position), whatever
-        the cluster size was when it was written. Returns whether it did (False: no file). A
-        file that is empty, truncated, corrupted or not a kungfu checkpoint raises
-        CheckpointError on every worker, naming it: it is never taken for "no checkpoint" (and
-        so never overwritten by this training)."""
+        worker takes its state (variables, trainer and policy state, data position and batch
+        size), whatever the cluster size was when it was written. Returns whether it did (False:
+        no file). A file that is empty, truncated, corrupted, forged, not a kungfu checkpoint
+        or written for other data raises CheckpointError on every worker, naming it: it is
+        never taken for "no checkpoint" (and so never overwritten by this training). `unbuilt`:
+        why this trainer may have fewer variables than it will have (added to the message)."""
         peer = _peer.identity()
         # Rank 0 reads and checks the file; every worker learns the outcome from its broadcast
         # (b"": no checkpoint, b"+" and the content, b"!" and why the file cannot be used), so
@@ -553,7 +558,7 @@ class Membership:
         blob = b""
         if peer.rank == 0:
             try:
-                blob = b"+" + _checkpoint.read(self.checkpoint)
+                blob = b"+" + _checkpoint.read(self.checkpoint, self.checkpoint_key)
             except FileNotFoundError:
                 pass
             except CheckpointError as e:
@@ -566,23 +571,52 @@ class Membership:
             return False
         if blob[:1] == b"!":
             raise CheckpointError(blob[1:].decode())
-        try:
-            got = pickle.loads(blob[1:])
-            got["arrays"], got["variables"], got["state"]  # noqa: B018 - what a commit holds
-        except Exception as e:  # noqa: BLE001 - checked bytes that are no commit of kungfu's
-            raise CheckpointError(f"kungfu: the checkpoint {self.checkpoint} holds no training "
-                                  f"state kungfu can load ({type(e).__name__}: {e}); it is not "
-                                  "loaded") from None
+        got = self._content(blob[1:])
+        self._check_data(got)
         variables = self.variables.committed()
         problem = mismatch(self.variables.describe(variables), got["variables"], "this model",
                            f"the checkpoint {self.checkpoint}")
         if problem:
-            raise ValueError(problem)
+            short = len(self.variables.describe(variables)) < len(got["variables"])
+            raise ValueError(problem + (f" ({unbuilt})" if unbuilt and short else ""))
+        t = self.trainer
+        script_batch = None if t.data is None else t.data.batch_size
         self.variables.load(variables, got["arrays"])
         self.take(got["state"], got["policies"], got["data"])
-        if self.trainer.epochs_total is None:
-            self.trainer.epochs_total = got["epochs_total"]
-        s = self.trainer.state
+        if t.epochs_total is None:
+            t.epochs_total = got["epochs_total"]
+        s = t.state
+        batch = ""
+        if t.data is not None and got["data"] is not None:
+            b = t.data.batch_size
+            batch = (f"; batch size {b} per worker, the checkpoint's" +
+                     (f" (the script's {script_batch} is not used: a resumed job goes on as it "
+                      "was, batch size changes of its policies included; kf.set_batch_size "
+                      "changes it)" if b != script_batch else ""))
         print(f"kungfu: resumed from {self.checkpoint} at step {s.step} (epoch {s.epoch}, "
-              f"{s.samples_in_epoch} samples into it)", file=sys.stderr, flush=True)
+              f"{s.samples_in_epoch} samples into it){batch}", file=sys.stderr, flush=True)
         return True
+
+    def _content(self, content: bytes) -> dict:
+        """A checkpoint's content (checked bytes) as the commit it holds."""
+        try:
+            return _checkpoint_content.unpack_commit(content)
+        except CheckpointError as e:
+            raise CheckpointError(f"kungfu: the checkpoint {self.checkpoint} holds no training "
+                                  f"state kungfu can load ({e}); it is not loaded") from None
+
+    def _check_data(self, got: dict) -> None:
+        """A data position is a place in the data it was taken in: other data (another number
+        of samples, source, sample shape or order) is refused, naming both."""
+        data, spec = self.trainer.data, got["data_spec"]
+        if data is None or spec is None or got["data"] is None:
+            return
+        ours = data.describe()
+        if data_mismatch(spec, ours):
+            epoch, offset = got["data"][:2]
+            raise CheckpointError(
+                f"kungfu: the checkpoint {self.checkpoint} was written for other data: "
+                f"{describe_data(spec)}; this job's data is {describe_data(ours)}. Its position "
+                f"(epoch {epoch}, {offset} samples into it) is not one of this data's: give "
+                "the data it was written for, or delete or move the checkpoint to start training "
+                "from scratch")

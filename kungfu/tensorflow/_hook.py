@@ -46,13 +46,17 @@ roll back to (Membership.recover), restore it, redo the commits this worker had 
 Keras sees one step.
 
 With `checkpoint="path"`, rank 0 also writes the commit to that file (every `checkpoint_every`
-steps and at each epoch's end, atomically), and training that starts with the file there resumes
-from it, at any cluster size (docs/elastic.md, "The loss of the whole job").
+steps and at each epoch's end, atomically; its folder is created if missing), and training that
+starts with the file there resumes from it, at any cluster size (docs/elastic.md, "The loss of
+the whole job"). `checkpoint_key` (default KUNGFU_CHECKPOINT_KEY) signs the file with an HMAC:
+a file not signed with it is refused. A model without keras.Input is built from a sample of
+kf.ElasticData before the checkpoint is loaded; kungfu's data takes the checkpoint's position
+and per-worker batch size (the resume's line says which).
 """
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import keras
 
@@ -115,11 +119,13 @@ class Hook(Loop, keras.callbacks.Callback):
     def __init__(self, *policies: BasePolicy, data=None, optimizer=None, name: str = "kungfu/hook",
                  exit_on_detach: bool = True, checkpoint: Optional[str] = None,
                  checkpoint_every: int = 100, rank_zero_output: bool = True,
-                 cluster_logs: bool = True):
+                 cluster_logs: bool = True, checkpoint_key: Union[str, bytes, None] = None):
         keras.callbacks.Callback.__init__(self)
         Loop.__init__(self, *policies, data=data, optimizer=optimizer, name=name,
                       exit_on_detach=exit_on_detach, checkpoint=checkpoint,
-                      checkpoint_every=checkpoint_every, cluster_logs=cluster_logs)
+                      checkpoint_every=checkpoint_every, cluster_logs=cluster_logs,
+                      checkpoint_key=checkpoint_key)
+        self._build_error = ""  # why a model without keras.Input could not be built to resume
         self.rehearsed = False  # a joiner in model.fit: ran its step before reporting ready
         self._progbars: list = []  # Keras's progress bars in model.fit (kungfu_arrange)
         self._states = CallbackStates()  # the other callbacks' counters, for joiners
@@ -216,9 +222,40 @@ class Hook(Loop, keras.callbacks.Callback):
             warnings.warn(f"kungfu: this joiner could not rehearse its training step ({e}); "
                           "it is traced after the switch instead")
 
+    def _build_to_resume(self) -> None:
+        """model.fit of a model that Keras builds on its first batch (no keras.Input): its
+        variables must exist before a checkpoint is loaded into them, so it is built now, called
+        on one sample of kungfu's data (the optimizer is built when its variables are listed)."""
+        model = getattr(self, "model", None)
+        if model is None or model_built(model) or self.data is None:
+            return
+        try:
+            model(self.data.sample()[0], training=False)
+        except Exception as e:  # noqa: BLE001 - resume then says what to do, with this
+            self._build_error = f"; calling it on one sample of the data failed: {e}"
+
+    def _unbuilt(self) -> str:
+        model = getattr(self, "model", None)
+        if model is not None and not model_built(model):
+            return ("Keras builds this model's variables on its first batch (a model without "
+                    "keras.Input), after the checkpoint must be loaded: build it before "
+                    "model.fit (begin it with keras.Input(shape), or call model.build(shape)), or "
+                    "give kf.Hook data=kf.ElasticData(...), from which it is built"
+                    + self._build_error)
+        if model is None:
+            return ("a custom loop's optimizer creates its variables in its first step: build "
+                    "the model and then the optimizer (optimizer.build(model.trainable_variables)) "
+                    "before hook.before_train()")
+        return ""
+
     def _resume(self) -> bool:
+        self._build_to_resume()
         if not super()._resume():
             return False
+        if self.data is None and getattr(self, "model", None) is not None:
+            # model.fit makes the batches of the script's batch size: measured at the first
+            # step, not the checkpoint's.
+            self.state.local_batch_size = self.state.global_batch_size = None
         if self.data is not None and self.data.attached:
             # model.fit: the data's epochs are counted from the checkpoint's position, whether
             # its epoch is continued or begun (else the first batch waits for a release of an

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import io
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -134,7 +134,8 @@ class ElasticTrainer(Loop):
     the model's and the optimizer's state (module doc). `data`: a kf.ElasticData, whose
     epoch_batches() give this worker's part of each step (every sample once per epoch across
     resizes and failures); needed for recovery and kf.set_batch_size. `checkpoint`: a file rank
-    0 keeps the last commit in, to resume from (docs/elastic.md).
+    0 keeps the last commit in, to resume from (docs/elastic.md); `checkpoint_key`: the key it
+    is signed with (default KUNGFU_CHECKPOINT_KEY; a file not signed with it is refused).
 
     Training starts from rank 0's parameters and buffers everywhere (they are broadcast at
     before_train); a worker joining a running job takes rank 0's model and optimizer state."""
@@ -145,7 +146,7 @@ class ElasticTrainer(Loop):
     def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                  *policies, data=None, name: str = "kungfu/torch", exit_on_detach: bool = True,
                  checkpoint: Optional[str] = None, checkpoint_every: int = 100,
-                 cluster_logs: bool = True):
+                 cluster_logs: bool = True, checkpoint_key: Union[str, bytes, None] = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"ElasticTrainer takes a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -154,7 +155,8 @@ class ElasticTrainer(Loop):
         self.model = model
         super().__init__(*policies, data=data, optimizer=optimizer, name=name,
                          exit_on_detach=exit_on_detach, checkpoint=checkpoint,
-                         checkpoint_every=checkpoint_every, cluster_logs=cluster_logs)
+                         checkpoint_every=checkpoint_every, cluster_logs=cluster_logs,
+                         checkpoint_key=checkpoint_key)
         self.logs: dict = {}  # the last step's and epoch's numbers (cluster ones included)
 
     # -- what the Loop asks of PyTorch ----------------------------------------------------------

@@ -710,3 +710,41 @@ def default_strategy():
         return None if (same, differ) == (True, n == 1) else f"consensus gave {(same, differ)}"
     b.case("default", "default/barrier-consensus", bc_cons)
     return b.result()
+
+
+def half_means():
+    """The avg of float16 and bfloat16 where the sum overflows and the mean fits, through every
+    path that reaches the runtime's reduction from Python: numpy allreduce and reducescatter,
+    TensorFlow's all_reduce and group_all_reduce (a mix of dtypes) and kf.Optimizer's mean of
+    the gradients, and a torch tensor on the host (where torch is installed). Rank r's element
+    i: float16 64 (600 + r + i); bfloat16 2^127 (1 + (2r + i) / 128). Returns each path's
+    result as float64 lists."""
+    rank = kf.rank()
+    i = np.arange(6)
+    f16 = (64.0 * (600 + rank + i)).astype(np.float16)
+    bf16 = np.ldexp(1.0 + (2 * rank + i) / 128.0, 127).astype(ml_dtypes.bfloat16)
+    out = {"numpy float16": kf.allreduce(f16, "avg", name="half/f16"),
+           "numpy bfloat16": kf.allreduce(bf16, "avg", name="half/bf16"),
+           "numpy float16 sum": kf.allreduce(f16, "sum", name="half/f16sum"),
+           "numpy reducescatter": kf.reducescatter(f16, "avg", name="half/rs")}
+    import tensorflow as tf
+
+    from kungfu.tensorflow import ops
+    from kungfu.tensorflow.optimizers._fusion import mean_over_workers
+
+    t16, tb16 = tf.constant(f16), tf.cast(tf.constant(bf16.astype(np.float32)), tf.bfloat16)
+    out["tf float16"] = ops.all_reduce(t16, op="avg", name="half/tf")
+    group = ops.group_all_reduce([t16, tf.constant([2.0, 4.0]), tb16], op="avg", name="half/g")
+    out["tf group float16"], out["tf group float32"], out["tf group bfloat16"] = group
+    means = mean_over_workers([t16, tf.constant([2.0, 4.0])], "half/grads", None)
+    out["tf gradients float16"], out["tf gradients float32"] = means
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        from kungfu.torch.ops import all_reduce
+
+        out["torch float16"] = all_reduce(torch.tensor(f16), "avg", name="half/torch")
+    return {k: np.asarray(v.numpy() if hasattr(v, "numpy") else v, dtype=np.float64).tolist()
+            for k, v in out.items()}

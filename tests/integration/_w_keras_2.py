@@ -168,6 +168,73 @@ def resumed_progress(folder: str):
     return out.getvalue()
 
 
+def _unbuilt_model(keras, kf):
+    """The shape of Horovod's own Keras example: a Sequential without keras.Input (Keras builds
+    it on its first batch; before, resume found "0 variables to sync, the checkpoint has 26"),
+    on 8 x 8 images, with Adam."""
+    keras.utils.set_random_seed(3)
+    L = keras.layers
+    model = keras.Sequential([
+        L.Conv2D(4, 3, activation="relu"), L.Conv2D(8, 3, activation="relu"), L.MaxPooling2D(),
+        L.Dropout(0.25), L.Flatten(), L.Dense(16, activation="relu"), L.Dropout(0.5),
+        L.Dense(10)])
+    model.compile(kf.Optimizer(keras.optimizers.Adam(0.01)),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+    return model
+
+
+def resume_unbuilt(folder: str):
+    """A job of 2 workers trains the unbuilt model with kf.Hook(checkpoint=...) into a folder
+    that does not exist, over kf.ElasticData (96 images, batch 4 per worker), and stops after
+    step 5; a second job (batch 8 in its script) resumes from the file and trains to step 8;
+    a third, over plain arrays (nothing to build the model from), is refused. Returns the
+    weights' digests, what the second job printed and the third's error."""
+    import contextlib
+    import io
+    import os
+
+    kf, tf, keras = _setup()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 8, 8, 1)).astype("float32")
+    y = rng.integers(0, 10, 96)
+    ckpt = os.path.join(folder, "runs", "one", "train.ckpt")
+    out = {}
+
+    def job(batch, stop_at, record=None):
+        data = kf.ElasticData(x, y, batch_size=batch, shuffle=False)
+        model = _unbuilt_model(keras, kf)
+        hook = kf.Hook(data=data, checkpoint=ckpt, checkpoint_every=1)
+
+        def begin(logs):
+            if record is not None:
+                out[record] = _digest(model.get_weights())
+
+        def stop(batch, logs):
+            if hook.state.step == stop_at:
+                model.stop_training = True
+
+        model.fit(data.dataset(), epochs=2, verbose=0, callbacks=[
+            hook, keras.callbacks.LambdaCallback(on_train_begin=begin, on_train_batch_end=stop)])
+        return model, hook, data
+
+    model, _, _ = job(4, 5)
+    out["written"] = _digest(model.get_weights())
+    kf.barrier()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        _, hook, data = job(8, 8, record="resumed")
+    out["printed"], out["step"], out["batch"] = err.getvalue(), hook.state.step, data.batch_size
+    kf.barrier()
+    model = _unbuilt_model(keras, kf)
+    try:
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+                  callbacks=[kf.Hook(checkpoint=ckpt)])
+        out["plain"] = ""
+    except ValueError as e:
+        out["plain"] = str(e)
+    return out
+
+
 def main():
     """Run under kungfu-run -w (test_keras_habits_2.py): the guide's train_step on
     kf.ElasticData; the worker of rank --kill-rank kills itself (SIGKILL) after its step

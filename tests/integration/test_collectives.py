@@ -97,3 +97,26 @@ def test_default_strategy_from_environment(spawn, n, strategy):
     problems = [f for r in results for f in r["failures"].get("default", [])]
     assert not problems, "\n".join(problems)
     assert all(r["count"]["default"] == 6 + 3 * n for r in results)
+
+
+@pytest.mark.timeout(150)
+def test_the_avg_of_half_floats_is_the_mean_where_the_sum_overflows(spawn):
+    """2 workers: float16 64 (600 + r + i) sums to more than 65504, bfloat16 2^127 (1 + ...) to
+    more than float32 holds; their means fit, exactly. Before, every avg of them was inf."""
+    import math
+
+    results = spawn(2, W.half_means, env={"TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=140)
+    i = range(6)
+    f16 = [64.0 * (600.5 + k) for k in i]
+    bf16 = [math.ldexp(1.0 + (1 + k) / 128.0, 127) for k in i]
+    for rank, got in enumerate(results):
+        assert got["numpy float16"] == f16, (rank, got)
+        assert got["numpy bfloat16"] == bf16, (rank, got)
+        assert all(math.isinf(v) for v in got["numpy float16 sum"]), got  # a sum is a sum
+        assert got["numpy reducescatter"] == f16[3 * rank:3 * rank + 3], (rank, got)
+        assert got["tf float16"] == f16 and got["tf group float16"] == f16, (rank, got)
+        assert got["tf group float32"] == [2.0, 4.0] == got["tf gradients float32"], got
+        assert got["tf gradients float16"] == f16, (rank, got)
+        assert got["tf group bfloat16"] == bf16, (rank, got)
+        if "torch float16" in got:
+            assert got["torch float16"] == f16, (rank, got)

@@ -110,6 +110,27 @@ def test_the_progress_bar_after_a_resume_counts_the_jobs_epochs_and_steps(spawn,
 
 
 @pytest.mark.timeout(200)
+def test_a_model_keras_builds_on_its_first_batch_resumes(spawn, tmp_path):
+    """Horovod's example model (a Sequential without keras.Input) resumes from its checkpoint:
+    it is built from a sample of kf.ElasticData first. The checkpoint's folder was made; the
+    checkpoint's per-worker batch size (4) wins over the script's (8), and the resume says so.
+    Over plain arrays (nothing to build it from) the error says how to build it."""
+    ckpt = tmp_path / "runs" / "one" / "train.ckpt"
+    outs = spawn(2, w.resume_unbuilt, str(tmp_path), env=ENV, timeout=170)
+    for rank, out in enumerate(outs):
+        assert out["resumed"] == outs[0]["written"] == out["written"], (rank, out)
+        assert out["step"] == 8 and out["batch"] == 4, (rank, out)
+        assert f"kungfu: resumed from {ckpt} at step 5 (epoch 0, 40 samples into it); batch " \
+               "size 4 per worker, the checkpoint's (the script's 8 is not used" \
+               in out["printed"], (rank, out["printed"])
+        assert out["plain"].startswith("kungfu: this model has 0 variables to sync, the "
+                                       f"checkpoint {ckpt} has 26: build the same model and "
+                                       "optimizer (Keras builds this model's variables on its "
+                                       "first batch"), (rank, out["plain"])
+        assert "keras.Input(shape)" in out["plain"] and "kf.ElasticData" in out["plain"]
+
+
+@pytest.mark.timeout(200)
 def test_the_progress_bar_after_a_resize_counts_each_epochs_steps(tmp_path):
     # 256 samples: 3 steps of 2 x 16, then (shrunk to 1 worker) 10 of 16; then 16 (before:
     # the second epoch's bar kept the first epoch's 13).

@@ -8,42 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from kungfu.elastic import Membership, State, Trainer, Variables
+from kungfu.elastic import Membership, State, Trainer
 from kungfu.policy import BasePolicy, TrainingState
-
-
-class NumpyVariables(Variables):
-    """Variables as numpy arrays, written in place."""
-
-    def __init__(self, arrays):
-        self.values = arrays
-
-    def synced(self):
-        return list(self.values)
-
-    def snapshot(self, variables):
-        return [v.copy() for v in variables]
-
-    def restore(self, variables, snapshot):
-        for v, s in zip(variables, snapshot):
-            v[...] = s
-
-    def arrays(self, snapshot):
-        return list(snapshot)
-
-    def load(self, variables, arrays):
-        self.restore(variables, arrays)
-
-    def describe(self, variables):
-        return [(f"v{i}", v.shape, v.dtype.name) for i, v in enumerate(variables)]
-
-    def lend(self, variables, names):
-        raise AssertionError("no peers here")
-
-    borrow = lend
-
-    def unlend(self, names):
-        raise AssertionError("no peers here")
+from numpy_variables import NumpyVariables  # tests/numpy_variables.py
 
 
 class Counting(BasePolicy):
@@ -203,13 +170,13 @@ def _reader(path):
 
 @pytest.mark.parametrize("damage, why", [
     (lambda b: b"", r"is empty \(0 bytes\)"),
-    (lambda b: b[:20], r"is truncated: 20 bytes, shorter than its 52-byte header"),
+    (lambda b: b[:20], r"is truncated: 20 bytes, shorter than its 56-byte header"),
     (lambda b: b[:-1], r"is truncated: \d+ bytes of content, its header says \d+"),
     (lambda b: b + b"x", r"has 1 bytes more than its header says"),
     (lambda b: b[:-40] + bytes([b[-40] ^ 0x40]) + b[-39:],
      r"is corrupted: the SHA-256 of its content does not match its header"),
-    (lambda b: b[52:], r"is not a kungfu checkpoint \(it starts with b'\\x80"),  # a bare pickle
-    (lambda b: b[:8] + b"\x07" + b[9:], r"has format version 7; this kungfu reads version 1"),
+    (lambda b: b[56:], r"is not a kungfu checkpoint \(it starts with b'PK"),  # a bare .npz
+    (lambda b: b[:8] + b"\x07" + b[9:], r"has format version 7; this kungfu reads version 2"),
 ], ids=["empty", "header-cut", "content-cut", "longer", "bit-flipped", "foreign", "version"])
 def test_a_bad_checkpoint_file_is_refused_naming_it_and_left_alone(tmp_path, damage, why):
     from kungfu.elastic import CheckpointError
@@ -279,7 +246,7 @@ def test_a_checkpoint_write_that_fails_is_reported_once_and_training_goes_on(tmp
     reader = _reader(path)
     assert reader.resume() and reader.trainer.state.step == 5
 
-    (tmp_path / "sub").write_text("")  # a folder that is a file
+    (tmp_path / "sub").write_text("")  # a folder that is a file (and cannot be made one)
     m.checkpoint = str(tmp_path / "sub" / "job.ckpt")
     writer.train(1)
     m.commit("step")
@@ -292,51 +259,152 @@ def test_a_checkpoint_write_that_fails_is_reported_once_and_training_goes_on(tmp
 def test_a_checkpoint_path_that_cannot_be_written_is_refused_at_once(tmp_path):
     from kungfu.elastic import CheckpointError, check_writable
 
-    with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path}/no/x.ckpt: its folder "
-                                              f"{tmp_path}/no does not exist"):
-        check_writable(str(tmp_path / "no" / "x.ckpt"))
+    # A missing folder is made, with its parents (as Keras's ModelCheckpoint does).
+    check_writable(str(tmp_path / "no" / "such" / "x.ckpt"))
+    assert (tmp_path / "no" / "such").is_dir() and not list((tmp_path / "no" / "such").iterdir())
     (tmp_path / "f").write_text("")
     with pytest.raises(CheckpointError, match="its folder .*/f is not a folder"):
         check_writable(str(tmp_path / "f" / "x.ckpt"))
-    with pytest.raises(CheckpointError, match="is a folder"):
-        check_writable(str(tmp_path))
-    check_writable(str(tmp_path / "x.ckpt"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # the probe file is gone
+    with pytest.raises(CheckpointError, match=r"its folder .*/f/sub cannot be created \(Not a "
+                                              r"directory\)"):
+        check_writable(str(tmp_path / "f" / "sub" / "x.ckpt"))
+    with pytest.raises(CheckpointError, match="is a folder: give a file name in it"):
+        check_writable(str(tmp_path / "no"))
 
 
-def test_joiners_are_switched_in_only_where_a_step_follows(monkeypatch):
-    """Rank 0's decision round with a resize whose joiner is ready (a real store): no switch
-    where training ends (Trainer.step_follows() False: a joiner switched in then would wait in
-    its first step for workers that have left), the switch where a step follows."""
-    import time
+KEY = "9f2c0e5b7a1d4c3e8b6a5f0e1d2c3b4a"  # 128 bits of hex
 
-    from kungfu import store as st
-    from kungfu.elastic import Elastic, _protocol
 
-    server = st.ConfigServer("127.0.0.1", 0).start()
-    try:
-        for k, v in {"KUNGFU_CONFIG_SERVER": server.url, "KUNGFU_ELASTIC_HOSTS": "a:2",
-                     "KUNGFU_PORT_RANGE": "10000-10010", "KUNGFU_SELF_SPEC": "a:10000",
-                     "KUNGFU_INIT_PEERS": "a:10000", "KUNGFU_INIT_CLUSTER_VERSION": "0"}.items():
-            monkeypatch.setenv(k, v)
-        e = Elastic()
-        e.store.propose(st.ClusterConfig(0, ["a:10000"]))
-        e.pending, e.pending_since = st.ClusterConfig(1, ["a:10000", "a:10001"]), time.monotonic()
-        e.store.mark_ready(1, "a:10001")
-        monkeypatch.setattr(_protocol, "_context", e)
+def _keyed(path, key):
+    reader = Loop([(3,), (2,)])
+    reader.membership.checkpoint, reader.membership.checkpoint_key = path, key
+    return reader.membership
 
-        class Ending(Loop):
-            follows = False
 
-            def step_follows(self):
-                return self.follows
+def test_checkpoint_content_keeps_plain_data_and_refuses_objects():
+    from kungfu.elastic import CheckpointError
+    from kungfu.elastic._checkpoint_content import pack, unpack
 
-        loop = Ending([(3,)])
-        decisions = {}
-        loop.membership.before_agree(decisions)
-        assert decisions == {} and not e.store.switched(1)
-        loop.follows = True
-        loop.membership.before_agree(decisions)
-        assert decisions == {"elastic": {"switch": 1}} and e.store.switched(1)
-    finally:
-        server.stop()
+    state = {"t": (1, "a"), "s": {3, 4}, "fs": frozenset({5}), "b": b"\x00\xff",
+             "a": np.arange(6, dtype=np.int16).reshape(2, 3), "g": np.float32(1.5),
+             "nan": float("nan"), "ints": {1: "one", (2, 3): [4.5]}, "$tag": {"$array": 0},
+             "n": None, "big": 2 ** 70, "nested": [{"x": np.zeros(2)}]}
+    meta, arrays = unpack(pack({"policies": [state]}, [np.ones(3, np.float64), np.int64(7)]))
+    got = meta["policies"][0]
+    assert [a.tolist() for a in arrays] == [[1.0, 1.0, 1.0], 7]  # the commit's arrays only
+    assert arrays[1].shape == () and arrays[1].dtype == np.int64
+    assert got["t"] == (1, "a") and got["s"] == {3, 4} and got["fs"] == frozenset({5})
+    assert got["b"] == b"\x00\xff" and got["n"] is None and got["big"] == 2 ** 70
+    assert got["a"].dtype == np.int16 and got["a"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert type(got["g"]) is np.float32 and got["g"] == 1.5 and np.isnan(got["nan"])
+    assert got["ints"] == {1: "one", (2, 3): [4.5]} and got["$tag"] == {"$array": 0}
+    assert got["nested"][0]["x"].tolist() == [0.0, 0.0]
+    with pytest.raises(CheckpointError,
+                       match=r"\['policies'\]\[0\]\['f'\] holds a builtin_function"):
+        pack({"policies": [{"f": len}]}, [])
+    with pytest.raises(CheckpointError, match="array of Python objects"):
+        pack({}, [np.array([object()])])
+
+
+def test_a_version_1_checkpoint_is_refused_without_running_its_pickle(tmp_path):
+    """Format version 1 was a pickle behind a SHA-256: a file someone else wrote ran their code
+    when loaded. It is refused now, naming the way on (convert_checkpoint, for a file one
+    trusts), and its pickle is not loaded."""
+    import hashlib
+    import pickle
+    import struct
+
+    from kungfu.elastic import CheckpointError
+    from kungfu.elastic._checkpoint import MAGIC
+
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    def v1(obj):
+        content = pickle.dumps(obj)
+        return struct.pack("<8sIQ32s", MAGIC, 1, len(content),
+                           hashlib.sha256(content).digest()) + content
+
+    path = tmp_path / "old.ckpt"
+    path.write_bytes(v1(Payload()))
+    with pytest.raises(CheckpointError, match=r"has format version 1: a pickle, which runs code "
+                                              r"when it is loaded.*python -m "
+                                              r"kungfu.elastic.convert_checkpoint"):
+        _reader(str(path)).resume()
+    assert not marker.exists()
+
+    # A version-1 file one trusts, converted: resumed from, with its state.
+    from kungfu.elastic import convert_checkpoint
+
+    state = TrainingState(step=7, epoch=1)
+    path.write_bytes(v1({"arrays": [np.full(3, 2.0, np.float32), np.ones(2, np.float32)],
+                         "variables": [("v0", (3,), "float32"), ("v1", (2,), "float32")],
+                         "state": state, "policies": [{"seen": 7}], "data": None,
+                         "epochs_total": 4}))
+    assert convert_checkpoint.main([str(path)]) == 0
+    reader = _reader(str(path))
+    assert reader.resume() and reader.trainer.state.step == 7
+    assert reader.trainer.policies[0].seen == 7
+    assert [v.tolist() for v in reader.variables.values] == [[2, 2, 2], [1, 1]]
+
+
+def test_a_key_signs_the_checkpoint_and_a_forged_one_is_refused(tmp_path):
+    """With an authenticity key the file carries an HMAC of itself: a file changed after it was
+    written (its SHA-256 recomputed, or written unsigned) is refused; so is a signed file
+    without the key, or with another. Without a key the SHA-256 finds accidents only: a file
+    changed with its checksum recomputed is taken (what a key is for)."""
+    import hashlib
+
+    from kungfu.elastic import CheckpointError
+    from kungfu.elastic import _checkpoint as cf
+    from kungfu.elastic._checkpoint_content import pack_commit, unpack_commit
+
+    path = str(tmp_path / "job.ckpt")
+    writer = Loop([(3,), (2,)])
+    writer.membership.checkpoint, writer.membership.checkpoint_every = path, 1
+    writer.membership.checkpoint_key = KEY
+    writer.train(2)
+    writer.membership.commit("step")
+    good = _keyed(path, KEY)
+    assert good.resume() and good.trainer.state.step == 2
+
+    got = unpack_commit(cf.read(path, KEY))
+    forged = pack_commit([np.full(3, 99.0, np.float32), got["arrays"][1]], got["variables"],
+                         got["state"], got["policies"], None, None, 5)
+    blob = open(path, "rb").read()
+    for why, bad in [
+        ("is not signed, and an authenticity key is set", cf.encode(forged)),
+        ("does not match the authenticity key", cf._head(cf.KEYED, len(forged)) + hashlib.sha256(
+            cf._head(cf.KEYED, len(forged)) + forged).digest() + forged),  # flag kept, SHA-256
+        ("does not match the authenticity key", cf.encode(forged, "another key " * 4)),
+    ]:
+        with open(path, "wb") as f:
+            f.write(bad)
+        with pytest.raises(CheckpointError, match=f"the checkpoint {path} {why}"):
+            _keyed(path, KEY).resume()
+    with open(path, "wb") as f:
+        f.write(blob)
+    with pytest.raises(CheckpointError, match="is signed with an authenticity key, and none is "
+                                              "set.*KUNGFU_CHECKPOINT_KEY"):
+        _keyed(path, None).resume()
+    with open(path, "wb") as f:  # no key anywhere: a recomputed SHA-256 passes
+        f.write(cf.encode(forged))
+    taken = _keyed(path, None)
+    assert taken.resume() and taken.variables.values[0].tolist() == [99, 99, 99]
+
+
+def test_a_checkpoint_key_must_be_strong(monkeypatch):
+    from kungfu._loop import _checkpoint_key
+
+    with pytest.raises(ValueError, match="the checkpoint key is too weak"):
+        _checkpoint_key("secret")
+    with pytest.raises(ValueError, match="at least 16"):
+        _checkpoint_key(b"short")
+    monkeypatch.setenv("KUNGFU_CHECKPOINT_KEY", KEY)
+    assert _checkpoint_key(None) == KEY and _checkpoint_key(b"k" * 16) == b"k" * 16
+    monkeypatch.setenv("KUNGFU_CHECKPOINT_KEY", "weak")
+    with pytest.raises(ValueError, match="KUNGFU_CHECKPOINT_KEY is invalid: the checkpoint key"):
+        _checkpoint_key(None)

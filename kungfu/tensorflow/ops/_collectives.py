@@ -46,11 +46,16 @@ def _rank(process_set: Optional[ProcessSet]):
 
 def _averaged(t, axis: int, process_set: Optional[ProcessSet] = None):
     """(what to sum for avg of t, how to finish the sum): floats divide by the cluster size (read
-    when the op runs) or the set's; integers sum a 64-bit (x // n, x % n) pair stacked along `axis` and take
-    sum(q) + sum(r) // n, the floor of the exact mean whatever the dtype (as kf.allreduce)."""
+    when the op runs) or the set's (float16 and bfloat16: the runtime does); integers sum a
+    64-bit (x // n, x % n) pair stacked along `axis` and take sum(q) + sum(r) // n, the floor of
+    the exact mean whatever the dtype (as kf.allreduce)."""
     t = tf.convert_to_tensor(t)
     if t.dtype == tf.bool:
         raise ValueError("op 'avg' is not defined for bool")
+    if t.dtype in (tf.float16, tf.bfloat16):
+        # The runtime returns their mean itself (each worker's part divided and summed in
+        # float32: their sum may overflow where the mean fits; OpOptions::average, op.h).
+        return t, lambda s: s
     if t.dtype.is_floating:
         return t, lambda s: s / tf.cast(_size(process_set), s.dtype)
     wide = tf.uint64 if t.dtype.is_unsigned else tf.int64

@@ -11,24 +11,29 @@ from kungfu.tensorflow.ops._fusion import fused_apply
 
 def mean_over_workers(tensors: Sequence, prefix: str, bucket_bytes: Optional[int],
                       strategy=None, compression: Optional[str] = None) -> List[tf.Tensor]:
-    """Sum over all workers divided by the cluster size read when the op runs.
+    """Sum over all workers divided by the cluster size read when the op runs; float16 and
+    bfloat16 tensors are averaged by the runtime instead (ops.all_reduce's avg: each worker's
+    part divided before the sum, so a mean that fits does even where the sum would not).
 
     compression "fp16": float32/float64 tensors travel as float16, each divided by the size
     before the cast (the float16 sum is the mean, so it overflows no sooner than the mean)."""
     if not tensors:
         return []
     size = ops.cluster_size()
-    if compression == "fp16":
-        wide = [t.dtype in (tf.float32, tf.float64) for t in tensors]
-        sent = [tf.cast(t / tf.cast(size, t.dtype), tf.float16) if w else t
-                for t, w in zip(tensors, wide)]
-        sums = ops.group_all_reduce(sent, op="sum", name=prefix, bucket_bytes=bucket_bytes,
-                                    strategy=strategy)
-        return [tf.cast(s, t.dtype) if w else s / tf.cast(size, s.dtype)
-                for s, t, w in zip(sums, tensors, wide)]
-    sums = ops.group_all_reduce(tensors, op="sum", name=prefix, bucket_bytes=bucket_bytes,
-                                strategy=strategy)
-    return [t / tf.cast(size, t.dtype) for t in sums]
+    wide = [compression == "fp16" and t.dtype in (tf.float32, tf.float64) for t in tensors]
+    half = [t.dtype in (tf.float16, tf.bfloat16) for t in tensors]
+    sent = [tf.cast(t / tf.cast(size, t.dtype), tf.float16) if w else t
+            for t, w in zip(tensors, wide)]
+    summed = [t for t, h in zip(sent, half) if not h]
+    sums = iter(ops.group_all_reduce(summed, op="sum", name=prefix, bucket_bytes=bucket_bytes,
+                                     strategy=strategy) if summed else [])
+    halves = [t for t, h in zip(sent, half) if h]
+    means = iter(ops.group_all_reduce(halves, op="avg", name=f"{prefix}/mean",
+                                      bucket_bytes=bucket_bytes, strategy=strategy)
+                 if halves else [])
+    return [next(means) if h else tf.cast(next(sums), t.dtype) if w
+            else next(sums) / tf.cast(size, t.dtype)
+            for t, w, h in zip(tensors, wide, half)]
 
 
 def broadcast(tensors: Sequence, root: int, prefix: str, bucket_bytes: int) -> List[tf.Tensor]:

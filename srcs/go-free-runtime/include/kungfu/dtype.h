@@ -41,6 +41,16 @@ Status CheckReducible(DType dtype, ReduceOp op);
 // in float32 and rounded to nearest even once per element.
 void Reduce(void* dst, const void* a, const void* b, size_t count, DType dtype, ReduceOp op);
 
+// The mean of 16-bit floats (float16, bfloat16), whose sum in their own type overflows where
+// the mean fits (two peers' 40000.0 in float16: the sum 80000 is inf, the mean 40000 is not):
+// each peer's values are widened to float32 and divided by the number of peers `n` there
+// (WidenHalfPart: scaled first, since float32 has bfloat16's range and a sum of bfloat16 near
+// its largest overflows float32 too), the parts summed as float32 and rounded back once per
+// element (NarrowHalf). Peer::AllReduce and Reduce do that for OpOptions::average.
+bool IsHalfFloat(DType dtype);
+void WidenHalfPart(float* dst, const void* src, size_t count, int n, DType dtype);
+void NarrowHalf(void* dst, const float* src, size_t count, DType dtype);
+
 // Conversions used by the kernels, exposed for tests.
 float HalfToFloat(uint16_t h);
 uint16_t FloatToHalf(float f);

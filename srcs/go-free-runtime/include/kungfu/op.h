@@ -104,7 +104,9 @@ struct OpOptions {
   // root and strategy (e.g. a digest of a tensor's trailing shape); 0: nothing.
   uint64_t digest = 0;
   // allreduce and reduce with kSum only: the caller divides the result by the peer count (see
-  // OpSig).
+  // OpSig); except float16 and bfloat16 in host memory, whose result is the mean itself (each
+  // peer's part divided and summed in float32, rounded once: their sum may overflow where the
+  // mean fits; Peer::WidensMean), so a caller divides only other dtypes.
   bool average = false;
   // A process set (process_set.h): the sorted global ranks of the peers that run this operation,
   // this one among them; ranks and roots are then the set's, and the result is as if the set were

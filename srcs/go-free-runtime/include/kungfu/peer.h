@@ -220,6 +220,14 @@ class Peer {
                  bool commit);
   uint64_t NextSeq(const std::string& name);  // the per-name numbering, of fused ops too
   OpSig Sig(OpKind kind, const OpOptions& options, int op = 0, int root = -1) const;
+  // OpOptions::average of float16 or bfloat16 in host memory (peer/half_mean.cc): the pieces
+  // (or the reduce's buffer) are widened to float32 and divided by the number of peers, summed
+  // as float32 and rounded back (WidenHalfPart, dtype.h), so the result is the mean even where
+  // the sum does not fit the 16-bit type. Twice the bytes on the wire; never fused.
+  static bool WidensMean(DType dtype, ReduceOp op, const OpOptions& options);
+  Handle AllReduceHalfMean(std::vector<Piece> pieces, DType dtype, const OpOptions& options);
+  Handle ReduceHalfMean(const void* send, void* recv, size_t count, DType dtype, int root,
+                        const OpOptions& options);
   // The session that runs operations of `members` (session_ when empty; a set's is made at its
   // first use and kept), and the prefix of their names; InvalidArgument for a set that is malformed
   // or does not include this peer.

@@ -151,6 +151,21 @@ uint16_t FloatToBFloat16(float f) {
   return static_cast<uint16_t>((x + rounding) >> 16);
 }
 
+bool IsHalfFloat(DType dtype) { return dtype == DType::kFloat16 || dtype == DType::kBFloat16; }
+
+void WidenHalfPart(float* dst, const void* src, size_t count, int n, DType dtype) {
+  const uint16_t* x = static_cast<const uint16_t*>(src);
+  float (*to_float)(uint16_t) = dtype == DType::kFloat16 ? HalfToFloat : BFloat16ToFloat;
+  const float size = static_cast<float>(n);
+  for (size_t i = 0; i < count; ++i) dst[i] = to_float(x[i]) / size;
+}
+
+void NarrowHalf(void* dst, const float* src, size_t count, DType dtype) {
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  uint16_t (*from_float)(float) = dtype == DType::kFloat16 ? FloatToHalf : FloatToBFloat16;
+  for (size_t i = 0; i < count; ++i) d[i] = from_float(src[i]);
+}
+
 namespace {
 
 // Integers wrap around (two's complement), as numpy's do: computed in an unsigned type at least

@@ -458,6 +458,9 @@ void Peer::Record(TimelineEvent e) {
 
 Handle Peer::AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                        const OpOptions& options) {
+  if (WidensMean(dtype, op, options)) {
+    return AllReduceHalfMean({Piece{send, recv, count}}, dtype, options);
+  }
   // A set's allreduces run unfused: the negotiation runs among every peer of the session.
   if (fusion_ && options.process_set.empty() && options.memory == Memory::kHost &&
       CheckReducible(dtype, op).ok() &&
@@ -475,6 +478,7 @@ Handle Peer::AllReduce(const void* send, void* recv, size_t count, DType dtype, 
 
 Handle Peer::AllReduceV(std::vector<Piece> pieces, DType dtype, ReduceOp op,
                         const OpOptions& options) {
+  if (WidensMean(dtype, op, options)) return AllReduceHalfMean(std::move(pieces), dtype, options);
   size_t count = 0;
   OpOptions o = options;  // the piece counts must match too
   uint64_t h = 1469598103934665603ull;
@@ -495,6 +499,9 @@ Handle Peer::AllReduceV(std::vector<Piece> pieces, DType dtype, ReduceOp op,
 
 Handle Peer::Reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, int root,
                     const OpOptions& options) {
+  if (WidensMean(dtype, op, options)) {
+    return ReduceHalfMean(send, recv, count, dtype, root, options);
+  }
   return Run(Sig(OpKind::kReduce, options, static_cast<int>(op), root), options,
              count * DTypeSize(dtype), [=](Session& s, const OpContext& ctx) {
                KF_RETURN_IF_ERROR(CheckReducible(dtype, op));
