@@ -8,42 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from kungfu.elastic import Membership, State, Trainer, Variables
+from kungfu.elastic import Membership, State, Trainer
 from kungfu.policy import BasePolicy, TrainingState
-
-
-class NumpyVariables(Variables):
-    """Variables as numpy arrays, written in place."""
-
-    def __init__(self, arrays):
-        self.values = arrays
-
-    def synced(self):
-        return list(self.values)
-
-    def snapshot(self, variables):
-        return [v.copy() for v in variables]
-
-    def restore(self, variables, snapshot):
-        for v, s in zip(variables, snapshot):
-            v[...] = s
-
-    def arrays(self, snapshot):
-        return list(snapshot)
-
-    def load(self, variables, arrays):
-        self.restore(variables, arrays)
-
-    def describe(self, variables):
-        return [(f"v{i}", v.shape, v.dtype.name) for i, v in enumerate(variables)]
-
-    def lend(self, variables, names):
-        raise AssertionError("no peers here")
-
-    borrow = lend
-
-    def unlend(self, names):
-        raise AssertionError("no peers here")
+from numpy_variables import NumpyVariables  # tests/, on the path (conftest.py)
 
 
 class Counting(BasePolicy):
