@@ -69,11 +69,16 @@ def main():
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--step-sleep", type=float, default=0.02)
     p.add_argument("--kill", default="", metavar="RANK@POINT")
+    p.add_argument("--hold-record", default="", metavar="RANK@STEP",
+                   help="the worker of this rank (in the first cluster) waits 60 s between this "
+                        "step and its record (as one descheduled on a loaded machine, but long "
+                        "enough to be killed meanwhile)")
     p.add_argument("--no-guard", action="store_true",
                    help="train without trainer.guard: a job that cannot recover")
     p.add_argument("--stop-at-version", default="", metavar="V:N",
                    help="stop N steps after the first step at cluster version V or later")
     args = p.parse_args()
+    held = args.hold_record.partition("@")
     stop_version, stop_after = (int(v) for v in (args.stop_at_version or "-1:0").split(":"))
     stop_at = None  # the step to stop after, once version V was seen
     victim, _, point = args.kill.partition("@")
@@ -120,6 +125,8 @@ def main():
             loss = step(bx, by, bw)
             trainer.after_step({"loss": loss})
             s = trainer.state
+            if (held[0], held[2]) == (first_rank, str(s.step)) and not JOINING:
+                time.sleep(60)
             out.write(json.dumps({
                 "step": s.step, "epoch": s.epoch, "size": kf.size(), "rank": kf.rank(),
                 "pid": os.getpid(), "t": time.time(), "loss": loss,
