@@ -390,8 +390,8 @@ class Loop(_elastic.Trainer):
         """Why this loop cannot recover from a lost worker in an elastic job (None: it can)."""
         if self.membership.recovering:
             return None
-        return (f"its training step is not wrapped by {self.face}.guard, which needs "
-                "data=kf.ElasticData(...)")
+        return (f"its training step is not wrapped by {self.face}.guard (before "
+                "before_train), which needs data=kf.ElasticData(...)")
 
     def _say_if_unrecoverable(self) -> None:
         """In an elastic job whose training cannot recover from a lost worker, rank 0 says so as

@@ -57,8 +57,8 @@ def test_a_loop_that_cannot_recover_says_so_and_so_does_the_launcher(tmp_path):
                              "200", script="elastic_numpy.py", timeout=100)
     log = r.stdout[-2000:] + r.stderr[-6000:]
     assert r.returncode == 137, log  # the lost worker's exit code: the job did not finish
-    why = ("its training step is not wrapped by NumpyTrainer.guard, which needs "
-           "data=kf.ElasticData(...)")
+    why = ("its training step is not wrapped by NumpyTrainer.guard (before before_train), "
+           "which needs data=kf.ElasticData(...)")
     lines = r.stderr.splitlines()
     # Rank 0 warned as training started, once; the launcher's line of the kill says the truth.
     warned = [i for i, line in enumerate(lines) if line.endswith(
