@@ -27,6 +27,10 @@ import sys
 import time
 
 JOINING = os.environ.get("KUNGFU_ELASTIC_JOINING") == "1"
+if not JOINING and "--slow-start" in sys.argv:  # RANK:SECONDS, as a framework's import
+    _rank, _, _seconds = sys.argv[sys.argv.index("--slow-start") + 1].partition(":")
+    if os.environ.get("RANK") == _rank:
+        time.sleep(float(_seconds))
 if not JOINING and "--kill" in sys.argv and \
         sys.argv[sys.argv.index("--kill") + 1] == f"{os.environ.get('RANK')}@import":
     os.kill(os.getpid(), signal.SIGKILL)  # a worker lost before it connected
@@ -73,6 +77,9 @@ def main():
                    help="the worker of this rank (in the first cluster) waits 60 s between this "
                         "step and its record (as one descheduled on a loaded machine, but long "
                         "enough to be killed meanwhile)")
+    p.add_argument("--slow-start", default="", metavar="RANK:SECONDS",
+                   help="the worker of this rank (in the first cluster) starts this much later "
+                        "(as one that imports a framework on a loaded machine)")
     p.add_argument("--no-guard", action="store_true",
                    help="train without trainer.guard: a job that cannot recover")
     p.add_argument("--stop-at-version", default="", metavar="V:N",

@@ -52,6 +52,27 @@ def test_a_worker_lost_while_the_job_starts_is_replaced(tmp_path, kill):
 
 
 @pytest.mark.timeout(120)
+def test_a_peer_still_starting_when_another_is_lost_is_waited_for(tmp_path):
+    """Rank 0 dies before it connects while rank 2 is still starting (8 s late: a framework's
+    import on a loaded machine), longer than KUNGFU_RECOVERY_WINDOW (2 s here). Before training
+    started the survivors wait for a peer that has not checked in as long as a connect would
+    (KUNGFU_CONNECT_TIMEOUT): rank 2 is a member of the recovered cluster, not left out."""
+    r, records = run_elastic(tmp_path, 3, 3, "--kill", "0@import", "--slow-start", "2:8",
+                             "--max-steps", "20", script="elastic_numpy.py", timeout=100,
+                             env_extra={"KUNGFU_RECOVERY_WINDOW": "2s"},
+                             launcher_args=("-replace=false",))
+    log = r.stdout[-2000:] + r.stderr[-6000:]
+    assert r.returncode == 0 and "ExpelledError" not in r.stderr, log
+    steps = steps_of(records)
+    assert sorted(steps) == list(range(1, 21)) and sizes_of(steps) == [2], log
+    finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
+    assert len(finals) == 2, log
+    for f in finals:
+        [rec] = f["recoveries"]
+        assert rec["step"] == 0 and len(rec["lost"]) == 1, rec
+
+
+@pytest.mark.timeout(120)
 def test_a_loop_that_cannot_recover_says_so_and_so_does_the_launcher(tmp_path):
     r, records = run_elastic(tmp_path, 3, 3, "--kill", "1@3", "--no-guard", "--max-steps",
                              "200", script="elastic_numpy.py", timeout=100)
