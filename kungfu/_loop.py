@@ -344,6 +344,8 @@ class Loop(_elastic.Trainer):
         for kind in self.membership.recover(error):  # at most one
             if kind == "epoch":
                 self._end_epoch()
+            elif kind == "start":  # a survivor that had not started when the peer was lost
+                self._start()
             else:
                 self._step_start = time.perf_counter()
                 self._train_again()
@@ -398,6 +400,41 @@ class Loop(_elastic.Trainer):
             self._join()
             self.membership.commit("start")
             return  # the others are in the middle of training: join them at their next step
+        self._say_if_unrecoverable()
+        # The state before the first collective: a peer lost while the job starts (before it
+        # connected, in the broadcast of rank 0's state, in the first agreement) is recovered
+        # from like any later loss, by starting again from here with the survivors.
+        self.membership.commit("init")
+        self._start()
+
+    def _why_no_recovery(self) -> Optional[str]:
+        """Why this loop cannot recover from a lost worker in an elastic job (None: it can)."""
+        if self.membership.recovering:
+            return None
+        return (f"its training step is not wrapped by {self.face}.guard (before "
+                "before_train), which needs data=kf.ElasticData(...)")
+
+    def _say_if_unrecoverable(self) -> None:
+        """In an elastic job whose training cannot recover from a lost worker, rank 0 says so as
+        training starts, and tells the launchers (which then say that a failure ends the job,
+        not that the others go on)."""
+        why = self._why_no_recovery() if _elastic.context().enabled else None
+        if why is not None and _peer.identity().rank == 0:
+            _elastic.context().mark_no_recovery(why)
+
+    def _start(self) -> None:
+        """The start of training (a checkpoint resumed, or rank 0's variables on every worker;
+        the policies' before_train and its agreement), run again with the survivors when a peer
+        is lost meanwhile; then the "start" commit."""
+        while True:
+            try:
+                self._start_once()
+                break
+            except self.recoverable as e:
+                self.membership.recover(e)  # back to the "init" commit: nothing to redo
+        self.membership.commit("start")
+
+    def _start_once(self) -> None:
         resumed = self.membership.checkpoint is not None and self._resume()
         if not resumed:
             self._start_equal()
@@ -408,7 +445,6 @@ class Loop(_elastic.Trainer):
         if not resumed:
             self._run("before_train")
         self._agree_and_apply()
-        self.membership.commit("start")
 
     def before_epoch(self, epoch: Optional[int] = None) -> None:
         self._epochs_begun += 1

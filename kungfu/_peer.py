@@ -150,9 +150,15 @@ def _create(self_spec: Optional[str], peers: List[str], version: int,
         gpu_chunk_bytes=_env.GPU_CHUNK_BYTES.get(),
     )
     raise_for_status(peer.listen())
-    if before_connect is not None:
-        before_connect()
-    _start(peer, peers, version)
+    try:
+        if before_connect is not None:
+            before_connect()
+        _start(peer, peers, version)
+    except BaseException:
+        # Its port is free again at once: a survivor whose first connect failed (a peer lost
+        # as the job starts) listens there again for the cluster it recovers to.
+        peer.stop()
+        raise
     atexit.register(_stop_at_exit, peer)
     if record:
         where = f"rank {peer.rank} {self_spec}" if multi else "alone"

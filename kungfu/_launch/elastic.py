@@ -35,7 +35,7 @@ from kungfu._hosts import HostSpec, Worker, _is_loopback
 from kungfu._launch.flags import EXIT_USAGE, GRACE_SECONDS, Options
 from kungfu._launch.launcher import Launcher
 from kungfu._launch.output import _fmt_seconds, _plural
-from kungfu._launch.processes import _describe_exit, _exit_code
+from kungfu._launch.processes import _describe_exit, _ended, _exit_code
 from kungfu._launch.resize_progress import ResizeProgress
 from kungfu._launch.spares import Spares
 from kungfu.store import (
@@ -284,14 +284,57 @@ class ElasticLauncher(Launcher):
         launcher keeps watching."""
         run = self.running[key]
         spec, how = run.worker.spec, _describe_exit(rc)
-        gone = {f[2] for f in self.failures} | {spec}
-        left = [p for p in (self.latest.peers if self.latest else ()) if p not in gone]
-        self.error(f"worker {run.worker.rank} ({spec}) {how}; " + (
-            "the others go on without it" if left else "no other worker of the job is left"))
+        self.error(f"worker {run.worker.rank} ({spec}) {how}; {self._what_follows(store, spec)}")
         self.unreported.append((spec, self.version_of[key]))
         self.died[spec] = self.version_of[key]
         self._flush_dead(store)
         self._failed(run, how, rc)
+
+    def _what_follows(self, store, spec: str) -> str:
+        """What a worker's failure means for the job, as far as this launcher knows: training
+        said it cannot recover (rank 0's word in the store, with why: said at the first
+        failure), no worker is left (this host's workers that ended at the same time, not yet
+        reported, count as gone: a failure of every worker at once), or the others are told to
+        recover without it (whether they did, the line of the version they recover to says:
+        _say_recovered)."""
+        try:
+            why = store.no_recovery()
+        except StoreError as e:
+            self._store_trouble(e)
+            why = None
+        if why and not self.failures:
+            return f"training cannot recover from it, so the job ends: {why}"
+        gone = {f[2] for f in self.failures} | {spec} | {
+            r.worker.spec for r in self._alive()
+            if _ended(r.proc) or r.proc.pid in self._exit_noted}
+        left = [p for p in (self.latest.peers if self.latest else ()) if p not in gone]
+        if not left:
+            return "no other worker of the job is left"
+        if why:
+            return "the job ends"
+        return f"the others ({len(left)}) are told to recover without it"
+
+    def _say_recovered(self, store, old: Optional[ClusterConfig], cfg: ClusterConfig) -> None:
+        """The recoveries since the version before `cfg` (the survivors' decisions in the
+        store): who they left out, and how many go on."""
+        for v in range(0 if old is None else old.version, cfg.version):
+            try:
+                decided = store.recovery(v)
+            except StoreError as e:
+                self._store_trouble(e)
+                return
+            if decided is None:
+                continue
+            try:
+                got = json.loads(decided)
+                peers, version = list(got["peers"]), int(got["version"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            lost = [p for p in (old.peers if old is not None and v == old.version else ())
+                    if p not in peers]
+            self.info(f"version {version}: the others recovered from the failure in version {v}"
+                      f"{' without ' + ', '.join(lost) if lost else ''}; "
+                      f"{_plural(len(peers), 'worker')} go on")
 
     def _failed(self, run, how: str, rc: int) -> None:
         """Counts a failure the job survives (listed at the end), and against its host: a host
@@ -403,6 +446,7 @@ class ElasticLauncher(Launcher):
             # when its version came is started once that one is gone.
             if cfg.version > self.seen:
                 self.progress.new_version(store, self.latest, cfg, now)
+                self._say_recovered(store, self.latest, cfg)
                 self._renumber(cfg)
             self.seen, self.latest = cfg.version, cfg
             code = self._apply(store, cfg)

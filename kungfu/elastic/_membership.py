@@ -185,8 +185,9 @@ def runtime_message(e: BaseException) -> str:
 
 @dataclasses.dataclass
 class Commit:
-    """The training state at a step boundary ("start", "step": after a step's decisions, or
-    "epoch": after an epoch's); `seq` numbers them the same on every worker."""
+    """The training state at a step boundary ("init": before the first collective, "start":
+    after the start of training, "step": after a step's decisions, or "epoch": after an
+    epoch's); `seq` numbers them the same on every worker."""
 
     seq: int
     kind: str
@@ -473,7 +474,10 @@ class Membership:
         kinds = [c.kind for c in self.commits]
         self._enter(State.RECOVERING)
         try:
-            rec = context().recover(self.commits[-1].seq, runtime_message(error))
+            # Before training started, a peer that has not checked in may still be starting
+            # (importing its framework): it is waited for as long as a connect waits for it.
+            rec = context().recover(self.commits[-1].seq, runtime_message(error),
+                                    starting=self.commits[-1].kind == "init")
         except ExpelledError as e:
             self._enter(State.DETACHED)
             raise e from error

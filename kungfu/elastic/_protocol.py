@@ -327,7 +327,7 @@ class Elastic:
 
     # -- recovery -------------------------------------------------------------------------------
 
-    def recover(self, commit: int, cause: str) -> Recovery:
+    def recover(self, commit: int, cause: str, starting: bool = False) -> Recovery:
         """After a collective of the current version failed: agrees with the other survivors
         on who is left and on the commit to roll back to (steps 2-4 in the module's doc), and
         swaps in the native peer of that cluster. `commit`: this worker's last commit.
@@ -335,10 +335,18 @@ class Elastic:
         A member of the agreed cluster may have died after the decision was stored (its
         launcher's word came too late for it): then no survivor can connect to it (within
         KUNGFU_CONNECT_TIMEOUT), and they recover from that version in the same way, without
-        it (now reported dead), rolling back to the same commit."""
+        it (now reported dead), rolling back to the same commit.
+
+        `starting`: the failure came before training started (this worker's last commit is the
+        one before its first collective); a peer that has not checked in then may still be
+        starting, and is waited for up to KUNGFU_CONNECT_TIMEOUT, as its connect would have
+        been, instead of KUNGFU_RECOVERY_WINDOW."""
         first = self.current
+        window = _env.RECOVERY_WINDOW.get()
+        if starting:
+            window = max(window, _env.CONNECT_TIMEOUT.get())
         while True:
-            got, new, agreed_at = self._recover_once(commit, cause, first)
+            got, new, agreed_at = self._recover_once(commit, cause, first, window)
             try:
                 _peer.replace(self.self_spec, list(new.peers), new.version)
             except (errors.PeerFailedError, errors.OpTimeoutError) as e:
@@ -349,10 +357,11 @@ class Elastic:
             lost = [p for p in first.peers if p not in new.peers]
             return Recovery(first.version, new, int(got["commit"]), lost, agreed_at, time.time())
 
-    def _recover_once(self, commit: int, cause: str, first: ClusterConfig):
-        """One round of recover for the current version: (the decision, its cluster, when)."""
+    def _recover_once(self, commit: int, cause: str, first: ClusterConfig, window: float):
+        """One round of recover for the current version: (the decision, its cluster, when).
+        `window`: how long after this worker checked in it waits for peers neither alive nor
+        dead."""
         v = self.current.version
-        window = _env.RECOVERY_WINDOW.get()
         deadline = time.monotonic() + max(window, self.timeout)  # the store may be down a while
         self._retry(lambda: self.store.mark_alive(v, self.self_spec, commit), deadline,
                     "report this worker alive")
@@ -370,8 +379,9 @@ class Elastic:
         if self.self_spec not in new.peers:
             raise ExpelledError(
                 f"kungfu: the other workers recovered from a failure in cluster version {v} "
-                f"without this one ({self.self_spec}): it did not report back within "
-                f"{window:g}s (KUNGFU_RECOVERY_WINDOW); it leaves the job")
+                f"without this one ({self.self_spec}): it did not report back in time "
+                f"(KUNGFU_RECOVERY_WINDOW, or KUNGFU_CONNECT_TIMEOUT before training started: "
+                f"{window:g}s here); it leaves the job")
         minimum = _env.MIN_SIZE.get()
         if len(new.peers) < minimum:
             raise RuntimeError(
@@ -430,6 +440,17 @@ class Elastic:
                                      f"in time: {e}") from None
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    def mark_no_recovery(self, why: str) -> None:
+        """Rank 0, as training starts: warns that this job cannot survive the loss of a worker,
+        and why, and tells the launchers."""
+        warnings.warn(f"kungfu: this elastic job cannot survive the loss of a worker: {why}; "
+                      "a worker lost ends the job")
+        try:
+            self.store.mark_no_recovery(why)
+        except StoreError as e:
+            warnings.warn(f"kungfu: cannot tell the config store that training cannot recover: "
+                          f"{e}")
 
     def finish(self) -> None:
         """Rank 0, when training ends: tells the launchers that the job is over."""

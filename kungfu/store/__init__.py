@@ -45,6 +45,7 @@ from kungfu.store._base import (  # noqa: F401
     FAILED_PREFIX,
     JOB_KEY,
     MAX_VALUE_BYTES,
+    NO_RECOVERY_KEY,
     READY_PREFIX,
     RECOVERED_PREFIX,
     REQUEST_KEY,

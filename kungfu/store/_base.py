@@ -20,6 +20,7 @@ ALIVE_PREFIX = "cluster/alive/"  # alive/<v>/<peer> = the survivor's last commit
 DEAD_PREFIX = "cluster/dead/"  # dead/<peer> = the version its dead worker was started for
 RECOVERED_PREFIX = "cluster/recovered/"  # recovered/<v> = the survivors' decision (first wins)
 COOLDOWN_PREFIX = "cluster/cooldown/"  # cooldown/<host> = time.time() until which it gets no worker
+NO_RECOVERY_KEY = "cluster/no-recovery"  # rank 0's word that training cannot recover, and why
 # Changing the cluster from outside the job (request_cluster; docs/elastic.md):
 JOB_KEY = "cluster/job"  # the job's slots, as the launchers were given them: {"hosts", "port_range"}
 REQUEST_KEY = "cluster/request"  # {"version", "peers", "state": "pending" | "accepted" | "refused", "why"}
@@ -197,6 +198,15 @@ class Store:
             if until > now:
                 out[k[len(COOLDOWN_PREFIX):]] = until
         return out
+
+    def mark_no_recovery(self, why: str) -> None:
+        """Rank 0's word, as training starts, that it cannot recover from a lost worker (and
+        why): a launcher then says that a failure ends the job."""
+        self.put(NO_RECOVERY_KEY, why)
+
+    def no_recovery(self) -> Optional[str]:
+        """Why training cannot recover from a lost worker; None: it did not say so."""
+        return self.get(NO_RECOVERY_KEY)[0] or None
 
     def recoveries(self) -> int:
         """How many failures the job has recovered from (or is recovering from)."""

@@ -187,6 +187,13 @@ class Hook(Loop, keras.callbacks.Callback):
                                "data=kf.ElasticData(...) to kf.Hook and train on data.dataset()")
         super().set_batch_size(b)
 
+    def _why_no_recovery(self) -> Optional[str]:
+        if self.data is None and getattr(self, "model", None) is not None:
+            return ("kf.Hook recovers only with data=kf.ElasticData(...), on which the survivors "
+                    "train a failed step again, split among them: pass it to kf.Hook and train "
+                    "on data.dataset()")
+        return super()._why_no_recovery()
+
     def check_resize(self, n: int, leave) -> None:
         if (self.model is not None and self.data is None
                 and n > _peer.identity().size - len(leave)

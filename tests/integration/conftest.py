@@ -102,6 +102,64 @@ def sizes_of(steps) -> List[int]:
     return sizes
 
 
+SAMPLES = 240  # the samples of elastic_train.py's and elastic_numpy.py's data
+
+
+def check_epochs(steps, samples: int = SAMPLES):
+    """Every sample of every epoch trained exactly once (steps: steps_of's): the steps' slices
+    of the epoch's order (kf.ElasticData, seed 2) follow each other from 0 to the end, and in
+    each step the workers trained the parts of its slice split among them (how many they were
+    is read from the parts: a record is written after the trainer, which may just have
+    switched). A worker lost in a step may have trained its part without recording it (it died
+    between its step and its record): then the others trained that step at the old size and
+    recorded only their parts."""
+    import numpy as np
+
+    ends: Dict[int, int] = {}  # epoch -> end of its last step's slice
+    for step, rows in steps.items():
+        epoch, (start, length) = rows[0]["epoch"], rows[0]["slice"]
+        assert all((r["epoch"], r["slice"]) == (epoch, [start, length]) for r in rows), rows
+        assert start == ends.get(epoch, 0), f"step {step}: slice {start} after {ends.get(epoch)}"
+        ends[epoch] = start + length
+        piece = np.random.default_rng([2, epoch]).permutation(samples)[start:start + length]
+        served = [sorted(r["served"]) for r in rows]
+        trained = [m for m in served if m]  # a worker with an empty part trains no sample
+        assert len({str(m) for m in trained}) == len(trained), f"step {step}: a part twice"
+        splits = [n for n in range(len(rows), 9) if all(
+            any(sorted(p.tolist()) == mine for p in np.array_split(piece, n)) for mine in served)]
+        assert splits, f"step {step}: the parts are no split of the step's slice: {served}"
+    for epoch in list(ends)[:-1]:
+        assert ends[epoch] == samples, f"epoch {epoch} ended at sample {ends[epoch]}"
+
+
+def run_elastic(tmp_path, np_: int, slots: int, *args: str, timeout: float = 240,
+                env_extra=None, launcher_args=(), store=None, script: str = "elastic_train.py"):
+    """Runs `script` (next to this file: elastic_train.py, TensorFlow, or elastic_numpy.py)
+    under kungfu-run -w, with the builtin store or `store` (a -config-server URL); returns the
+    launcher's result and every worker's records ({host_port: [row]})."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
+    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    env.update(env_extra or {})
+    out = tmp_path / "records"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "kungfu.cmd", "-w", "-np", str(np_), "-H", f"127.0.0.1:{slots}",
+           *(["-config-server", store] if store else
+             ["-builtin-config-port", str(free_ports(1)[0])]),
+           "-port-range", free_port_range(slots),
+           "-timeout", f"{int(timeout) - 10}s", *launcher_args,
+           sys.executable, os.path.join(HERE, script),
+           "--out", str(out), "--samples", str(SAMPLES), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT,
+                       timeout=timeout, check=False)
+    records = {}
+    for f in out.glob("*.jsonl"):
+        records[f.stem] = [json.loads(line) for line in f.read_text().splitlines()]
+    return r, records
+
+
 class WorkerError(AssertionError):
     """A worker raised, crashed, or did not finish in time."""
 

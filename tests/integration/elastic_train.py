@@ -183,6 +183,10 @@ def main():
     p.add_argument("--kill-while-lending", type=int, default=-1, metavar="RANK",
                    help="the worker of this rank (in the first cluster) kills itself just after "
                         "it lent its variables to the joiners of the first resize")
+    p.add_argument("--kill-in-start", type=int, default=-1, metavar="RANK",
+                   help="the worker of this rank (in the first cluster) kills itself (SIGKILL) "
+                        "once it connected, as kf.Hook begins to broadcast rank 0's initial "
+                        "state: before its first step")
     p.add_argument("--kill-after-check-in", type=int, default=-1, metavar="RANK",
                    help="the worker of this rank (in the first cluster) kills itself (SIGKILL) "
                         "as soon as it has checked in alive in a recovery (inside the recovery "
@@ -355,6 +359,12 @@ def main():
             fault(signal.SIGKILL)  # lent: the joiners are about to request them
 
         binding.lend = lend_and_die
+    if args.kill_in_start >= 0 and not JOINING and args.kill_in_start == kf.rank():
+        def connect_and_die():
+            kf.init()
+            fault(signal.SIGKILL)
+
+        hook._start_equal = connect_and_die
     if args.kill_after_check_in >= 0 and not JOINING and args.kill_after_check_in == kf.rank():
         store = kf.elastic.context().store
         mark_alive = store.mark_alive

@@ -17,36 +17,10 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from conftest import free_port_range, free_ports, sizes_of, steps_of  # noqa: E402
+from conftest import SAMPLES, run_elastic, sizes_of, steps_of  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-SAMPLES = 240
-
-
-def run_elastic(tmp_path, np_: int, slots: int, *args: str, timeout: float = 240,
-                env_extra=None, launcher_args=(), store=None):
-    """Runs elastic_train.py under kungfu-run -w, with the builtin store or `store` (a
-    -config-server URL); returns the launcher's result and every worker's records."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    env.update(env_extra or {})
-    out = tmp_path / "records"
-    out.mkdir()
-    cmd = [sys.executable, "-m", "kungfu.cmd", "-w", "-np", str(np_), "-H", f"127.0.0.1:{slots}",
-           *(["-config-server", store] if store else
-             ["-builtin-config-port", str(free_ports(1)[0])]),
-           "-port-range", free_port_range(slots),
-           "-timeout", f"{int(timeout) - 10}s", *launcher_args,
-           sys.executable, str(HERE / "elastic_train.py"),
-           "--out", str(out), "--samples", str(SAMPLES), *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO),
-                       timeout=timeout, check=False)
-    records = {}
-    for f in out.glob("*.jsonl"):
-        records[f.stem] = [json.loads(line) for line in f.read_text().splitlines()]
-    return r, records
 
 
 @pytest.fixture(scope="module")

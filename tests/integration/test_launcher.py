@@ -864,8 +864,10 @@ def test_a_worker_killed_by_sigkill_is_blamed_not_the_survivors(tmp_path):
 
 def test_an_elastic_job_that_loses_every_worker_says_so():
     """The probe: when every worker failed, the launcher still said "the others go on without
-    it" and listed the failures under "survived:". Now it says no worker is left, and lists
-    what the job did not survive as lost."""
+    it" and listed the failures under "survived:". Now it never says that the others go on (it
+    cannot know: it says what it did, that it told them to recover, unless the other worker has
+    ended too), says no worker is left at the last failure, and lists what the job did not
+    survive as lost."""
     port = free_port_range(1).split("-")[0]
     r = run_launcher("-w", "-np", "2", "-H", "127.0.0.1:2", "-port-range", free_port_range(2),
                      "-builtin-config-port", port, PY, "-c", "import sys; sys.exit(1)",
@@ -873,8 +875,10 @@ def test_an_elastic_job_that_loses_every_worker_says_so():
     assert r.returncode == 1, r.stderr
     failed = [l for l in r.stderr.splitlines() if "exited with code 1;" in l]
     assert len(failed) == 2, r.stderr
-    assert "the others go on without it" in failed[0], r.stderr  # the other had not failed yet
-    assert failed[1].endswith("no other worker of the job is left"), r.stderr
+    assert "go on" not in r.stderr, r.stderr
+    assert failed[0].endswith(("; no other worker of the job is left",
+                               "; the others (1) are told to recover without it")), r.stderr
+    assert failed[1].endswith("; no other worker of the job is left"), r.stderr
     assert "survived:" not in r.stderr, r.stderr
     assert r.stderr.count("kungfu-run: lost: worker ") == 2, r.stderr
     assert "training did not finish after the failures above" in r.stderr, r.stderr

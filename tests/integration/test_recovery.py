@@ -13,40 +13,14 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-import numpy as np
 import pytest
 
 pytest.importorskip("tensorflow")
 
-from conftest import sizes_of, steps_of  # noqa: E402
-from test_elastic import SAMPLES, run_elastic  # noqa: E402
+from conftest import SAMPLES, check_epochs, run_elastic, sizes_of, steps_of  # noqa: E402
 
 # 240 samples, batch 8: 10 steps per epoch at 3 workers, 8 per epoch at 4 (the last one short).
 STEPS = 24
-
-
-def _check_epochs(steps):
-    """Every sample of every epoch trained exactly once: the steps' slices of the epoch's order
-    follow each other from 0 to the end, and in each step the workers trained the parts of its
-    slice split among them (how many they were is read from the parts: a record is written
-    after kf.Hook, which may just have switched). A worker lost in a step may have trained its
-    part without recording it (it died between its step and its record): then the others
-    trained that step at the old size and recorded only their parts."""
-    ends = defaultdict(int)  # epoch -> end of its last step's slice
-    for step, rows in steps.items():
-        epoch, (start, length) = rows[0]["epoch"], rows[0]["slice"]
-        assert all((r["epoch"], r["slice"]) == (epoch, [start, length]) for r in rows), rows
-        assert start == ends[epoch], f"step {step}: slice {start} after {ends[epoch]}"
-        ends[epoch] = start + length
-        piece = np.random.default_rng([2, epoch]).permutation(SAMPLES)[start:start + length]
-        served = [sorted(r["served"]) for r in rows]
-        trained = [m for m in served if m]  # a worker with an empty part trains no sample
-        assert len({str(m) for m in trained}) == len(trained), f"step {step}: a part twice"
-        splits = [n for n in range(len(rows), 9) if all(
-            any(sorted(p.tolist()) == mine for p in np.array_split(piece, n)) for mine in served)]
-        assert splits, f"step {step}: the parts are no split of the step's slice: {served}"
-    for epoch in list(ends)[:-1]:
-        assert ends[epoch] == SAMPLES, f"epoch {epoch} ended at sample {ends[epoch]}"
 
 
 def _recovered(tmp_path, np_: int, *faults: str, env=None, expect_lost: int = 1,
@@ -63,7 +37,7 @@ def _recovered(tmp_path, np_: int, *faults: str, env=None, expect_lost: int = 1,
     assert sorted(steps) == list(range(1, STEPS + 1)), log
     for step, rows in steps.items():
         assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
-    _check_epochs(steps)
+    check_epochs(steps)
     finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
     assert len(finals) == np_ - expect_lost, log
     for f in finals:
@@ -92,6 +66,17 @@ def test_a_worker_killed_in_the_first_step(tmp_path):
     _, records, finals = _recovered(tmp_path, 3, "--kill", "2@1", steps_before=False)
     assert {f["recoveries"][0]["step"] for f in finals} == {0}, finals
     assert len(steps_of(records)[1]) == 2
+
+
+@pytest.mark.timeout(200)
+def test_rank_0_killed_before_its_first_step(tmp_path):
+    # Killed once connected, as kf.Hook begins the broadcast of its initial state in model.fit's
+    # on_train_begin: the others recover from the state before training (before, the job
+    # ended); the new rank 0 broadcasts its weights, and step 1 is trained by the two.
+    _, records, finals = _recovered(tmp_path, 3, "--kill-in-start", "0", steps_before=False)
+    assert {f["recoveries"][0]["step"] for f in finals} == {0}, finals
+    lost = finals[0]["recoveries"][0]["lost"][0]
+    assert not [row for row in records.get(lost.replace(":", "_"), []) if "step" in row]
 
 
 @pytest.mark.timeout(200)
@@ -179,7 +164,7 @@ def test_a_worker_killed_while_a_resize_waits_for_its_joiner(tmp_path):
     assert "in place of the lost one" in r.stderr, log
     steps = steps_of(records)
     assert sizes_of(steps) == [2, 1, 2], steps
-    _check_epochs(steps)
+    check_epochs(steps)
 
 
 @pytest.mark.timeout(240)
@@ -196,7 +181,7 @@ def test_the_leader_killed_while_it_lends_variables_to_a_joiner(tmp_path):
     assert "survived: worker 0" in r.stderr, log
     steps = steps_of(records)
     assert sizes_of(steps) == [2, 1, 3], steps
-    _check_epochs(steps)
+    check_epochs(steps)
     finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
     assert len(finals) == 3 and {f["size"] for f in finals} == {3}, finals
     assert len({f["step"] for f in finals}) == 1 and finals[0]["step"] == max(steps), finals
@@ -229,7 +214,7 @@ def test_a_host_that_fails_twice_gets_no_new_worker_while_it_cools_down(tmp_path
                           r.stderr)) == 2, log
     steps = steps_of(records)
     assert sizes_of(steps) == [3, 2, 3, 2, 3], steps
-    _check_epochs(steps)
+    check_epochs(steps)
     # How long each size lasted, from its first step to the next size's first step. Both
     # stretches of 2 workers wait for a replacement to start and join; the second also waits
     # out the cool-down.
@@ -271,7 +256,7 @@ def test_lost_workers_are_replaced(tmp_path):
     assert "in place of the lost one" in r.stderr and "replaced in version 2" in r.stderr, log
     steps = steps_of(records)
     assert sizes_of(steps) == [3, 2, 3], steps
-    _check_epochs(steps)
+    check_epochs(steps)
     finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
     assert len(finals) == 3 and {f["size"] for f in finals} == {3}, finals
     # The replacement (same slot, so the same record file as the lost worker) rehearsed.
@@ -338,81 +323,12 @@ def test_the_store_down_for_seconds_during_a_recovery(tmp_path):
     assert sorted(steps) == list(range(1, STEPS + 1))
     for step, rows in steps.items():
         assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
-    _check_epochs(steps)
+    check_epochs(steps)
     finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
     assert len(finals) == 2 and all(len(f["recoveries"]) == 1 for f in finals), finals
     for f in finals:  # the store was down during the recovery: it waited for it
         rec = f["recoveries"][0]
         assert rec["restored_at"] - rec["failed_at"] > 3, rec
-
-
-@pytest.mark.timeout(240)
-def test_an_etcd_job_survives_the_loss_of_a_launcher(tmp_path):
-    """Two launchers (hosts 127.0.0.1 and 127.0.0.2, two workers each) share an etcd store.
-    Launcher a is killed with SIGKILL after step 5: its workers end with it (the watchdog pipe)
-    and nobody reports them dead, so b's workers leave them out when KUNGFU_RECOVERY_WINDOW
-    ends, and finish training on their own."""
-    import json
-    import os
-    import secrets
-    import subprocess
-    import sys
-    import time
-
-    from conftest import free_port_range
-    from etcd_server import ETCD, Etcd
-    from test_elastic import HERE, REPO
-
-    if ETCD is None:
-        pytest.skip("etcd is not on PATH (scripts/install.sh installs etcd-server)")
-    etcd = Etcd(str(tmp_path))
-    out = tmp_path / "records"
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
-    env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3",
-               KUNGFU_JOB_TOKEN=secrets.token_hex(32))
-    common = ["-w", "-np", "4", "-H", "127.0.0.1:2,127.0.0.2:2", "-port-range",
-              free_port_range(2), "-config-server", f"etcd://{etcd.host_port}",
-              "-replace=false", "-timeout", "150s"]
-    worker = ["env", "KUNGFU_RECOVERY_WINDOW=1s", sys.executable,
-              str(HERE / "elastic_train.py"), "--out", str(out), "--samples", str(SAMPLES),
-              "--schedule", "4", "--tail", "100000", "--max-steps", "40", "--step-sleep", "0.1"]
-    launchers = []
-    try:
-        etcd.wait_ready()
-        for host in ("127.0.0.1", "127.0.0.2"):
-            launchers.append(subprocess.Popen(
-                [sys.executable, "-m", "kungfu.cmd", *common, "-self", host, *worker],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                cwd=str(REPO)))
-        a, b = launchers
-        mine = out / "127.0.0.1_{}.jsonl".format(common[6].split("-")[0])
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and a.poll() is None:
-            rows = mine.read_text().splitlines() if mine.exists() else []
-            if len(rows) >= 5:
-                break
-            time.sleep(0.05)
-        assert a.poll() is None, a.communicate()[1][-3000:]
-        a.kill()
-        _, err_b = b.communicate(timeout=150)
-    finally:
-        for p in launchers:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
-        etcd.stop()
-    assert b.returncode == 0, err_b[-5000:]
-    records = {f.stem: [json.loads(line) for line in f.read_text().splitlines()]
-               for f in out.glob("*.jsonl")}
-    steps = steps_of(records)
-    assert sorted(steps) == list(range(1, 41))
-    assert sizes_of(steps) == [4, 2], steps
-    finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
-    assert len(finals) == 2, err_b[-3000:]
-    for f in finals:
-        [rec] = f["recoveries"]
-        assert sorted(p.split(":")[0] for p in rec["lost"]) == ["127.0.0.1"] * 2, rec
 
 
 @pytest.mark.timeout(300)
@@ -447,6 +363,28 @@ def test_a_job_resumes_from_its_checkpoint_at_another_size(tmp_path):
     # The second job starts from the first one's weights, on every worker.
     begins = {row["begin"] for rows in second.values() for row in rows if "begin" in row}
     assert begins == {s1[6][0]["digest"]}, (begins, s1[6][0]["digest"])
+
+
+def test_a_hook_without_elastic_data_says_why_it_cannot_recover():
+    """In an elastic job rank 0 warns with this as training starts and tells the launchers,
+    which then say that a failure ends the job (test_recovery_numpy.py runs that path)."""
+    import keras
+    import numpy as np
+
+    import kungfu as kf
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    without = kf.Hook()
+    without.set_model(model)
+    assert without._why_no_recovery().startswith(
+        "kf.Hook recovers only with data=kf.ElasticData(...), on which the survivors train a "
+        "failed step again"), without._why_no_recovery()
+    data = kf.ElasticData(np.zeros((8, 4), np.float32), np.zeros((8, 2), np.float32),
+                          batch_size=4)
+    with_data = kf.Hook(data=data)
+    with_data.set_model(model)
+    with_data.membership.recovering = True  # as on_train_begin sets it in an elastic job
+    assert with_data._why_no_recovery() is None
 
 
 def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
@@ -513,7 +451,7 @@ def test_a_checkpoint_written_at_an_epochs_end_resumes_in_the_next_epoch(tmp_pat
     begins = {row["begin"] for rows in second.values() for row in rows if "begin" in row}
     assert begins == {s1[15][0]["digest"]}, (begins, s1[15][0]["digest"])
     assert {row["epoch"] for row in s2[16]} == {1} and {row["epoch"] for row in s2[31]} == {2}
-    _check_epochs(s2)  # epoch 1 whole, from its first sample
+    check_epochs(s2)  # epoch 1 whole, from its first sample
 
 
 @pytest.mark.timeout(120)
