@@ -37,6 +37,7 @@ import select
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -143,8 +144,8 @@ class SshLauncher(Launcher):
     workers as Launcher runs them, the other hosts' launchers as ssh processes, one event loop."""
 
     def __init__(self, opts: Options, peers: List[Worker], mine: List[Worker],
-                 remote: List[HostSpec]):
-        super().__init__(opts, peers, mine)
+                 remote: List[HostSpec], listeners: Optional[Dict[str, socket.socket]] = None):
+        super().__init__(opts, peers, mine, listeners)
         self.remote_hosts = remote
         self.remotes: Dict[str, _Remote] = {}
         self.logs = _RankLogs(opts.logdir)
@@ -316,10 +317,11 @@ def read_secret(timeout: float) -> None:
     os.environ[_env.JOB_TOKEN.name] = data.decode().strip()
 
 
-def run_remote(opts: Options, mine: List[Worker], peers: List[Worker]) -> int:
+def run_remote(opts: Options, mine: List[Worker], peers: List[Worker],
+               listeners: Optional[Dict[str, socket.socket]] = None) -> int:
     """A launcher started by the ssh start: says READY, and stops its workers when its stdin
-    ends."""
-    launcher = Launcher(opts, peers, mine)
+    ends. `listeners`: the sockets plan.listen bound for its workers."""
+    launcher = Launcher(opts, peers, mine, listeners)
     sys.stdout.buffer.write(READY)
     sys.stdout.buffer.flush()
     threading.Thread(target=_watch_stdin, args=(launcher,), daemon=True).start()

@@ -41,23 +41,24 @@ def run(argv: Sequence[str]) -> int:
             output.logger.info(opts.manager)
         if opts.stdin_control:
             ssh.read_secret(ssh.settings()[1])
-        job = plan.prepare(opts)
+        job = plan.listen(opts, plan.prepare(opts))
     except UsageError as e:
         sys.stderr.write(f"{flags.PROG}: {e}\n")
         sys.stderr.flush()
         return flags.EXIT_USAGE
     if opts.stdin_control:
-        return ssh.run_remote(opts, job.mine, job.peers)
+        return ssh.run_remote(opts, job.mine, job.peers, job.listeners)
     if job.remote:
-        return ssh.SshLauncher(opts, job.peers, job.mine, job.remote).run()
+        return ssh.SshLauncher(opts, job.peers, job.mine, job.remote, job.listeners).run()
     if opts.elastic:
-        return ElasticLauncher(opts, job.peers, job.mine, job.hosts, job.here).run()
+        return ElasticLauncher(opts, job.peers, job.mine, job.hosts, job.here,
+                               job.listeners).run()
     if not job.mine:
         output.logger.info(f"none of the {opts.np} workers is placed on "
                            f"{', '.join(sorted(job.here))} (the hosts before it in -H take them "
                            f"all); nothing to run here")
         return 0
-    return Launcher(opts, job.peers, job.mine).run()
+    return Launcher(opts, job.peers, job.mine, job.listeners).run()
 
 
 __all__ = ["main"]
