@@ -251,7 +251,9 @@ def _move(opts: Options, job: Plan, wanted, error: OSError) -> List[socket.socke
             _ports.listen(host, opts.port_range[0] + slot).close()
         except OSError as e:
             taken.append((f"{host}:{opts.port_range[0] + slot}", e))
-    shown = ", ".join(spec for spec, _ in taken[:3]) + (" ..." if len(taken) > 3 else "")
+    # (A port free again by now is not named; a range whose ports all are, as a whole.)
+    shown = ", ".join(spec for spec, _ in taken[:3]) + (" ..." if len(taken) > 3 else "") \
+        or "the ports of -port-range {}-{}".format(*opts.port_range)
     first = taken[0][1] if taken else error
     if first.errno == errno.EADDRNOTAVAIL:
         host = taken[0][0].rpartition(":")[0] if taken else "a host of -H"
@@ -262,8 +264,8 @@ def _move(opts: Options, job: Plan, wanted, error: OSError) -> List[socket.socke
     if opts.port_range != DEFAULT_PORT_RANGE or not alone or first.errno != errno.EADDRINUSE:
         hint = ("give -port-range with ports free on every host" if not alone else
                 "give another -port-range, or none to have free ports chosen")
-        raise UsageError(f"cannot listen on {shown or 'the ports of -port-range'} "
-                         f"({first.strerror or first}; another job on this host?): {hint}")
+        raise UsageError(f"cannot listen on {shown} ({first.strerror or first}; another job "
+                         f"on this host?): {hint}")
     try:
         base, socks = _ports.listen_block(wanted)
     except RuntimeError as e:

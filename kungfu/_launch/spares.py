@@ -1,17 +1,18 @@
 """Warm spares: `kungfu-run -w -spares K` (the worker's side is kungfu/_spare.py).
 
 A spare is a worker process started before the cluster needs it: the job's environment without
-an identity, and one end of a Unix socket pair (KUNGFU_SPARE_FD) on which it waits for one. It imports
-and runs the script up to the first call that needs its place (kf.Hook rehearses a joiner's
-training step before that), so a grow or a replacement that takes it skips the start-up.
+an identity, and one end of a Unix socket pair (KUNGFU_SPARE_FD) on which it waits for one. It
+imports and runs the script up to the first call that needs its place (kf.Hook rehearses a
+joiner's training step before that), so a grow or a replacement that takes it skips the start-up.
 
 1. `fill(free)`: the launcher keeps K spares alive, at most `free` (this host's slots that the
    latest version does not use: a spare that could never be taken costs memory for nothing).
 2. `take(worker, env, listener)`: a new version lists a peer of this host that no worker runs:
    the oldest live spare becomes that worker. The launcher sends its identity (`env`, one JSON
    line) with the listening socket it holds for that address (SCM_RIGHTS: the spare could not
-   have inherited it, not knowing its place when it started) and closes its end; from then on it is an ordinary joiner under the launcher (its exit events
-   carry the key it was started with). `fill` then starts another, if slots remain.
+   have inherited it, not knowing its place when it started) and closes its end; from then on
+   it is an ordinary joiner under the launcher (its exit events carry the key it was started
+   with). `fill` then starts another, if slots remain.
 3. `stop()`: when the launcher ends, every spare's socket is closed (a spare waiting for its place
    exits 0) and any spare still running is terminated: SIGTERM, SIGKILL GRACE_SECONDS later.
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from test_launcher import PY, env_with_repo, launcher_cmd, run_launcher  # noqa: E402 (conftest's sys.path)
+# (conftest puts this folder on sys.path)
+from test_launcher import PY, env_with_repo, launcher_cmd, run_launcher  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
