@@ -143,6 +143,11 @@ PORT_RANGE = Var("KUNGFU_PORT_RANGE", str, None, "the ports workers listen on (k
 SPARE_FD = Var("KUNGFU_SPARE_FD", int, None,
                "set by kungfu-run -spares: this worker is a warm spare, which waits on this file "
                "descriptor for its place in the cluster (kungfu/_spare.py)")
+LISTEN_FD = Var("KUNGFU_LISTEN_FD", int, None,
+                "set by kungfu-run: a TCP socket it bound to this worker's address "
+                "(KUNGFU_SELF_SPEC), listening, and holds for the whole job; the worker listens on "
+                "it instead of binding the port itself, so no other process can take the port "
+                "first (ignored where it is not that socket: a process the worker started)")
 ELASTIC_JOINING = Var("KUNGFU_ELASTIC_JOINING", _bool, False,
                       "this worker joins a running elastic job (it syncs state before training)")
 ETCD_CACERT = Var("KUNGFU_ETCD_CACERT", str, None,
@@ -281,7 +286,7 @@ SLOWDOWN = Var("KUNGFU_SLOWDOWN", _slowdown, [],
 
 ALL = [SELF_SPEC, INIT_PEERS, INIT_CLUSTER_VERSION, ALLREDUCE_STRATEGY, JOB_TOKEN, CONFIG_SERVER,
        ELASTIC_HOSTS, PORT_RANGE, ELASTIC_JOINING, SPARE_FD, ETCD_CACERT, ETCD_CERT, ETCD_KEY,
-       ETCD_CREDENTIALS, WATCHDOG_FD,
+       ETCD_CREDENTIALS, WATCHDOG_FD, LISTEN_FD,
        EXIT_NOTE_FD, RESIZE_TIMEOUT, MIN_SIZE, MAX_RESTARTS, REPLACE, RECOVERY_WINDOW, OP_TIMEOUT,
        PEER_TIMEOUT, MISMATCH_GRACE, CONNECT_TIMEOUT, PROGRESS_INTERVAL, CHUNK_BYTES, PARALLELISM, FUSION_BYTES,
        RESULT_POOL_BYTES, NCCL_LIBRARY, CUDART_LIBRARY, GPU, GPU_CHUNK_BYTES,

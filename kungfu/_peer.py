@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Callable, List, Optional
@@ -65,6 +66,7 @@ def identity_from_env(environ=None) -> Identity:
 
 _lock = threading.Lock()
 _peer = None
+_listener: Optional[tuple] = None  # (address, socket or -1): see listen_fd
 _detached = False
 _member: Optional[Identity] = None  # this worker in the last cluster it was a member of
 _before_join: Optional[Callable[[], None]] = None  # see on_join
@@ -119,6 +121,44 @@ def _start(peer, peers: List[str], version: int) -> None:
     raise_for_status(status)
 
 
+def listen_fd(self_spec: Optional[str]) -> int:
+    """The socket kungfu-run bound to this worker's address and holds for the job
+    (KUNGFU_LISTEN_FD), which every peer of this process at that address listens on; -1 where
+    there is none (the runtime then binds the address itself). A resize keeps a worker's
+    address, so one socket serves each cluster version it is in. Checked once: a process that
+    inherited the variable but not the socket (one the worker started) has another file, or
+    none, at that number."""
+    global _listener
+    if not self_spec:
+        return -1
+    if _listener is None:
+        fd = _env.LISTEN_FD.get()
+        _listener = (self_spec, fd if fd is not None and _bound_to(fd, self_spec) else -1)
+        if _listener[1] >= 0:
+            os.set_inheritable(fd, False)  # the script's own children do not hold the port
+    return _listener[1] if _listener[0] == self_spec else -1
+
+
+def _bound_to(fd: int, spec: str) -> bool:
+    """Whether `fd` is a TCP socket bound to the port of address `spec`."""
+    try:
+        probe = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    with probe:
+        try:
+            port = probe.getsockname()[1]
+        except OSError:
+            return False
+        return (probe.family == socket.AF_INET and probe.type == socket.SOCK_STREAM
+                and str(port) == spec.rsplit(":", 1)[1])
+
+
+def inherited_listener() -> bool:
+    """Whether this worker listens on a socket kungfu-run bound for it (listen_fd)."""
+    return _listener is not None and _listener[1] >= 0
+
+
 def _create(self_spec: Optional[str], peers: List[str], version: int,
             before_connect: Optional[Callable[[], None]] = None):
     """The started native peer. `before_connect` runs once it listens (its port is its own: a
@@ -148,6 +188,7 @@ def _create(self_spec: Optional[str], peers: List[str], version: int,
         gpu_path=gpu_path,
         gpu_device=gpu_device,
         gpu_chunk_bytes=_env.GPU_CHUNK_BYTES.get(),
+        listen_fd=listen_fd(self_spec) if multi else -1,
     )
     raise_for_status(peer.listen())
     if before_connect is not None:

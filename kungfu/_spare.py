@@ -14,15 +14,17 @@ waits there for the launcher to give it one (kungfu/_launch/spares.py is the oth
    not needed; it exits 0 at once, without running the rest of the script.
 
 The wait has no deadline of its own: a spare lives as long as its launcher wants it, and the
-launcher's exit, however it happens, closes the pipe. A spare is always a joiner: `pending()`
+launcher's exit, however it happens, closes its end. A spare is always a joiner: `pending()`
 lets kf.Hook treat it as one (and rehearse its step alone) before it has a place.
 """
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
+from typing import List, Tuple
 
 from kungfu import _env
 
@@ -35,14 +37,19 @@ def pending() -> bool:
     return not _assigned and _env.SPARE_FD.get() is not None
 
 
-def _read_line(fd: int) -> bytes:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return b""  # end of file: not needed
-        data += chunk
-    return data
+def _read_line(fd: int) -> Tuple[bytes, List[int]]:
+    """The line on socket `fd` and the descriptors that came with it; b"" at end of file."""
+    data, fds = b"", []
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        while not data.endswith(b"\n"):
+            chunk, got, _, _ = socket.recv_fds(sock, 65536, 1)
+            fds += got
+            if not chunk:
+                for f in fds:
+                    os.close(f)
+                return b"", []  # end of file: not needed
+            data += chunk
+    return data, fds
 
 
 def wait() -> None:
@@ -56,9 +63,9 @@ def wait() -> None:
             return
         fd = _env.SPARE_FD.get()
         try:
-            line = _read_line(fd)
+            line, fds = _read_line(fd)
         except OSError:
-            line = b""
+            line, fds = b"", []
         if not line:
             for stream in (sys.stdout, sys.stderr):
                 try:
@@ -69,6 +76,8 @@ def wait() -> None:
         env = json.loads(line.decode())
         _env.set_worker_env(os.environ, env)
         os.environ.pop(_env.SPARE_FD.name, None)
+        if fds:  # the listening socket of its address (kungfu/_peer.py, listen_fd)
+            os.environ[_env.LISTEN_FD.name] = str(fds[0])
         try:
             os.close(fd)
         except OSError:

@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import json
 import signal
+import socket
 import time
 from typing import Dict, List, Optional, Sequence, Set
 
@@ -58,8 +59,9 @@ FAILURE_WINDOW = 600.0  # seconds: two failures of a host this close make it coo
 
 class ElasticLauncher(Launcher):
     def __init__(self, opts: Options, peers: List[Worker], mine: List[Worker],
-                 hosts: Sequence[HostSpec], here: Set[str]):
-        super().__init__(opts, peers, mine)
+                 hosts: Sequence[HostSpec], here: Set[str],
+                 listeners: Optional[Dict[str, socket.socket]] = None):
+        super().__init__(opts, peers, mine, listeners)
         self.hosts = hosts
         self.here = here
         self.server: Optional[ConfigServer] = None
@@ -180,7 +182,8 @@ class ElasticLauncher(Launcher):
             spare = None
             if joining:  # a joiner: a warm spare, if one is alive, becomes it
                 spare = self.spares.take(w, _env.worker_env(w.spec, list(cfg.peers), cfg.version,
-                                                            self.opts.strategy, joining=True))
+                                                            self.opts.strategy, joining=True),
+                                         self.listener_fd(w.spec))
             if spare is not None:
                 key, run, number = spare
                 how = f"spare {number}, started {time.monotonic() - run.started:.1f}s ago, is"

@@ -15,9 +15,10 @@ from __future__ import annotations
 import queue
 import shlex
 import signal
+import socket
 import threading
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from kungfu import timeline
 from kungfu._hosts import Worker
@@ -37,8 +38,9 @@ class _Interrupted(Exception):
 class Launcher(Processes):
     """A static job: the workers of this host start together and the first failure ends it."""
 
-    def __init__(self, opts: Options, peers: List[Worker], mine: List[Worker]):
-        super().__init__(opts, peers, mine)
+    def __init__(self, opts: Options, peers: List[Worker], mine: List[Worker],
+                 listeners: Optional[Dict[str, socket.socket]] = None):
+        super().__init__(opts, peers, mine, listeners)
         # The event loop's state (see _run).
         self.start = 0.0
         self.result: Optional[int] = None  # the job's exit code, once decided
@@ -59,6 +61,7 @@ class Launcher(Processes):
                 signal.signal(sig, handler)
             if not self._drained:
                 self._drain()
+            self._release_ports()
             for run in self.running.values():
                 if run.log is not None:
                     with run.log_lock:

@@ -1,11 +1,14 @@
 """Where a job's workers run: the hosts of -H, which of them is this one (-self, -nic), the
-ports (moved off taken defaults), the job's secret, and the GPU each worker of this host sees.
-`prepare` checks all of it before any worker starts, so a mistake is a usage error at once.
+ports (bound here and held for the job; moved off taken defaults), the job's secret, and the
+GPU each worker of this host sees. `prepare` and `listen` check all of it before any worker
+starts, so a mistake is a usage error at once.
 
 The placement itself (host-major in -H order) is kungfu/_hosts.py, which the workers share.
 """
 from __future__ import annotations
 
+import dataclasses
+import errno
 import glob
 import os
 import re
@@ -13,9 +16,9 @@ import secrets
 import socket
 import subprocess
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set
 
-from kungfu import _env
+from kungfu import _env, _ports
 from kungfu._hosts import (
     HostSpec,
     UsageError,
@@ -27,7 +30,6 @@ from kungfu._hosts import (
 )
 from kungfu._launch.flags import DEFAULT_PORT_RANGE, Options, check_store_credentials
 from kungfu._launch.output import _plural, _ranks, logger
-from kungfu._ports import free_port_block
 
 
 @dataclass
@@ -38,11 +40,13 @@ class Plan:
     peers: List[Worker]  # every worker of the job (-w: of its first version)
     mine: List[Worker]  # the workers this launcher starts
     here: Set[str]  # the hosts of -H that are this one
+    # host:port -> its socket, bound and listening, for the worker there (see listen)
+    listeners: Dict[str, socket.socket] = dataclasses.field(default_factory=dict)
 
 
 def prepare(opts: Options) -> Plan:
-    """The plan of the job for `opts`; resolves opts.job_token, moves opts.port_range off taken
-    default ports, creates -logdir and -timeline. UsageError when any of it fails."""
+    """The plan of the job for `opts`; resolves opts.job_token, creates -logdir and -timeline.
+    UsageError when any of it fails. Its ports are taken by `listen`."""
     hosts = parse_hosts(opts.hosts) if opts.hosts is not None else [
         HostSpec("127.0.0.1", opts.np)
     ]
@@ -56,11 +60,6 @@ def prepare(opts: Options) -> Plan:
     mine = [w for w in peers if w.host in here]
     # Alone: this launcher starts every worker the job may have (elastic: every slot).
     alone = all(h.host in here for h in hosts) if opts.elastic else len(mine) == len(peers)
-    if opts.port_range == DEFAULT_PORT_RANGE and alone:
-        moved = _free_default_ports(opts, hosts)
-        if moved is not None:
-            peers = plan_workers(opts.np, hosts, opts.port_range)
-            mine = [w for w in peers if w.host in here]
     opts.job_token = job_token(opts, alone)
     slots = ", ".join(f"{h.host}:{h.slots}" for h in hosts)
     logger.debug(f"plan: {_plural(opts.np, 'worker')} on {slots}; this host"
@@ -190,36 +189,67 @@ def local_hosts(opts: Options, hosts: Sequence[HostSpec]) -> List[str]:
     return matches[:1]
 
 
-def _taken(hosts: Sequence[HostSpec], port_range: Tuple[int, int]) -> List[str]:
-    """host:port of the slots of `hosts` that cannot be bound now."""
-    taken = []
-    for h in hosts:
-        for port in range(port_range[0], port_range[0] + h.slots):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                try:
-                    s.bind((h.host, port))
-                except OSError:
-                    taken.append(f"{h.host}:{port}")
-    return taken
-
-
-def _free_default_ports(opts: Options, hosts: Sequence[HostSpec]) -> Optional[str]:
-    """A job that runs on this host alone and was given no -port-range: when the default
-    ports are taken (another job, most likely), moves to a free range and says so."""
-    taken = _taken(hosts, opts.port_range)
-    if not taken:
-        return None
-    slots = max(h.slots for h in hosts)
+def listen(opts: Options, job: Plan) -> Plan:
+    """Binds the ports of this host's slots and keeps them listening for the job (job.listeners):
+    each worker inherits its slot's socket (KUNGFU_LISTEN_FD), so no other process can take a
+    port between this check and the worker's start, nor between two workers of a slot (elastic).
+    Static: the ports of this host's workers; elastic: of every slot this host has in -H (a
+    later version may use any). A launcher that runs the whole job with the default ports
+    moves to a free block when they are taken, and says so; any other taken port is a
+    UsageError that names it."""
+    if opts.elastic:
+        wanted = [(h.host, slot) for h in job.hosts if h.host in job.here
+                  for slot in range(h.slots)]
+    else:
+        wanted = [(w.host, w.local_rank) for w in job.mine]
+    base = opts.port_range[0]
     try:
-        base = free_port_block(slots, [h.host for h in hosts])
+        socks = _ports.listen_at(base, wanted)
+    except OSError as e:
+        socks = _move(opts, job, wanted, e)
+        base = opts.port_range[0]
+        job = dataclasses.replace(job, peers=plan_workers(opts.np, job.hosts, opts.port_range))
+        job.mine = [w for w in job.peers if w.host in job.here]
+    job.listeners = {f"{host}:{base + slot}": s for (host, slot), s in zip(wanted, socks)}
+    return job
+
+
+def _move(opts: Options, job: Plan, wanted, error: OSError) -> List[socket.socket]:
+    """The sockets of a free block for `wanted` when the ports of -port-range are not all free
+    (`error`): only for a launcher that runs the whole job with the default ports, which moves
+    opts.port_range there; else a UsageError."""
+    taken = []
+    for host, slot in wanted:
+        try:
+            _ports.listen(host, opts.port_range[0] + slot).close()
+        except OSError as e:
+            taken.append((f"{host}:{opts.port_range[0] + slot}", e))
+    # (A port free again by now is not named; a range whose ports all are, as a whole.)
+    shown = ", ".join(spec for spec, _ in taken[:3]) + (" ..." if len(taken) > 3 else "") \
+        or "the ports of -port-range {}-{}".format(*opts.port_range)
+    first = taken[0][1] if taken else error
+    if first.errno == errno.EADDRNOTAVAIL:
+        host = taken[0][0].rpartition(":")[0] if taken else "a host of -H"
+        raise UsageError(f"cannot listen on {shown} ({first.strerror}): {host} is not an "
+                         f"address of this host (-H, -self, -nic)")
+    alone = all(h.host in job.here for h in job.hosts) if opts.elastic else \
+        len(job.mine) == len(job.peers)
+    if opts.port_range != DEFAULT_PORT_RANGE or not alone or first.errno != errno.EADDRINUSE:
+        hint = ("give -port-range with ports free on every host" if not alone else
+                "give another -port-range, or none to have free ports chosen")
+        raise UsageError(f"cannot listen on {shown} ({first.strerror or first}; another job "
+                         f"on this host?): {hint}")
+    try:
+        base, socks = _ports.listen_block(wanted)
     except RuntimeError as e:
-        raise UsageError(f"ports {', '.join(taken)} are taken and {e}; give -port-range") from None
+        raise UsageError(f"ports {shown} are taken and {e}; give -port-range") from None
     old = "{}-{}".format(*opts.port_range)
+    slots = max(h.slots for h in job.hosts)
     opts.port_range = (base, base + slots - 1)
     new = "{}-{}".format(*opts.port_range)
-    logger.info(f"{', '.join(taken[:3])}{' ...' if len(taken) > 3 else ''} taken (another job "
-                f"on this host?); using -port-range {new} instead of {old}")
-    return new
+    logger.info(f"{shown} taken (another job on this host?); using -port-range {new} instead "
+                f"of {old}")
+    return socks
 
 
 GPU_PROBE_SECONDS = 5.0  # nvidia-smi answers in well under a second on a healthy host

@@ -13,6 +13,7 @@ import os
 import queue
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -107,10 +108,14 @@ class Processes:
     waiting thread per worker, ("signal", signum) from the signal handlers. The launcher's event
     loop (kungfu/_launch/launcher.py) consumes them."""
 
-    def __init__(self, opts: Options, peers: List[Worker], mine: List[Worker]):
+    def __init__(self, opts: Options, peers: List[Worker], mine: List[Worker],
+                 listeners: Optional[Dict[str, socket.socket]] = None):
         self.opts = opts
         self.peers = peers
         self.mine = mine
+        # host:port -> the listening socket of that slot of this host, held until the launcher
+        # exits: each worker started there inherits it (kungfu/_launch/plan.py, listen).
+        self.listeners = listeners or {}
         self.out = _Output(_binary(sys.stdout))
         self.err = _Output(_binary(sys.stderr))
         self.events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
@@ -165,6 +170,10 @@ class Processes:
             env[_env.ALLREDUCE_STRATEGY.name] = self.opts.strategy
             env[_env.SPARE_FD.name] = str(spare[1])
         env.update(extra_env or {})
+        env.pop(_env.LISTEN_FD.name, None)  # a launcher started by a worker passes its own on
+        listener = self.listener_fd(worker.spec) if spare is None else None
+        if listener is not None:
+            env[_env.LISTEN_FD.name] = str(listener)
         if self.opts.gpu_per_worker:
             devices = visible_devices(worker.local_rank, self.gpus, self.user_devices)
             if devices is not None:
@@ -197,7 +206,8 @@ class Processes:
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # own process group: signals reach its children too
                 preexec_fn=_preexec_parent_death_signal(),
-                pass_fds=(self._watchdog[0], notes) + (() if spare is None else (spare[1],)),
+                pass_fds=(self._watchdog[0], notes) + (() if spare is None else (spare[1],))
+                + (() if listener is None else (listener,)),
             )
         except BaseException:
             if log is not None:
@@ -206,6 +216,17 @@ class Processes:
         run = _Running(worker, proc, log)
         run.spare = None if spare is None else spare[0]
         return run
+
+    def listener_fd(self, spec: str) -> Optional[int]:
+        """The descriptor of the listening socket held for the worker at `spec`, if any."""
+        sock = self.listeners.get(spec)
+        return None if sock is None else sock.fileno()
+
+    def _release_ports(self) -> None:
+        """Closes the listening sockets (the launcher is done with its workers)."""
+        for sock in self.listeners.values():
+            sock.close()
+        self.listeners = {}
 
     def _wait(self, run: _Running, key=None) -> None:
         code = run.proc.wait()

@@ -38,19 +38,20 @@ def run(argv: Sequence[str]) -> int:
                                  opts.verbose)
         if opts.manager:
             output.logger.info(opts.manager)
-        job = plan.prepare(opts)
+        job = plan.listen(opts, plan.prepare(opts))
     except UsageError as e:
         sys.stderr.write(f"{flags.PROG}: {e}\n")
         sys.stderr.flush()
         return flags.EXIT_USAGE
     if opts.elastic:
-        return ElasticLauncher(opts, job.peers, job.mine, job.hosts, job.here).run()
+        return ElasticLauncher(opts, job.peers, job.mine, job.hosts, job.here,
+                               job.listeners).run()
     if not job.mine:
         output.logger.info(f"none of the {opts.np} workers is placed on "
                            f"{', '.join(sorted(job.here))} (the hosts before it in -H take them "
                            f"all); nothing to run here")
         return 0
-    return Launcher(opts, job.peers, job.mine).run()
+    return Launcher(opts, job.peers, job.mine, job.listeners).run()
 
 
 __all__ = ["main"]

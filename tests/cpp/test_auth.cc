@@ -552,7 +552,7 @@ TEST(MalformedRepliesAreRejectedByTheDialer) {
     LocalCluster c(2);
     int tcp = -1, ux = -1;
     // An impostor at rank 1's address.
-    if (!CHECK_OK(kungfu::net::Listen(c.peer_list()[1], &tcp, &ux))) return;
+    if (!CHECK_OK(kungfu::net::Listen(c.peer_list()[1], -1, &tcp, &ux))) return;
     std::thread impostor([&] {
       int fd = accept(ux, nullptr, nullptr);
       if (fd < 0) return;

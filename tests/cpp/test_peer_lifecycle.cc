@@ -1,6 +1,7 @@
 // Peer lifecycle: configuration checks, a single process, starting, stopping, restarting.
 #define KF_TESTING_CLUSTER
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -109,7 +110,9 @@ TEST(SingleProcessPeer) {
     CHECK(h.Poll());
     CHECK_OK(h.status());
     CHECK(out == in);
-    CHECK_OK(kftest::WaitFor(p->AllReduce(in.data(), in.data(), 3, DType::kFloat32, ReduceOp::kMax, {}), 1000, __FILE__, __LINE__));
+    CHECK_OK(
+        kftest::WaitFor(p->AllReduce(in.data(), in.data(), 3, DType::kFloat32, ReduceOp::kMax, {}),
+                        1000, __FILE__, __LINE__));
     CHECK_EQ(in[1], -2.0f);
     std::fill(out.begin(), out.end(), 0.0f);
     CHECK_OK(WAIT(p->Reduce(in.data(), out.data(), 3, DType::kFloat32, ReduceOp::kProd, 0, {})));
@@ -239,6 +242,91 @@ TEST(StartFailsWhenThePortIsTaken) {
   close(fd);
 }
 
+namespace {
+// A socket bound to an ephemeral port of 127.0.0.1 and listening, as kungfu-run makes one.
+int HeldListener(uint16_t* port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a;
+  std::memset(&a, 0, sizeof(a));
+  a.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  if (fd < 0 || bind(fd, reinterpret_cast<struct sockaddr*>(&a), sizeof(a)) != 0 ||
+      listen(fd, 16) != 0) {
+    return -1;
+  }
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<struct sockaddr*>(&a), &len);
+  *port = ntohs(a.sin_port);
+  return fd;
+}
+
+bool CanBind(uint16_t port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  struct sockaddr_in a;
+  std::memset(&a, 0, sizeof(a));
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  bool ok = bind(fd, reinterpret_cast<struct sockaddr*>(&a), sizeof(a)) == 0;
+  close(fd);
+  return ok;
+}
+
+// Starts both peers and checks that an allreduce under `name` sums them.
+void StartAndSum(std::vector<std::unique_ptr<Peer>>& peers, const std::string& name) {
+  std::vector<kungfu::Status> st(2);
+  OnEveryRank(2, [&](int r) { st[r] = peers[r]->Start(); });
+  for (int r = 0; r < 2; ++r) CHECK_OK(st[r]);
+  std::vector<float> x(4, 1.0f);
+  std::vector<std::vector<float>> out(2, std::vector<float>(4, 0.0f));
+  OnEveryRank(2, [&](int r) {
+    st[r] = WAIT(peers[r]->AllReduce(x.data(), out[r].data(), 4, DType::kFloat32, ReduceOp::kSum,
+                                     Named(name)));
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK_OK(st[r]);
+    CHECK(out[r][3] == 2.0f);
+  }
+}
+}  // namespace
+
+TEST(PeersListenOnTheSocketTheCallerHolds) {
+  // Rank 1's port is bound by the caller (kungfu-run) and handed down as listen_fd: two
+  // successive peers there (cluster versions 0 and 1, as a resize makes) listen on it and
+  // connect; the port is never free for another socket, between them or after them, and the
+  // caller's descriptor stays open.
+  uint16_t held_port = 0;
+  const int held = HeldListener(&held_port);
+  REQUIRE(held >= 0);
+  auto other = kftest::FreePorts({"127.0.0.1"});
+  for (uint64_t version = 0; version < 2; ++version) {
+    std::vector<std::unique_ptr<Peer>> peers(2);
+    for (int r = 0; r < 2; ++r) {
+      PeerConfig c = TwoPeers(other[0], held_port, r);
+      c.version = version;
+      if (r == 1) c.listen_fd = held;
+      REQUIRE_OK(Peer::Create(c, &peers[r]));
+    }
+    StartAndSum(peers, "held");
+    CHECK_MSG(!CanBind(held_port), "the held port could be bound while a peer listened on it");
+    OnEveryRank(2, [&](int r) { peers[r]->Stop(); });
+    CHECK_MSG(!CanBind(held_port), "the held port was let go when its peer stopped");
+  }
+  CHECK(fcntl(held, F_GETFD) >= 0);  // never closed by the peers
+  // A socket bound to another port than the peer's address is refused, naming the address.
+  std::unique_ptr<Peer> wrong;
+  PeerConfig c = TwoPeers(other[0], held_port + 1 == other[0] ? held_port + 2 : held_port + 1, 1);
+  c.listen_fd = held;
+  REQUIRE_OK(Peer::Create(c, &wrong));
+  kungfu::Status s = wrong->Listen();
+  CHECK_CODE(s, Code::kInvalidArgument);
+  CHECK_CONTAINS(s.message(), c.self.ToString());
+  wrong.reset();
+  close(held);
+}
+
 TEST(ListenTakesThePortBeforeStart) {
   // An elastic joiner listens, reports itself ready, then starts: its port is its own from the
   // first step, a second Listen (Start's) changes nothing, and the peers connect as usual.
@@ -256,20 +344,7 @@ TEST(ListenTakesThePortBeforeStart) {
   CHECK_MSG(bind(fd, reinterpret_cast<struct sockaddr*>(&a), sizeof(a)) != 0,
             "the port of a listening peer could be bound by another socket");
   close(fd);
-  std::vector<kungfu::Status> st(2);
-  OnEveryRank(2, [&](int r) { st[r] = peers[r]->Start(); });
-  for (int r = 0; r < 2; ++r) CHECK_OK(st[r]);
-  std::vector<float> x(4, 1.0f), y(4, 0.0f);
-  std::vector<kungfu::Status> ar(2);
-  std::vector<std::vector<float>> out(2, y);
-  OnEveryRank(2, [&](int r) {
-    ar[r] = WAIT(peers[r]->AllReduce(x.data(), out[r].data(), 4, DType::kFloat32,
-                                     ReduceOp::kSum, Named("after-listen")));
-  });
-  for (int r = 0; r < 2; ++r) {
-    CHECK_OK(ar[r]);
-    CHECK(out[r][3] == 2.0f);
-  }
+  StartAndSum(peers, "after-listen");
   OnEveryRank(2, [&](int r) { peers[r]->Stop(); });
 }
 
@@ -311,7 +386,8 @@ TEST(StopTwiceAndStopBeforeStart) {
 TEST(DestroyWithoutStop) {
   // The destructor stops the peer; peers go away one by one while the others still run.
   auto ports = kftest::FreePorts({"127.0.0.1", "127.0.0.1", "127.0.0.2"});
-  kungfu::PeerList list = {{"127.0.0.1", ports[0]}, {"127.0.0.1", ports[1]}, {"127.0.0.2", ports[2]}};
+  kungfu::PeerList list = {
+      {"127.0.0.1", ports[0]}, {"127.0.0.1", ports[1]}, {"127.0.0.2", ports[2]}};
   std::vector<std::unique_ptr<Peer>> peers(3);
   for (int r = 0; r < 3; ++r) {
     PeerConfig c;
@@ -335,7 +411,8 @@ TEST(DestroyWithoutStop) {
 TEST(ANewClusterReusesThePorts) {
   // A cluster stops and a new one starts on the same addresses (as after a restart).
   auto ports = kftest::FreePorts({"127.0.0.1", "127.0.0.1", "127.0.0.2"});
-  kungfu::PeerList list = {{"127.0.0.1", ports[0]}, {"127.0.0.1", ports[1]}, {"127.0.0.2", ports[2]}};
+  kungfu::PeerList list = {
+      {"127.0.0.1", ports[0]}, {"127.0.0.1", ports[1]}, {"127.0.0.2", ports[2]}};
   for (int round = 0; round < 3; ++round) {
     std::vector<std::unique_ptr<Peer>> peers(3);
     for (int r = 0; r < 3; ++r) {
@@ -348,14 +425,16 @@ TEST(ANewClusterReusesThePorts) {
     }
     std::vector<kungfu::Status> st(3);
     OnEveryRank(3, [&](int r) { st[r] = peers[r]->Start(); });
-    for (int r = 0; r < 3; ++r) CHECK_MSG(st[r].ok(), "round " + std::to_string(round) + ": " + st[r].ToString());
+    for (int r = 0; r < 3; ++r)
+      CHECK_MSG(st[r].ok(), "round " + std::to_string(round) + ": " + st[r].ToString());
     if (!st[0].ok() || !st[1].ok() || !st[2].ok()) {
       OnEveryRank(3, [&](int r) { peers[r]->Stop(); });
       return;
     }
     OnEveryRank(3, [&](int r) {
       std::vector<int64_t> v(100000, round + r);  // large enough for RING/DIRECT under AUTO
-      CHECK_OK(WAIT(peers[r]->AllReduce(v.data(), v.data(), v.size(), DType::kInt64, ReduceOp::kSum, {})));
+      CHECK_OK(WAIT(
+          peers[r]->AllReduce(v.data(), v.data(), v.size(), DType::kInt64, ReduceOp::kSum, {})));
       CHECK_EQ(v[99999], int64_t(3 * round + 3));
     });
     OnEveryRank(3, [&](int r) { peers[r]->Stop(); });
@@ -368,7 +447,8 @@ TEST(OperationsAfterStopAreCancelled) {
   REQUIRE(c.Start());
   c[0].Stop();
   float x = 1, y = 0;
-  kungfu::Status s = WAIT_OR_REPORT(c[0].AllReduce(&x, &y, 1, DType::kFloat32, ReduceOp::kSum, Named("late")), 3000);
+  kungfu::Status s = WAIT_OR_REPORT(
+      c[0].AllReduce(&x, &y, 1, DType::kFloat32, ReduceOp::kSum, Named("late")), 3000);
   CHECK_CODE(s, Code::kCancelled);
   s = WAIT_OR_REPORT(c[0].Barrier({}), 3000);
   CHECK_CODE(s, Code::kCancelled);

@@ -69,24 +69,38 @@ def test_propose_new_size_then_resize(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_a_joiner_whose_port_is_taken_fails_before_the_switch(tmp_path):
-    """The joiner's port is in use by another process: it fails to listen before it reports
-    itself ready, so the resize is abandoned and the others go on at their size (before, it
-    reported ready first, the others switched to it and waited for it until the connect
-    deadline)."""
+def test_a_joiner_that_cannot_listen_fails_before_the_switch(tmp_path):
+    """The joiner cannot listen (its address's local socket is taken: its TCP port the launcher
+    holds for it): it fails before it reports itself ready, so the resize is abandoned and the
+    others go on at their size (before, it reported ready first, the others switched to it and
+    waited for it until the connect deadline)."""
     base = free_port_block(3)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", base + 2))  # the joiner's slot
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as taken:
+        taken.bind(f"\0kungfu-127.0.0.1:{base + 2}")  # the joiner's slot (net.cc, UnixAddress)
         taken.listen()
         r, workers = run(tmp_path, "resize", "3:3,8:1", ports=f"{base}-{base + 2}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    assert f"cannot listen on 127.0.0.1:{base + 2}: Address already in use" in r.stderr
+    assert f"cannot listen on the local socket of 127.0.0.1:{base + 2}" in r.stderr
     assert "before the cluster switched to it; its resize will be abandoned" in r.stderr
     started = [rows for rows in workers if rows]
     assert len(workers) == 3 and len(started) == 2  # the joiner logged nothing
     sizes = {row["step"]: row["size"] for rows in started for row in rows[:-1]}
     assert sizes == {step: 2 if step < 8 else 1 for step in range(12)}
     assert sorted(rows[-1]["end"] for rows in started) == ["detached", "done"]
+
+
+def test_a_taken_port_of_a_later_slot_stops_the_launch_at_once(tmp_path):
+    """A port of -port-range that a later version would use is taken before the launch: the
+    elastic launcher, which holds every slot's port of its host for the whole job, refuses to
+    start, naming it, before any worker runs (rather than a joiner failing there later)."""
+    base = free_port_block(3)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 2))
+        taken.listen()
+        r, workers = run(tmp_path, "resize", "3:3,8:1", ports=f"{base}-{base + 2}")
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-5000:]
+    assert f"cannot listen on 127.0.0.1:{base + 2}" in r.stderr and "-port-range" in r.stderr
+    assert workers == []
 
 
 @pytest.mark.timeout(150)

@@ -169,19 +169,29 @@ def test_set_worker_env_joining_spare_and_unchanged():
 
 
 def test_a_taken_spare_gets_worker_env(monkeypatch):
-    """A warm spare's identity (one JSON line on its pipe) goes into os.environ through
-    set_worker_env: a null removes a variable the spare inherited."""
+    """A warm spare's identity (one JSON line on its socket) goes into os.environ through
+    set_worker_env: a null removes a variable the spare inherited; the listening socket sent
+    with it becomes KUNGFU_LISTEN_FD, the one its peer listens on."""
     import json
+    import socket
 
-    from kungfu import _spare
+    from kungfu import _peer, _spare
 
-    peers = ["127.0.0.1:1", "127.0.0.1:2"]
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    peers = ["127.0.0.1:1", f"127.0.0.1:{held.getsockname()[1]}"]
     sent = _env.worker_env(peers[1], peers, 2, "RING", joining=True)
     sent["LOCAL_WORLD_SIZE"] = None
-    read, write = os.pipe()
-    os.write(write, (json.dumps(sent) + "\n").encode())
-    os.close(write)
-    monkeypatch.setenv("KUNGFU_SPARE_FD", str(read))
+    ours, theirs = socket.socketpair()
+    line = (json.dumps(sent) + "\n").encode()
+    socket.send_fds(ours, [line[:5]], [held.fileno()])  # the rest comes in another write
+    ours.sendall(line[5:])
+    ours.close()
+    held.close()  # the spare's copy keeps the socket
+    monkeypatch.setenv("KUNGFU_SPARE_FD", str(theirs.detach()))  # wait() closes it
+    monkeypatch.delenv("KUNGFU_LISTEN_FD", raising=False)
+    monkeypatch.setattr(_peer, "_listener", None)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
     for name in ("KUNGFU_SELF_SPEC", "KUNGFU_INIT_PEERS", "KUNGFU_INIT_CLUSTER_VERSION",
                  "KUNGFU_ELASTIC_JOINING", "KUNGFU_ALLREDUCE_STRATEGY", "RANK", "WORLD_SIZE",
@@ -191,6 +201,13 @@ def test_a_taken_spare_gets_worker_env(monkeypatch):
     _spare.wait()
     assert {k: os.environ.get(k) for k in sent} == sent
     assert "KUNGFU_SPARE_FD" not in os.environ
+    fd = _peer.listen_fd(peers[1])
+    assert fd >= 0 and fd == int(os.environ["KUNGFU_LISTEN_FD"])
+    assert _peer.listen_fd(peers[0]) == -1  # another address: not its socket
+    with socket.socket(fileno=fd):
+        with socket.create_connection(("127.0.0.1", int(peers[1].split(":")[1]))):
+            pass  # it still listens: the spare's descriptor is the socket the launcher held
+    monkeypatch.setattr(_peer, "_listener", None)
 
 
 def test_only_env_writes_a_workers_identity():

@@ -21,6 +21,7 @@ from kungfu import _env
 from kungfu import _hosts
 from kungfu._launch import flags, plan, processes
 from kungfu._launch.launcher import Launcher
+from kungfu._ports import free_port_range
 
 REPO = Path(__file__).resolve().parents[2]
 STRONG_TOKEN = secrets.token_hex(32)
@@ -323,18 +324,30 @@ def test_nothing_to_run_on_a_host_without_workers():
     assert "nothing to run" in r.stderr
 
 
+def _secret_file(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text(STRONG_TOKEN + "\n")
+    secret.chmod(0o600)
+    return secret
+
+
 def test_a_job_on_several_hosts_needs_one_secret(tmp_path):
     args = ("-np", "2", "-H", "10.0.0.1:1,10.0.0.2:1", "-self", "10.0.0.2", "true")
     r = launcher(*args)
     assert r.returncode == 2 and "same -job-token-file" in r.stderr, r.stderr
+    # A host this is not (10.0.0.2 here): its launcher cannot bind its worker's port.
+    r = launcher("-job-token-file", str(_secret_file(tmp_path)), *args)
+    assert r.returncode == 2, r.stderr
+    assert "cannot listen on 10.0.0.2:10000" in r.stderr and "not an address of this host" \
+        in r.stderr, r.stderr
+    args = ("-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1", "-self", "127.0.0.2",
+            "-port-range", free_port_range(1, hosts=("127.0.0.2",)), "true")
     # Two launchers on loopback "hosts" (-self): also two secrets unless one is given.
     r = launcher("-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1", "-self", "127.0.0.2", "true")
     assert r.returncode == 2 and "same -job-token-file" in r.stderr, r.stderr
-    empty, secret = tmp_path / "empty", tmp_path / "secret"
+    empty, secret = tmp_path / "empty", _secret_file(tmp_path)
     empty.write_text("\n")
     empty.chmod(0o600)
-    secret.write_text(STRONG_TOKEN + "\n")
-    secret.chmod(0o600)
     r = launcher("-job-token-file", str(empty), *args)
     assert r.returncode == 2 and "is empty" in r.stderr, r.stderr
     r = launcher("-job-token-file", str(tmp_path / "missing"), *args)
@@ -557,8 +570,6 @@ def test_etcd_password_in_the_url_is_warned_about_and_never_shown(tmp_path):
     """The probe (3g): `-config-server etcd://alice:S3cretPW@...` shows the password to every
     local user (ps). It still works, with one warning that does not repeat the password; a
     credentials file is the way that does not show it, and one open to others is refused."""
-    from kungfu._ports import free_port_range
-
     port = free_port_range(1).split("-")[0]  # nobody listens: -timeout ends the wait
     common = ("-w", "-np", "1", "-H", "127.0.0.1:1", "-port-range", free_port_range(1),
               "-timeout", "1s")

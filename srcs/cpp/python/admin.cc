@@ -11,7 +11,7 @@ std::unique_ptr<Peer> CreatePeer(const std::string& self, const std::vector<std:
                                  size_t chunk_bytes, int parallelism, const std::string& job_token,
                                  int64_t progress_ms, bool timeline, size_t fusion_bytes,
                                  int64_t mismatch_grace_ms, const std::string& gpu_path,
-                                 int gpu_device, size_t gpu_chunk_bytes) {
+                                 int gpu_device, size_t gpu_chunk_bytes, int listen_fd) {
   PeerConfig c;
   Status s = PeerID::Parse(self, &c.self);
   for (const auto& p : peers) {
@@ -35,6 +35,7 @@ std::unique_ptr<Peer> CreatePeer(const std::string& self, const std::vector<std:
   c.timeline = timeline;
   c.fusion_bytes = fusion_bytes;
   c.mismatch_grace_ms = mismatch_grace_ms;
+  c.listen_fd = listen_fd;
   if (s.ok() && !gpu_path.empty()) {  // "nccl" or "staging": a backend for device memory
     BackendFactory gpu;
     s = MakeGpuBackendFactory(gpu_path == "nccl" ? GpuPath::kNccl : GpuPath::kStaging, gpu_device,
@@ -60,7 +61,7 @@ PyPeer BindPeer(py::module_& m) {
                py::arg("timeline") = false, py::arg("fusion_bytes") = PeerConfig().fusion_bytes,
                py::arg("mismatch_grace_ms") = PeerConfig().mismatch_grace_ms,
                py::arg("gpu_path") = "", py::arg("gpu_device") = 0,
-               py::arg("gpu_chunk_bytes") = size_t(4) << 20)
+               py::arg("gpu_chunk_bytes") = size_t(4) << 20, py::arg("listen_fd") = -1)
           .def("start",
                [](Peer& p) {
                  Status s;

@@ -80,6 +80,9 @@ struct PeerConfig {
   // DIRECT, and HIERARCHICAL inside hosts. false: they exchange messages only.
   bool memory_reads = true;
   std::string job_token;  // proved both ways in every handshake (see transport.h)
+  // A socket bound to `self`, held by the caller for every session of this peer and its
+  // successors (TransportOptions::listen_fd); -1: each session binds `self` itself.
+  int listen_fd = -1;
   // While Start() waits for peers: a line every progress_ms (0: none) naming who is missing.
   int64_t progress_ms = 10000;
   std::function<void(const std::string&)> progress = ProgressToStderr;

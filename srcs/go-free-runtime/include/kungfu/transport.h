@@ -122,6 +122,12 @@ struct TransportOptions {
   // Names that differ (above): how long two peers must each have been stuck in operations the
   // other has not called before it is declared a mismatch; 0: never (the deadline decides).
   int64_t mismatch_grace_ms = 2000;
+  // A TCP socket already bound to this peer's address (and listening), whose port its maker holds
+  // for the job: kungfu-run binds every worker's port before the worker starts, so no other
+  // process can take it between a check and the worker's bind, nor between two lives of one
+  // slot. The transport listens on a duplicate and never closes this one; it fails (and binds
+  // nothing) if the socket is bound to another port. -1: the transport binds the address itself.
+  int listen_fd = -1;
 };
 
 class Transport {

@@ -75,6 +75,7 @@ Peer::Peer(const PeerConfig& config)
   TransportOptions t;
   t.peer_timeout_ms = config_.peer_timeout_ms;
   t.job_token = config_.job_token;
+  t.listen_fd = config_.listen_fd;
   t.progress_ms = config_.progress_ms;
   t.progress = config_.progress;
   t.mismatch_grace_ms = config_.mismatch_grace_ms;

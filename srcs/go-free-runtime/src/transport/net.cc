@@ -204,24 +204,52 @@ socklen_t UnixAddress(const PeerID& id, struct sockaddr_un* addr) {
 
 }  // namespace
 
-Status Listen(const PeerID& self, int* tcp_fd, int* unix_fd) {
-  *tcp_fd = *unix_fd = -1;
-  struct sockaddr_in addr;
-  KF_RETURN_IF_ERROR(Resolve(self, &addr));
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return Internal("socket: " + ErrnoString(errno));
-  int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (bind(fd, reinterpret_cast<struct sockaddr*>(&addr), sizeof(addr)) != 0) {
-    int err = errno;
-    close(fd);
-    return Unavailable("cannot listen on " + self.ToString() + ": " + ErrnoString(err));
+namespace {
+
+// The TCP listener of `self`: a socket bound here, or a duplicate of `given` (the caller's, bound
+// to self's port already) once its port is checked.
+Status ListenTcp(const PeerID& self, int given, int* out) {
+  *out = -1;
+  int fd;
+  if (given >= 0) {
+    struct sockaddr_in bound;
+    socklen_t len = sizeof(bound);
+    if (getsockname(given, reinterpret_cast<struct sockaddr*>(&bound), &len) != 0 ||
+        bound.sin_family != AF_INET || ntohs(bound.sin_port) != self.port) {
+      return InvalidArgument("the listening socket given for " + self.ToString() +
+                             " is not a TCP socket bound to port " + std::to_string(self.port));
+    }
+    fd = fcntl(given, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return Internal("dup of the listening socket: " + ErrnoString(errno));
+  } else {
+    struct sockaddr_in addr;
+    KF_RETURN_IF_ERROR(Resolve(self, &addr));
+    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return Internal("socket: " + ErrnoString(errno));
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, reinterpret_cast<struct sockaddr*>(&addr), sizeof(addr)) != 0) {
+      int err = errno;
+      close(fd);
+      return Unavailable("cannot listen on " + self.ToString() + ": " + ErrnoString(err));
+    }
   }
+  // On a given socket that listens already, this only sets the backlog.
   if (listen(fd, 128) != 0) {
     int err = errno;
     close(fd);
     return Unavailable("listen on " + self.ToString() + ": " + ErrnoString(err));
   }
+  *out = fd;
+  return Status::OK();
+}
+
+}  // namespace
+
+Status Listen(const PeerID& self, int given, int* tcp_fd, int* unix_fd) {
+  *tcp_fd = *unix_fd = -1;
+  int fd;
+  KF_RETURN_IF_ERROR(ListenTcp(self, given, &fd));
   struct sockaddr_un uaddr;
   socklen_t ulen = UnixAddress(self, &uaddr);
   int ufd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);

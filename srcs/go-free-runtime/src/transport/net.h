@@ -66,8 +66,11 @@ Status ReadSome(int fd, void* buf, size_t n, size_t* got);
 void SetTimeouts(int fd, int64_t ms);
 void TuneStream(int fd, bool tcp);
 
-// Listens on host:port (TCP) and on the abstract Unix socket of that address.
-Status Listen(const PeerID& self, int* tcp_fd, int* unix_fd);
+// Listens on host:port (TCP) and on the abstract Unix socket of that address. `given`: a TCP
+// socket bound to self's port by the caller (TransportOptions::listen_fd), listened on through a
+// duplicate instead of binding; -1: binds host:port. The Unix socket is always bound here: its
+// name is derived from host:port, which no other job can hold while this one does.
+Status Listen(const PeerID& self, int given, int* tcp_fd, int* unix_fd);
 // One connection attempt; Unix socket when `local`, TCP otherwise.
 Status Dial(const PeerID& target, bool local, int* fd);
 

@@ -37,7 +37,8 @@ Status StreamTransport::Listen() {
     std::lock_guard<std::mutex> lk(hs_mu_);
     hello_answered_.assign(size(), false);
   }
-  KF_RETURN_IF_ERROR(net::Listen(peers_[rank_], &listen_fds_[0], &listen_fds_[1]));
+  KF_RETURN_IF_ERROR(
+      net::Listen(peers_[rank_], options_.listen_fd, &listen_fds_[0], &listen_fds_[1]));
   try {
     acceptor_ = std::thread([this] { AcceptLoop(); });
   } catch (const std::exception&) {  // out of threads: an error, not std::terminate
