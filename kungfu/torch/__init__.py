@@ -20,6 +20,7 @@ from kungfu.elastic import ElasticData
 from kungfu.torch import ops, optimizers
 from kungfu.torch.elastic import ElasticTrainer
 from kungfu.torch.ops import *  # noqa: F401,F403 - the collectives, under KungFu's names
+from kungfu.torch.optimizers import Compression
 
 
 def rank() -> int:
@@ -70,6 +71,7 @@ __all__ = [
     "local_size",
     "ElasticData",
     "ElasticTrainer",
+    "Compression",
     "ProcessSet",
     "allgather_object",
     "barrier",

@@ -162,14 +162,15 @@ def mlp() -> torch.nn.Module:
                                torch.nn.Linear(8, 1)).double()
 
 
-def train(ps, steps: int, passes: int, average: bool) -> list:
+def train(ps, steps: int, passes: int, average: bool, **options) -> list:
     """SGD with momentum over `steps` steps of `passes` backward passes each (this worker's
     shard split into `passes` equal parts), in process set ps."""
     r = kf.rank()
     model = mlp()
     opt = kf.optimizers.SynchronousSGDOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters(),
-        process_set=ps, backward_passes_per_step=passes, average_aggregated_gradients=average)
+        process_set=ps, backward_passes_per_step=passes, average_aggregated_gradients=average,
+        **options)
     x, y = shard(r)
     for _ in range(steps):
         opt.zero_grad()
@@ -213,7 +214,8 @@ def _optimizer_state(root: int, ps) -> dict:
 
 def optimizers() -> dict:
     """The optimizer in the whole cluster and in the "tail" set, over 2 averaged and 2 summed
-    passes; the error of a third pass; broadcast_optimizer_state, whole and in "tail"."""
+    passes, with fp16 compression; the errors of a third pass and of an unknown compression;
+    broadcast_optimizer_state, whole and in "tail"."""
     r, n = kf.rank(), kf.size()
     tail = sets_for(n)["tail"]
     ps = kf.ProcessSet(tail) if r in tail else None
@@ -221,6 +223,9 @@ def optimizers() -> dict:
            "one pass": train(None, 3, 1, True),
            "two averaged": train(None, 3, 2, True),
            "two summed": train(None, 3, 2, False),
+           "fp16": train(None, 3, 1, True, compression=kf.Compression.fp16),
+           "bad compression": _error(lambda: kf.optimizers.SynchronousSGDOptimizer(
+               torch.optim.SGD(mlp().parameters(), lr=0.1), compression="int8")),
            "too many": _too_many_passes(),
            "state": _optimizer_state(n - 1, None)}
     if ps is not None:

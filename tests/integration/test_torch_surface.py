@@ -144,13 +144,13 @@ def reference(ranks: list, steps: int, lr: float) -> list:
     return [p.detach().numpy() for p in model.parameters()]
 
 
-def _trained(results, key, want):
+def _trained(results, key, want, rtol=1e-9, atol=1e-12):
     for res in results:
         if key not in res:
             continue
         for got, first, w in zip(res[key], results[-1][key], want):
             assert got.tobytes() == first.tobytes(), key  # bit-identical on every member
-            np.testing.assert_allclose(got, w, rtol=1e-9, atol=1e-12, err_msg=key)
+            np.testing.assert_allclose(got, w, rtol=rtol, atol=atol, err_msg=key)
 
 
 @pytest.mark.parametrize("n", NPS)
@@ -163,12 +163,18 @@ def test_optimizer_passes_sets_and_state(runs, n):
     # summed (Horovod's): twice the gradient, so plain momentum SGD at twice the rate
     _trained(results, "two summed", reference(everyone, 3, 0.2))
     _trained(results, "tail", reference(tail, 3, 0.1))
+    # fp16 compression: the same on every worker, within float16's precision of the exact step
+    _trained(results, "fp16", reference(everyone, 3, 0.1), rtol=2e-3, atol=2e-3)
+    assert any(a.tobytes() != b.tobytes() for a, b in zip(results[0]["fp16"],
+                                                        results[0]["one pass"]))
     assert not np.allclose(reference(everyone, 3, 0.1)[0], reference(everyone, 3, 0.2)[0])
     root = results[n - 1]["state"]["before"]
     for res in results:
         r = res["rank"]
         assert "RuntimeError" in res["too many"] and "backward_passes_per_step=2" in \
             res["too many"], res["too many"]
+        assert res["bad compression"].startswith("ValueError") and "'int8'" in \
+            res["bad compression"], res["bad compression"]
         before, after = res["state"]["before"], res["state"]["after"]
         assert before["lr"] == pytest.approx(0.01 * (r + 1))
         assert after["lr"] == root["lr"] and after["tensors"].keys() == root["tensors"].keys()

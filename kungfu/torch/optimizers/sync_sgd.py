@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from kungfu import _collective
+from kungfu import _collective, _peer
 from kungfu._process_set import ProcessSet
 from kungfu.torch.ops import Handle, all_reduce_async
 from kungfu.torch.optimizers._wrap import wrap
@@ -86,11 +86,12 @@ class _SynchronousSGD:
 
     def _kungfu_init(self, params: List[Tuple[str, torch.Tensor]], prefix: str, op: str,
                      bucket_bytes: int, process_set: Optional[ProcessSet], passes: int,
-                     average_passes: bool):
+                     average_passes: bool, fp16: bool):
         self._kungfu_params = [(n, p) for n, p in params if p.requires_grad]
         self._kungfu_prefix = prefix
         self._kungfu_op = op
         self._kungfu_set = process_set
+        self._kungfu_fp16 = fp16
         self._kungfu_k = passes
         self._kungfu_scale = 1.0 / passes if average_passes else 1.0
         self._kungfu_passes: Dict[int, int] = {}  # parameter id -> backward passes this step
@@ -100,8 +101,16 @@ class _SynchronousSGD:
                               for n, p in self._kungfu_params]
 
     def _kungfu_start(self, b: _Bucket) -> None:
-        b.handle = all_reduce_async(b.flat, self._kungfu_op, f"{self._kungfu_prefix}/{b.name}",
-                                    process_set=self._kungfu_set)
+        name, ps, op = f"{self._kungfu_prefix}/{b.name}", self._kungfu_set, self._kungfu_op
+        if not (self._kungfu_fp16 and b.flat.dtype in (torch.float32, torch.float64)):
+            b.handle = all_reduce_async(b.flat, op, name, process_set=ps)
+            return
+        # fp16 compression: the bucket travels as float16, divided by the size first for avg
+        # (the float16 sum is then the mean's, so it overflows no sooner than the mean does).
+        n = ps.size() if ps is not None else _peer.get().size
+        half = (b.flat / n if op == "avg" else b.flat).to(torch.float16)
+        inner = all_reduce_async(half, "sum" if op == "avg" else op, name, process_set=ps)
+        b.handle = Handle(inner, lambda _: b.flat.copy_(half))
 
     def _kungfu_hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
@@ -187,7 +196,7 @@ def SynchronousSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters=N
                             op: Optional[str] = "avg", bucket_bytes: int = BUCKET_BYTES,
                             process_set: Optional[ProcessSet] = None,
                             backward_passes_per_step: int = 1,
-                            average_aggregated_gradients: bool = True):
+                            average_aggregated_gradients: bool = True, compression=None):
     """optimizer, its gradients averaged over the workers before each step (op="sum" sums them,
     as the original KungFu did by default), in buckets of up to `bucket_bytes` of gradients
     (default 25 MiB, as DDP's; 0: one parameter per allreduce). named_parameters
@@ -200,12 +209,17 @@ def SynchronousSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters=N
     = k: k backward passes (without zero_grad between them) per step(); the gradient averaged
     over the workers is the mean of the k passes' (average_aggregated_gradients=True, the step
     of a k times larger batch) or their sum (False: Horovod's DistributedOptimizer, whose
-    passes add up in .grad)."""
+    passes add up in .grad). compression="fp16" (or kungfu.torch.Compression.fp16, Horovod's
+    name) sends float32/float64 gradients as float16 (half the bytes or less; for avg each
+    worker's gradient is divided by the size before the cast); None or "none": as they are."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
     k = backward_passes_per_step
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"backward_passes_per_step must be a positive int, got {k!r}")
+    kind = getattr(compression, "name", compression)  # also an object named like Horovod's
+    if kind not in (None, "none", "fp16"):
+        raise ValueError(f"compression must be None, 'none' or 'fp16', got {compression!r}")
     return wrap(_SynchronousSGD, optimizer, named_parameters, "SynchronousSGDOptimizer",
                 op=op or "sum", bucket_bytes=bucket_bytes, process_set=process_set, passes=k,
-                average_passes=bool(average_aggregated_gradients))
+                average_passes=bool(average_aggregated_gradients), fp16=kind == "fp16")
