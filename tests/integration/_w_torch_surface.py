@@ -180,6 +180,30 @@ def train(ps, steps: int, passes: int, average: bool, **options) -> list:
     return [_np(p) for p in model.parameters()]
 
 
+def embedding_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(10, 3, sparse=True), torch.nn.Flatten(),
+                               torch.nn.Linear(6, 1)).double()
+
+
+def ids(r: int) -> torch.Tensor:
+    """Worker r's batch of index pairs (rows of the embedding it touches)."""
+    return torch.tensor([[r, r + 1], [r + 2, 0], [7, r]])
+
+
+def sparse_training(steps: int = 2) -> list:
+    """An embedding with sparse gradients, trained with plain SGD."""
+    model = embedding_model()
+    opt = kf.optimizers.SynchronousSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                                model.named_parameters())
+    x = ids(kf.rank())
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return [_np(p) for p in model.parameters()]
+
+
 def _too_many_passes() -> str:
     model = mlp()
     opt = kf.optimizers.SynchronousSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -214,7 +238,7 @@ def _optimizer_state(root: int, ps) -> dict:
 
 def optimizers() -> dict:
     """The optimizer in the whole cluster and in the "tail" set, over 2 averaged and 2 summed
-    passes, with fp16 compression; the errors of a third pass and of an unknown compression;
+    passes, with fp16 compression, with sparse gradients; the errors of a third pass and of an unknown compression;
     broadcast_optimizer_state, whole and in "tail"."""
     r, n = kf.rank(), kf.size()
     tail = sets_for(n)["tail"]
@@ -224,6 +248,7 @@ def optimizers() -> dict:
            "two averaged": train(None, 3, 2, True),
            "two summed": train(None, 3, 2, False),
            "fp16": train(None, 3, 1, True, compression=kf.Compression.fp16),
+           "sparse": sparse_training(),
            "bad compression": _error(lambda: kf.optimizers.SynchronousSGDOptimizer(
                torch.optim.SGD(mlp().parameters(), lr=0.1), compression="int8")),
            "too many": _too_many_passes(),

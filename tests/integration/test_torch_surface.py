@@ -144,6 +144,19 @@ def reference(ranks: list, steps: int, lr: float) -> list:
     return [p.detach().numpy() for p in model.parameters()]
 
 
+def sparse_reference(n: int, steps: int = 2) -> list:
+    """The embedding model of one process (dense gradients) on every worker's batch."""
+    model = W.embedding_model()
+    model[0].sparse = False
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.cat([W.ids(k) for k in range(n)])
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return [p.detach().numpy() for p in model.parameters()]
+
+
 def _trained(results, key, want, rtol=1e-9, atol=1e-12):
     for res in results:
         if key not in res:
@@ -167,6 +180,7 @@ def test_optimizer_passes_sets_and_state(runs, n):
     _trained(results, "fp16", reference(everyone, 3, 0.1), rtol=2e-3, atol=2e-3)
     assert any(a.tobytes() != b.tobytes() for a, b in zip(results[0]["fp16"],
                                                         results[0]["one pass"]))
+    _trained(results, "sparse", sparse_reference(n))
     assert not np.allclose(reference(everyone, 3, 0.1)[0], reference(everyone, 3, 0.2)[0])
     root = results[n - 1]["state"]["before"]
     for res in results:

@@ -37,8 +37,8 @@ class _Bucket:
         part = self.flat[self.slices[id(p)]]
         if grad is None:
             part.zero_()
-        else:
-            part.copy_(grad.detach().reshape(-1))
+        else:  # a sparse gradient (nn.Embedding(sparse=True)) is averaged dense
+            part.copy_((grad.to_dense() if grad.is_sparse else grad).detach().reshape(-1))
             if scale != 1:
                 part.mul_(scale)
         self.ready.add(id(p))
@@ -157,7 +157,7 @@ class _SynchronousSGD:
                     continue  # no worker had a gradient: it stays None
                 avg = self._kungfu_bucket_of[id(p)].flat[
                     self._kungfu_bucket_of[id(p)].slices[id(p)]].view_as(p)
-                if p.grad is None:
+                if p.grad is None or p.grad.is_sparse:
                     p.grad = avg.clone()
                 else:
                     p.grad.copy_(avg)
