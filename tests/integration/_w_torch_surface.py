@@ -204,6 +204,29 @@ def sparse_training(steps: int = 2) -> list:
     return [_np(p) for p in model.parameters()]
 
 
+def amp_training(steps: int = 3) -> dict:
+    """torch.amp.GradScaler in Horovod's recipe (synchronize, unscale_, step without a second
+    synchronize). Rank 0's first loss overflows: every worker must skip that step."""
+    r = kf.rank()
+    model = mlp().float()
+    opt = kf.optimizers.SynchronousSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                model.named_parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    x, y = (t.float() for t in shard(r))
+    scales = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y) * (1e38 if (r, step) == (0, 0) else 1)
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+    return {"scales": scales, "weights": [_np(p).astype(np.float32) for p in model.parameters()]}
+
+
 def _too_many_passes() -> str:
     model = mlp()
     opt = kf.optimizers.SynchronousSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -238,7 +261,7 @@ def _optimizer_state(root: int, ps) -> dict:
 
 def optimizers() -> dict:
     """The optimizer in the whole cluster and in the "tail" set, over 2 averaged and 2 summed
-    passes, with fp16 compression, with sparse gradients; the errors of a third pass and of an unknown compression;
+    passes, with fp16 compression, with sparse gradients, with AMP's GradScaler; the errors of a third pass and of an unknown compression;
     broadcast_optimizer_state, whole and in "tail"."""
     r, n = kf.rank(), kf.size()
     tail = sets_for(n)["tail"]
@@ -249,6 +272,7 @@ def optimizers() -> dict:
            "two summed": train(None, 3, 2, False),
            "fp16": train(None, 3, 1, True, compression=kf.Compression.fp16),
            "sparse": sparse_training(),
+           "amp": amp_training(),
            "bad compression": _error(lambda: kf.optimizers.SynchronousSGDOptimizer(
                torch.optim.SGD(mlp().parameters(), lr=0.1), compression="int8")),
            "too many": _too_many_passes(),

@@ -130,11 +130,11 @@ def test_in_the_cluster_and_in_process_sets(runs, n, part):
         assert all(w in got[failing] for w in words), (key, r, got[failing])
 
 
-def reference(ranks: list, steps: int, lr: float) -> list:
+def reference(ranks: list, steps: int, lr: float, momentum: float = 0.9) -> list:
     """One process trained on the members' concatenated shards (equal sizes: the mean of their
     gradients is the gradient of the concatenation)."""
     model = W.mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     x = torch.cat([W.shard(k)[0] for k in ranks])
     y = torch.cat([W.shard(k)[1] for k in ranks])
     for _ in range(steps):
@@ -181,6 +181,14 @@ def test_optimizer_passes_sets_and_state(runs, n):
     assert any(a.tobytes() != b.tobytes() for a, b in zip(results[0]["fp16"],
                                                         results[0]["one pass"]))
     _trained(results, "sparse", sparse_reference(n))
+    # AMP: rank 0 overflowed in the first step; every worker skipped it and halved its scale,
+    # then took the two steps of one process (float32)
+    amp = reference(everyone, 2, 0.1, momentum=0.0)
+    for res in results:
+        assert res["amp"]["scales"] == [512.0, 512.0, 512.0], res["amp"]["scales"]
+        for got, first, want in zip(res["amp"]["weights"], results[0]["amp"]["weights"], amp):
+            assert got.tobytes() == first.tobytes()
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert not np.allclose(reference(everyone, 3, 0.1)[0], reference(everyone, 3, 0.2)[0])
     root = results[n - 1]["state"]["before"]
     for res in results:

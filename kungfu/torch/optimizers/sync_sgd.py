@@ -2,6 +2,7 @@
 as backward has made all of its gradients, overlapping the rest of backward (docs/torch.md)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -92,6 +93,7 @@ class _SynchronousSGD:
         self._kungfu_op = op
         self._kungfu_set = process_set
         self._kungfu_fp16 = fp16
+        self._kungfu_skip = False
         self._kungfu_k = passes
         self._kungfu_scale = 1.0 / passes if average_passes else 1.0
         self._kungfu_passes: Dict[int, int] = {}  # parameter id -> backward passes this step
@@ -174,9 +176,22 @@ class _SynchronousSGD:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.synchronize()
+        if not self._kungfu_skip:
+            self.synchronize()
         super().step()
         return loss
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """step() without synchronize() inside the block, after an explicit synchronize()
+        (Horovod's name). For torch.amp.GradScaler: synchronize(), then scaler.unscale_() and
+        scaler.step() see the averaged gradients, the same on every worker, so every worker
+        skips the same overflowing steps."""
+        self._kungfu_skip = True
+        try:
+            yield
+        finally:
+            self._kungfu_skip = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Buckets still being averaged are waited for (their operations stay paired with the
