@@ -271,6 +271,7 @@ def optimizers() -> dict:
            "two averaged": train(None, 3, 2, True),
            "two summed": train(None, 3, 2, False),
            "fp16": train(None, 3, 1, True, compression=kf.Compression.fp16),
+           "predivided": train(None, 3, 1, True, gradient_predivide_factor=4.0),
            "sparse": sparse_training(),
            "amp": amp_training(),
            "bad compression": _error(lambda: kf.optimizers.SynchronousSGDOptimizer(

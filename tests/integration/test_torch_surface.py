@@ -173,6 +173,7 @@ def test_optimizer_passes_sets_and_state(runs, n):
     _trained(results, "one pass", reference(everyone, 3, 0.1))
     # 2 passes of half the shard, averaged: the step of the whole shard
     _trained(results, "two averaged", reference(everyone, 3, 0.1))
+    _trained(results, "predivided", reference(everyone, 3, 0.1))  # the same average
     # summed (Horovod's): twice the gradient, so plain momentum SGD at twice the rate
     _trained(results, "two summed", reference(everyone, 3, 0.2))
     _trained(results, "tail", reference(tail, 3, 0.1))

@@ -87,13 +87,14 @@ class _SynchronousSGD:
 
     def _kungfu_init(self, params: List[Tuple[str, torch.Tensor]], prefix: str, op: str,
                      bucket_bytes: int, process_set: Optional[ProcessSet], passes: int,
-                     average_passes: bool, fp16: bool):
+                     average_passes: bool, fp16: bool, predivide: float):
         self._kungfu_params = [(n, p) for n, p in params if p.requires_grad]
         self._kungfu_prefix = prefix
         self._kungfu_op = op
         self._kungfu_set = process_set
         self._kungfu_fp16 = fp16
         self._kungfu_skip = False
+        self._kungfu_predivide = predivide
         self._kungfu_k = passes
         self._kungfu_scale = 1.0 / passes if average_passes else 1.0
         self._kungfu_passes: Dict[int, int] = {}  # parameter id -> backward passes this step
@@ -104,12 +105,17 @@ class _SynchronousSGD:
 
     def _kungfu_start(self, b: _Bucket) -> None:
         name, ps, op = f"{self._kungfu_prefix}/{b.name}", self._kungfu_set, self._kungfu_op
+        n = ps.size() if ps is not None else _peer.get().size
         if not (self._kungfu_fp16 and b.flat.dtype in (torch.float32, torch.float64)):
-            b.handle = all_reduce_async(b.flat, op, name, process_set=ps)
+            f = self._kungfu_predivide
+            if f != 1:  # Horovod's gradient_predivide_factor: a sum between 1/f and f/n
+                b.handle = all_reduce_async(b.flat, "sum", name, process_set=ps,
+                                            prescale_factor=1.0 / f, postscale_factor=f / n)
+            else:
+                b.handle = all_reduce_async(b.flat, op, name, process_set=ps)
             return
         # fp16 compression: the bucket travels as float16, divided by the size first for avg
         # (the float16 sum is then the mean's, so it overflows no sooner than the mean does).
-        n = ps.size() if ps is not None else _peer.get().size
         half = (b.flat / n if op == "avg" else b.flat).to(torch.float16)
         inner = all_reduce_async(half, "sum" if op == "avg" else op, name, process_set=ps)
         b.handle = Handle(inner, lambda _: b.flat.copy_(half))
@@ -211,7 +217,8 @@ def SynchronousSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters=N
                             op: Optional[str] = "avg", bucket_bytes: int = BUCKET_BYTES,
                             process_set: Optional[ProcessSet] = None,
                             backward_passes_per_step: int = 1,
-                            average_aggregated_gradients: bool = True, compression=None):
+                            average_aggregated_gradients: bool = True, compression=None,
+                            gradient_predivide_factor: float = 1.0):
     """optimizer, its gradients averaged over the workers before each step (op="sum" sums them,
     as the original KungFu did by default), in buckets of up to `bucket_bytes` of gradients
     (default 25 MiB, as DDP's; 0: one parameter per allreduce). named_parameters
@@ -226,7 +233,10 @@ def SynchronousSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters=N
     of a k times larger batch) or their sum (False: Horovod's DistributedOptimizer, whose
     passes add up in .grad). compression="fp16" (or kungfu.torch.Compression.fp16, Horovod's
     name) sends float32/float64 gradients as float16 (half the bytes or less; for avg each
-    worker's gradient is divided by the size before the cast); None or "none": as they are."""
+    worker's gradient is divided by the size before the cast); None or "none": as they are.
+    gradient_predivide_factor f (Horovod's; op="avg" only, not with fp16): each gradient is
+    divided by f before the sum and the sum by size / f after it (the same average, another
+    range for the sum)."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
     k = backward_passes_per_step
@@ -235,6 +245,12 @@ def SynchronousSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters=N
     kind = getattr(compression, "name", compression)  # also an object named like Horovod's
     if kind not in (None, "none", "fp16"):
         raise ValueError(f"compression must be None, 'none' or 'fp16', got {compression!r}")
+    f = gradient_predivide_factor
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
+        raise ValueError(f"gradient_predivide_factor must be a number > 0, got {f!r}")
+    if f != 1 and ((op or "sum") != "avg" or kind == "fp16"):
+        raise ValueError("gradient_predivide_factor needs op='avg' and no compression")
     return wrap(_SynchronousSGD, optimizer, named_parameters, "SynchronousSGDOptimizer",
                 op=op or "sum", bucket_bytes=bucket_bytes, process_set=process_set, passes=k,
-                average_passes=bool(average_aggregated_gradients), fp16=kind == "fp16")
+                average_passes=bool(average_aggregated_gradients), fp16=kind == "fp16",
+                predivide=float(f))
