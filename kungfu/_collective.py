@@ -368,7 +368,9 @@ def _set_rank(peer, ranks) -> int:
     return ranks.index(peer.rank) if ranks else peer.rank
 
 
-def _gathered(native, inp: _Input, root: Optional[int], me: int):
+def _gathered(native, inp: _Input, root: Optional[int], me: int, with_rows: bool = False):
+    """The concatenation of what the workers sent (None on a gather's other workers); with
+    `with_rows`, (the concatenation, how many rows came from each worker)."""
     def result():
         if root is not None and me != root:
             return None
@@ -382,13 +384,18 @@ def _gathered(native, inp: _Input, root: Optional[int], me: int):
                     f"workers passed arrays whose shapes differ beyond axis 0 (this one: "
                     f"{inp.array.shape}, another has {c} elements)"
                 )
-        return flat.reshape((-1,) + tuple(row))
+        rows = flat.reshape((-1,) + tuple(row))
+        if not with_rows:
+            return rows
+        return rows, [int(c) // row_size if row_size else 0 for c in counts]
 
     return result
 
 
 def allgather_async(x, name: Optional[str] = None, timeout: Optional[float] = None,
-                    process_set: Optional[ProcessSet] = None) -> Handle:
+                    process_set: Optional[ProcessSet] = None, with_rows: bool = False) -> Handle:
+    """allgather, started; with `with_rows` its result is (the concatenation, the number of
+    rows each worker sent, in rank order)."""
     ranks = _members(process_set, "allgather")
     with _takes_part("allgather", name, timeout, ranks):
         inp = _Input(x)
@@ -396,7 +403,7 @@ def allgather_async(x, name: Optional[str] = None, timeout: Optional[float] = No
         send = inp.array
         native = peer.allgather(send.reshape(-1).view(np.uint8), send.size, inp.code, name or "",
                                 _timeout_ms(timeout), _shape_digest(send.shape[1:]), ranks)
-    return Handle(native, _gathered(native, inp, None, _set_rank(peer, ranks)))
+    return Handle(native, _gathered(native, inp, None, _set_rank(peer, ranks), with_rows))
 
 
 def allgather(x, name: Optional[str] = None, timeout: Optional[float] = None,
@@ -439,7 +446,9 @@ def _even_parts(rows: int, n: int) -> list:
 
 def alltoall_async(x, splits=None, name: Optional[str] = None,
                    timeout: Optional[float] = None,
-                   process_set: Optional[ProcessSet] = None) -> Handle:
+                   process_set: Optional[ProcessSet] = None, with_rows: bool = False) -> Handle:
+    """alltoall, started; with `with_rows` its result is (the rows, how many came from each
+    worker: the splits to send them back with)."""
     ranks = _members(process_set, "alltoall")
     with _takes_part("alltoall", name, timeout, ranks):
         inp = _Input(x)
@@ -462,7 +471,7 @@ def alltoall_async(x, splits=None, name: Optional[str] = None,
         native = peer.alltoall(send.reshape(-1).view(np.uint8), [int(c) * row for c in splits],
                                inp.code, name or "", _timeout_ms(timeout),
                                _shape_digest(send.shape[1:]), ranks)
-    return Handle(native, _gathered(native, inp, None, _set_rank(peer, ranks)))
+    return Handle(native, _gathered(native, inp, None, _set_rank(peer, ranks), with_rows))
 
 
 def alltoall(x, splits=None, name: Optional[str] = None, timeout: Optional[float] = None,
@@ -524,17 +533,19 @@ def reducescatter(x, op: str = "sum", name: Optional[str] = None,
 
 
 def broadcast_object(obj: Any = None, root: int = 0, name: Optional[str] = None,
-                     timeout: Optional[float] = None) -> Any:
-    """root's obj on every worker (pickled; any size). The others' obj is ignored. Unpickling
-    runs code chosen by root, as with any pickle: use it within one job. An object root cannot
-    pickle fails on every worker with root's reason (root still takes part: it broadcasts the
-    reason instead of the object)."""
+                     timeout: Optional[float] = None,
+                     process_set: Optional[ProcessSet] = None) -> Any:
+    """root's obj on every worker (of process_set, if given; root is a rank in it) (pickled;
+    any size). The others' obj is ignored. Unpickling runs code chosen by root, as with any
+    pickle: use it within one job. An object root cannot pickle fails on every worker with
+    root's reason (root still takes part: it broadcasts the reason instead of the object)."""
     import pickle
 
     base = name or "kungfu::broadcast_object"
     failed = None
     data = b""
-    if _peer.get().rank == root:
+    ps = {"process_set": process_set}
+    if _set_rank(_peer.get(), _members(process_set, "broadcast_object")) == root:
         try:
             data = pickle.dumps(obj)
         except Exception as e:  # noqa: BLE001 - whatever pickling raises, every worker hears it
@@ -543,9 +554,9 @@ def broadcast_object(obj: Any = None, root: int = 0, name: Optional[str] = None,
     # The length and whether it is root's pickling error, so every worker can allocate what
     # the broadcast writes and knows what it is.
     head = broadcast(np.array([len(data), failed is not None], np.int64), root, f"{base}/size",
-                     timeout=timeout)
+                     timeout=timeout, **ps)
     buf = np.frombuffer(data, np.uint8) if data else np.zeros(int(head[0]), np.uint8)
-    got = broadcast(buf, root, f"{base}/bytes", timeout=timeout).tobytes()
+    got = broadcast(buf, root, f"{base}/bytes", timeout=timeout, **ps).tobytes()
     if failed is not None:
         raise failed
     if head[1]:
@@ -555,14 +566,18 @@ def broadcast_object(obj: Any = None, root: int = 0, name: Optional[str] = None,
 
 
 def allgather_object(obj: Any, name: Optional[str] = None,
-                     timeout: Optional[float] = None) -> list:
-    """Every worker's obj, in rank order (pickled; any size)."""
+                     timeout: Optional[float] = None,
+                     process_set: Optional[ProcessSet] = None) -> list:
+    """Every worker's obj (of process_set's workers, if given), in rank order (pickled; any
+    size)."""
     import pickle
 
     base = name or "kungfu::allgather_object"
     data = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = allgather(np.array([data.size], np.int64), f"{base}/size", timeout=timeout)
-    everything = allgather(data, f"{base}/bytes", timeout=timeout).tobytes()
+    sizes = allgather(np.array([data.size], np.int64), f"{base}/size", timeout=timeout,
+                      process_set=process_set)
+    everything = allgather(data, f"{base}/bytes", timeout=timeout,
+                           process_set=process_set).tobytes()
     ends = np.cumsum(sizes)
     return [pickle.loads(everything[e - s:e]) for s, e in zip(sizes.tolist(), ends.tolist())]
 

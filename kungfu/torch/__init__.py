@@ -3,6 +3,7 @@
     import kungfu.torch as kf
     kf.broadcast_parameters(model.state_dict())
     optimizer = kf.optimizers.SynchronousSGDOptimizer(optimizer, model.named_parameters())
+    kf.broadcast_optimizer_state(optimizer)
 
     trainer = kf.ElasticTrainer(model, optimizer, MyPolicy(), data=kf.ElasticData(x, y))
     trainer.fit(train_step, epochs=5)                # elastic: resize, recovery, policies
@@ -13,10 +14,13 @@ Importing it imports torch; `import kungfu` alone never does. Launch workers wit
 from __future__ import annotations
 
 from kungfu import _gpu, _peer
+from kungfu._collective import allgather_object, barrier, broadcast_object
+from kungfu._process_set import ProcessSet
 from kungfu.elastic import ElasticData
 from kungfu.torch import ops, optimizers
 from kungfu.torch.elastic import ElasticTrainer
 from kungfu.torch.ops import *  # noqa: F401,F403 - the collectives, under KungFu's names
+from kungfu.torch.optimizers import Compression
 
 
 def rank() -> int:
@@ -67,4 +71,9 @@ __all__ = [
     "local_size",
     "ElasticData",
     "ElasticTrainer",
+    "Compression",
+    "ProcessSet",
+    "allgather_object",
+    "barrier",
+    "broadcast_object",
 ] + [name for name in ops.__all__ if name != "agree_on"]

@@ -106,9 +106,9 @@ def accumulation_checks():
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     out = {}
 
-    def fit(batch, rows, **options):
+    def fit(batch, rows, lr=0.1, **options):
         model = _mlp(keras, seed=1)
-        opt = kf.Optimizer(keras.optimizers.SGD(0.1), **options)
+        opt = kf.Optimizer(keras.optimizers.SGD(lr), **options)
         model.compile(opt, loss)
         model.fit(x[:rows], y[:rows], batch_size=batch, epochs=1, shuffle=False, verbose=0)
         return model, opt
@@ -126,6 +126,12 @@ def accumulation_checks():
     big = _weights(model.trainable_variables)
     out["moved"] = max(float(np.abs(a - b).max()) for a, b in zip(initial, big))
     out["diff"] = max(float(np.abs(a - b).max()) for a, b in zip(accumulated, big))
+    # Horovod's sum of the passes: the step of the k*b batch at k times the learning rate.
+    summed = _weights(fit(BATCH, PASSES * BATCH, backward_passes_per_step=PASSES,
+                          average_aggregated_gradients=False)[0].trainable_variables)
+    faster = _weights(fit(PASSES * BATCH, PASSES * BATCH, lr=0.1 * PASSES)[0].trainable_variables)
+    out["summed diff"] = max(float(np.abs(a - b).max()) for a, b in zip(summed, faster))
+    out["summed vs mean"] = max(float(np.abs(a - b).max()) for a, b in zip(summed, accumulated))
     out["digest"] = _digest(accumulated)
     # LearningRateScheduleCallback with momentum: the same rates and weights on every worker.
     model = _mlp(keras, seed=1)

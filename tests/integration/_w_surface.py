@@ -172,6 +172,8 @@ def tf_surface() -> dict:
                 ops.all_to_all(tf.reshape(v, [4, 1]), a2a_splits_v, name="g/a2a"))),
             "reduce_scatter": tf.reduce_sum(
                 ops.reduce_scatter(tf.reshape(v, [4, 1]) * 3.0, name="g/rs")),
+            "reduce_scatter/avg": tf.reduce_sum(
+                ops.reduce_scatter(tf.reshape(v, [4, 1]) * 3.0, op="avg", name="g/rs-avg")),
         }
 
     with tf.GradientTape(persistent=True) as tape:

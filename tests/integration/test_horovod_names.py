@@ -52,6 +52,8 @@ def test_backward_passes_per_step_and_schedule(spawn):
         assert o["iterations"] == 1 and not np.isnan(o["wait_after"])
         assert o["moved"] > 1e-3
         assert o["diff"] < 1e-6, o["diff"]
+        # average_aggregated_gradients=False (Horovod's): k times the learning rate's step
+        assert o["summed diff"] < 1e-6 and o["summed vs mean"] > 1e-3, o
         for (kind, message), k in zip(o["bad"], ("0", "-1", "1.5")):
             assert kind == "ValueError"
             assert message == f"backward_passes_per_step must be a positive integer, got {k}"

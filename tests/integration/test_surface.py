@@ -136,10 +136,13 @@ def expected_grads(r: int, n: int) -> dict:
         "all_reduce": n * 2 * v,
         "all_reduce/avg": 2 * v,
         "group_all_reduce": n * 2 + n * 2 * v,
-        "broadcast": np.full(4, 2.0 * n if r == n - 1 else 0.0),
-        "all_gather": n * 2 * (r + 1) ** 2 * v,
+        # Horovod's conventions: broadcast and all_gather average the incoming gradients,
+        # reduce_scatter(sum) multiplies the gathered ones by the size.
+        "broadcast": np.full(4, 2.0 if r == n - 1 else 0.0),
+        "all_gather": 2 * (r + 1) ** 2 * v,
         "all_to_all": 2 * v,
-        "reduce_scatter": np.full(4, 3.0),
+        "reduce_scatter": np.full(4, 3.0 * n),
+        "reduce_scatter/avg": np.full(4, 3.0),
     }
 
 

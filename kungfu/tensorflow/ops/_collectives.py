@@ -337,17 +337,22 @@ def global_noise_scale(batch_small, batch_big, tensor, avg_tensor, alpha: float 
 # Gradients of the collectives, so that a model that calls one in its forward pass trains.
 #
 # Each gradient is itself a collective, named after the forward op ("<op_name>/grad"), so every
-# worker runs the same ones in the same order. What each is (Horovod's definitions):
+# worker runs the same ones in the same order. What each is: Horovod's conventions, the same as
+# kungfu.torch's (docs/porting-from-horovod.md, "Gradients of the collectives"):
 # - all_reduce (sum): the sum of the incoming gradients over the workers. avg divides after the
-#   sum, outside the op, so TensorFlow differentiates the division itself. min, max and prod have
-#   none (their gradient depends on every worker's input): an error says so.
+#   sum, outside the op, so TensorFlow differentiates the division itself: the average of the
+#   incoming gradients, as Horovod's. min, max and prod have none (their gradient depends on
+#   every worker's input): an error says so.
 # - group_all_reduce: the same for each tensor.
-# - broadcast: the sum of the incoming gradients, on the root; zeros elsewhere (the others' inputs
-#   do not reach the output).
-# - all_gather: the sum of the incoming gradients, then this worker's rows of it.
+# - broadcast: the AVERAGE of the incoming gradients over the workers, on the root; zeros
+#   elsewhere (the others' inputs do not reach the output).
+# - all_gather: the AVERAGE of the incoming gradients over the workers, then this worker's rows.
 # - all_to_all: the incoming gradient's rows sent back to where they came from (an all_to_all with
 #   the splits this worker received).
-# - reduce_scatter (sum): every worker's part of the incoming gradient, gathered.
+# - reduce_scatter (sum): every worker's part of the incoming gradient, gathered, times the
+#   number of workers. avg divides after the op, outside it: the parts gathered, unscaled.
+# The averages and the factor of size treat each worker's loss as a share of one loss averaged
+# over the workers (what a data-parallel optimizer that averages gradients then applies).
 
 
 def _attr(op, name: str):
@@ -381,8 +386,8 @@ def _group_all_reduce_grad(op, *grads):
 @tf.RegisterGradient("KungfuBroadcast")
 def _broadcast_grad(op, grad):
     ps = _set_of(op)
-    summed = all_reduce(grad, op="sum", name=_grad_name(op), process_set=ps)
-    return tf.where(tf.equal(_rank(ps), op.get_attr("root")), summed, tf.zeros_like(summed))
+    mean = all_reduce(grad, op="avg", name=_grad_name(op), process_set=ps)
+    return tf.where(tf.equal(_rank(ps), op.get_attr("root")), mean, tf.zeros_like(mean))
 
 
 def _rows_before(rows, name: str, ps: Optional[ProcessSet] = None):
@@ -395,9 +400,9 @@ def _rows_before(rows, name: str, ps: Optional[ProcessSet] = None):
 @tf.RegisterGradient("KungfuAllGather")
 def _all_gather_grad(op, grad):
     name, ps = _grad_name(op), _set_of(op)
-    summed = all_reduce(grad, op="sum", name=name, process_set=ps)
+    mean = all_reduce(grad, op="avg", name=name, process_set=ps)
     start, rows = _rows_before(tf.shape(op.inputs[0])[0], f"{name}/rows", ps)
-    return summed[start:start + rows]
+    return mean[start:start + rows]
 
 
 @tf.RegisterGradient("KungfuAllToAll")
@@ -412,4 +417,5 @@ def _all_to_all_grad(op, grad):
 @tf.RegisterGradient("KungfuReduceScatter")
 def _reduce_scatter_grad(op, grad):
     _summable(op, "reduce_scatter")
-    return all_gather(grad, name=_grad_name(op), process_set=_set_of(op))
+    ps = _set_of(op)
+    return all_gather(grad * tf.cast(_size(ps), grad.dtype), name=_grad_name(op), process_set=ps)

@@ -91,6 +91,8 @@ class Optimizer:
               k-th call averages the k passes over the workers (one allreduce per k passes, of
               dense sums) and applies the result once: the step of a k times larger batch. The
               optimizer's iterations count the applied steps.
+          average_aggregated_gradients: True (default): the k passes are averaged; False: summed
+              (Horovod's default, k times the step; the gradient monitor still sees the mean).
       "sma": synchronous model averaging. options: alpha (default 0.1), bucket_bytes, strategy.
       "pair-averaging": AD-PSGD, average with one random peer each step. options: none besides
           op_prefix.
@@ -217,6 +219,9 @@ def validate_option(key: str, value):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"backward_passes_per_step must be a positive integer, got {value!r}")
         value = int(value)
+    elif key == "average_aggregated_gradients":
+        if not isinstance(value, bool):
+            raise ValueError(f"average_aggregated_gradients must be True or False, got {value!r}")
     elif key == "alpha":
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
                 0.0 < float(value) <= 1.0) or math.isnan(float(value)):
@@ -231,12 +236,14 @@ _MONITOR_OPTIONS = ("monitor", "monitor_interval", "monitor_decay", "batch_size"
 class _SynchronousSGD(Optimizer):
     _kf_algorithm = "sync-sgd"
     _kf_accepts = ("op_prefix", "bucket_bytes", "strategy", "compression",
-                   "sparse_as_dense", "backward_passes_per_step") + _MONITOR_OPTIONS
+                   "sparse_as_dense", "backward_passes_per_step",
+                   "average_aggregated_gradients") + _MONITOR_OPTIONS
     _kf_bucket_bytes = DEFAULT_BUCKET_BYTES
     _kf_strategy = None
     _kf_compression = None
     _kf_sparse_as_dense = True
     _kf_backward_passes_per_step = 1
+    _kf_average_aggregated_gradients = True
     _kf_monitor: Tuple[str, ...] = ()
     _kf_monitor_interval = 1
     _kf_monitor_decay = _monitor.DEFAULT_DECAY
@@ -351,6 +358,9 @@ class _SynchronousSGD(Optimizer):
             mean = [None if g is None else tf.convert_to_tensor(total) / k
                     for total, g in zip(sums, grads)]
             averaged = self._kf_average(mean, f"{self._kf_prefix()}/every-{k}-passes")
+            if not self._kf_average_aggregated_gradients:  # Horovod's default: the passes' sum
+                averaged = averaged._replace(grads=[None if g is None else g * k
+                                                    for g in averaged.grads])
             self._kf_apply_averaged(averaged, variables)
             for total in sums:
                 total.assign(tf.zeros_like(total))

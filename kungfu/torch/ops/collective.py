@@ -1,152 +1,180 @@
-"""Collectives over torch tensors, under the original KungFu's PyTorch names (docs/torch.md).
+"""Collectives over torch tensors, under the original KungFu's PyTorch names (docs/torch.md),
+with Horovod's where KungFu had none (reduce_scatter, all_to_all, the group_ calls).
 
-Every call goes through the core's numpy collectives (kungfu._collective): same names, same
-deadlines (`timeout`, by default KUNGFU_OP_TIMEOUT), same errors. A tensor this worker rejects
-(wrong type or dtype) still takes part, as in the core: the other workers fail at once too.
-
-CUDA tensors of in-place allreduce and broadcast (and so SynchronousSGDOptimizer and
-broadcast_parameters) stay on the device where the worker has a GPU backend (kungfu._gpu:
-NCCL, or staging through pinned memory): the op waits for the caller's current stream on the
-device and that stream waits for the op, never the host. Without one they are copied through
-the host (a synchronous .cpu())."""
+The calls that return a new tensor (all_reduce_fn, broadcast, all_gather, reduce_scatter,
+all_to_all, group_all_reduce, group_all_gather, group_reduce_scatter) are differentiable, with
+Horovod's gradients (_autograd.py). The in-place calls (all_reduce, the *_async ones) are not.
+Every call takes `name`, `timeout` and `process_set` (a kungfu.ProcessSet: only its members
+call, roots and results are the set's) as the core's collectives do (_raw.py says how tensors
+travel)."""
 from __future__ import annotations
 
 import hashlib
-import threading
-from typing import Any, Callable, Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from kungfu import _collective, _device, _gpu, _peer
+from kungfu import _collective
+from kungfu._process_set import ProcessSet
 from kungfu.errors import InvalidArgumentError
-from kungfu.torch.ops._tensors import check, host_array, is_view, numpy_dtype, to_tensor
+from kungfu.torch.ops import _autograd, _raw
+from kungfu.torch.ops._raw import GroupHandle, Handle
 
-
-class Handle:
-    """A torch collective in flight. `wait()` finishes it (copies a staged result back into the
-    tensor) once and returns the tensor; `done()` polls. Do not read or write the tensor before
-    wait() returns: a CPU tensor may be written in place while the operation runs."""
-
-    def __init__(self, inner: _collective.Handle, finish: Callable[[Any], Any]):
-        self._inner = inner
-        self._finish = finish
-        self._lock = threading.Lock()
-        self._finished = False
-        self._value = None
-
-    def done(self) -> bool:
-        return self._inner.done()
-
-    def wait(self, timeout: Optional[float] = None):
-        value = self._inner.wait(timeout)
-        with self._lock:
-            if not self._finished:
-                self._value = self._finish(value)
-                self._finished = True
-            return self._value
-
-
-def _checked(kind: str, t, name, timeout) -> torch.Tensor:
-    with _collective._takes_part(kind, name, timeout):
-        return check(t)
-
-
-def _in_place(t: torch.Tensor, x: torch.Tensor, launch: Callable) -> Handle:
-    """Runs launch(array, out=array) on the memory of x (t detached) where it can (a contiguous
-    CPU tensor), else on a host copy that wait() copies back into x; wait() returns t."""
-    a = host_array(x)
-    staged = not is_view(x)
-
-    def finish(result):
-        if staged:
-            with torch.no_grad():
-                x.copy_(to_tensor(result, x))
-        return t
-
-    return Handle(launch(a, out=a), finish)
-
-
-def _on_device(t: torch.Tensor, x: torch.Tensor, launch: Callable, mean: bool = False) -> Handle:
-    """Runs launch(address, count, dtype, stream, keep) on x's device memory (a contiguous copy
-    where x is not contiguous, copied back by wait()); `mean`: the sum is divided by the size
-    on the device, after the op, on the caller's stream. wait() returns t."""
-    y = x if x.is_contiguous() else x.contiguous()
-    stream = torch.cuda.current_stream(y.device).cuda_stream
-    n = _peer.get().size
-    inner = launch(y.data_ptr(), y.numel(), numpy_dtype(y), stream, y)
-
-    def finish(_):
-        with torch.no_grad():
-            if mean:
-                if y.dtype.is_floating_point:
-                    y.div_(n)
-                else:
-                    y.copy_(torch.div(y, n, rounding_mode="floor"))
-            if y is not x:
-                x.copy_(y)
-        return t
-
-    return Handle(inner, finish)
-
-
-def _device_path(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" and _gpu.nccl_available()
+PS = Optional[ProcessSet]
 
 
 def all_reduce_async(t: torch.Tensor, op: str = "sum", name: Optional[str] = None,
-                     timeout: Optional[float] = None) -> Handle:
-    """Reduces t in place across workers (op: sum, avg, min, max, prod); wait() returns t."""
-    x = _checked("allreduce", t, name, timeout)
-    op = op or "sum"
-    if _device_path(x):
-        return _on_device(t, x, lambda ptr, count, dtype, stream, keep: _device.allreduce_async(
-            ptr, ptr, count, dtype, "sum" if op == "avg" else op, name, timeout, stream, keep),
-            mean=op == "avg")
-    return _in_place(t, x, lambda a, out: _collective.allreduce_async(
-        a, op, name, timeout=timeout, out=out))
+                     timeout: Optional[float] = None, process_set: PS = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Reduces t in place across workers (op: sum, avg, min, max, prod); wait() returns t.
+    prescale_factor multiplies t before the reduction, postscale_factor the result (floating
+    point only; Horovod's factors)."""
+    return _raw.all_reduce_into(t, op, name, timeout, process_set, prescale_factor,
+                                postscale_factor)
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum", name: Optional[str] = None,
-               timeout: Optional[float] = None) -> torch.Tensor:
-    """Reduces t in place across workers and returns it."""
-    return all_reduce_async(t, op, name, timeout).wait()
+               timeout: Optional[float] = None, process_set: PS = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduces t in place across workers and returns it (not differentiable: all_reduce_fn is)."""
+    return all_reduce_async(t, op, name, timeout, process_set, prescale_factor,
+                            postscale_factor).wait()
 
 
 def all_reduce_fn(t: torch.Tensor, op: str = "sum", name: Optional[str] = None,
-                  timeout: Optional[float] = None) -> torch.Tensor:
+                  timeout: Optional[float] = None, process_set: PS = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """A new tensor (t's dtype, device and shape): t reduced across workers with op. t is left
-    as it is; the result does not require grad."""
-    x = _checked("allreduce", t, name, timeout)
-    result = _collective.allreduce(host_array(x), op or "sum", name, timeout=timeout)
-    return to_tensor(result, x)
+    as it is. Differentiable for sum and avg: the gradient is the same all_reduce of the
+    incoming gradients."""
+    return _autograd.run(_autograd.AllReduce(op, name, timeout, process_set, prescale_factor,
+                                             postscale_factor), [t])[0]
 
 
-def all_gather(t: torch.Tensor, name: Optional[str] = None,
-               timeout: Optional[float] = None) -> torch.Tensor:
-    """Every worker's t stacked on a new leading dimension in rank order: shape
-    (size, *t.shape). t must have the same shape and dtype on every worker."""
-    x = _checked("allgather", t, name, timeout)
-    a = host_array(x)
-    rows = _collective.allgather(a.reshape((1,) + a.shape), name, timeout=timeout)
-    return to_tensor(rows, x)
+def group_all_reduce(ts: Sequence[torch.Tensor], op: str = "sum", name: Optional[str] = None,
+                     timeout: Optional[float] = None, process_set: PS = None,
+                     prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """all_reduce_fn of each tensor, all in flight at once (Horovod's grouped_allreduce); the
+    operations are named "<name>/<i>". Differentiable as all_reduce_fn."""
+    return _autograd.run(_autograd.AllReduce(op, name, timeout, process_set, prescale_factor,
+                                             postscale_factor), list(ts))
+
+
+def group_all_reduce_async(ts: Sequence[torch.Tensor], op: str = "sum",
+                           name: Optional[str] = None, timeout: Optional[float] = None,
+                           process_set: PS = None, prescale_factor: float = 1.0,
+                           postscale_factor: float = 1.0) -> GroupHandle:
+    """all_reduce_async of each tensor, in place; wait() returns the list of tensors."""
+    names = _raw.item_names(name, len(ts), "allreduce")
+    return GroupHandle([all_reduce_async(t, op, n, timeout, process_set, prescale_factor,
+                                         postscale_factor) for t, n in zip(ts, names)])
+
+
+def all_gather(t: torch.Tensor, name: Optional[str] = None, timeout: Optional[float] = None,
+               process_set: PS = None, stack: bool = True) -> torch.Tensor:
+    """Every worker's t in rank order. stack=True (KungFu's): stacked on a new leading
+    dimension, shape (size, *t.shape), the same shape everywhere. stack=False (Horovod's
+    allgather, kungfu.tensorflow.ops.all_gather): concatenated along dimension 0, whose size may
+    differ between workers. Differentiable: the gradient is the average of the incoming
+    gradients over the workers, this worker's rows of it."""
+    return _autograd.run(_autograd.AllGather(name, timeout, process_set, stack), [t])[0]
+
+
+def all_gather_async(t: torch.Tensor, name: Optional[str] = None,
+                     timeout: Optional[float] = None, process_set: PS = None,
+                     stack: bool = True) -> Handle:
+    """all_gather started; wait() returns the new tensor (not differentiable)."""
+    return _raw.all_gather(t, name, timeout, process_set, stack)
+
+
+def group_all_gather(ts: Sequence[torch.Tensor], name: Optional[str] = None,
+                     timeout: Optional[float] = None, process_set: PS = None,
+                     stack: bool = True) -> List[torch.Tensor]:
+    """all_gather of each tensor, all in flight at once (Horovod's grouped_allgather)."""
+    return _autograd.run(_autograd.AllGather(name, timeout, process_set, stack), list(ts))
+
+
+def group_all_gather_async(ts: Sequence[torch.Tensor], name: Optional[str] = None,
+                           timeout: Optional[float] = None, process_set: PS = None,
+                           stack: bool = True) -> GroupHandle:
+    names = _raw.item_names(name, len(ts), "allgather")
+    return GroupHandle([_raw.all_gather(t, n, timeout, process_set, stack)
+                        for t, n in zip(ts, names)])
 
 
 def broadcast_async(t: torch.Tensor, root: int = 0, name: Optional[str] = None,
-                    timeout: Optional[float] = None) -> Handle:
+                    timeout: Optional[float] = None, process_set: PS = None) -> Handle:
     """Overwrites t in place with root's t; wait() returns t."""
-    x = _checked("broadcast", t, name, timeout)
-    if _device_path(x):
-        return _on_device(t, x, lambda ptr, count, dtype, stream, keep: _device.broadcast_async(
-            ptr, ptr, count, dtype, root, name, timeout, stream, keep))
-    return _in_place(t, x, lambda a, out: _collective.broadcast_async(
-        a, root, name, timeout=timeout, out=out))
+    return _raw.broadcast_into(t, root, name, timeout, process_set)
 
 
 def broadcast(t: torch.Tensor, root: int = 0, name: Optional[str] = None,
-              timeout: Optional[float] = None) -> torch.Tensor:
-    """A new tensor with root's t (t itself is left as it is)."""
-    x = _checked("broadcast", t, name, timeout)
-    return to_tensor(_collective.broadcast(host_array(x), root, name, timeout=timeout), x)
+              timeout: Optional[float] = None, process_set: PS = None) -> torch.Tensor:
+    """A new tensor with root's t (t itself is left as it is). Differentiable: the gradient is
+    the average of the incoming gradients over the workers on the root, zeros elsewhere."""
+    return _autograd.run(_autograd.Broadcast(root, name, timeout, process_set), [t])[0]
+
+
+def reduce_scatter(t: torch.Tensor, op: str = "sum", name: Optional[str] = None,
+                   timeout: Optional[float] = None, process_set: PS = None,
+                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """t reduced over the workers with op (sum, avg, min, max, prod) and split along dimension
+    0: worker r gets part r, the first (rows % size) workers one row more. t must have the same
+    shape and dtype everywhere. Differentiable for sum and avg: the gradient is every worker's
+    incoming gradient gathered, times the size for sum (Horovod's), times the factors."""
+    return _autograd.run(_autograd.ReduceScatter(op, name, timeout, process_set,
+                                                 prescale_factor, postscale_factor), [t])[0]
+
+
+def reduce_scatter_async(t: torch.Tensor, op: str = "sum", name: Optional[str] = None,
+                         timeout: Optional[float] = None, process_set: PS = None,
+                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """reduce_scatter started; wait() returns this worker's part (not differentiable)."""
+    return _raw.reduce_scatter(t, op, name, timeout, process_set, prescale_factor,
+                               postscale_factor)
+
+
+def group_reduce_scatter(ts: Sequence[torch.Tensor], op: str = "sum", name: Optional[str] = None,
+                         timeout: Optional[float] = None, process_set: PS = None,
+                         prescale_factor: float = 1.0,
+                         postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """reduce_scatter of each tensor, all in flight at once (Horovod's grouped_reducescatter)."""
+    return _autograd.run(_autograd.ReduceScatter(op, name, timeout, process_set,
+                                                 prescale_factor, postscale_factor), list(ts))
+
+
+def group_reduce_scatter_async(ts: Sequence[torch.Tensor], op: str = "sum",
+                               name: Optional[str] = None, timeout: Optional[float] = None,
+                               process_set: PS = None, prescale_factor: float = 1.0,
+                               postscale_factor: float = 1.0) -> GroupHandle:
+    names = _raw.item_names(name, len(ts), "reducescatter")
+    return GroupHandle([_raw.reduce_scatter(t, op, n, timeout, process_set, prescale_factor,
+                                            postscale_factor) for t, n in zip(ts, names)])
+
+
+def all_to_all(t: torch.Tensor, splits=None, name: Optional[str] = None,
+               timeout: Optional[float] = None, process_set: PS = None,
+               with_splits: bool = False):
+    """Worker r sends splits[j] rows of t to worker j (a list or an int tensor; equal parts for
+    None, then the rows must divide evenly) and gets the rows every worker sent it, in rank
+    order. Dimensions after the first must agree everywhere; splits may differ per worker.
+    with_splits=True returns (the rows, an int64 tensor of how many came from each worker), as
+    Horovod's alltoall given splits. Differentiable: the gradient's rows go back to where they
+    came from."""
+    spec = _autograd.AllToAll(splits, name, timeout, process_set)
+    out = _autograd.run(spec, [t])[0]
+    return (out, torch.tensor(spec.received, dtype=torch.int64)) if with_splits else out
+
+
+def all_to_all_async(t: torch.Tensor, splits=None, name: Optional[str] = None,
+                     timeout: Optional[float] = None, process_set: PS = None,
+                     with_splits: bool = False) -> Handle:
+    """all_to_all started; wait() returns what all_to_all returns (not differentiable)."""
+    inner = _raw.all_to_all(t, splits, name, timeout, process_set, with_splits)
+    if not with_splits:
+        return inner
+    return Handle(inner, lambda r: (r[0], torch.tensor(r[1], dtype=torch.int64)))
 
 
 def _named_tensors(state) -> List[Tuple[str, torch.Tensor]]:
@@ -155,14 +183,15 @@ def _named_tensors(state) -> List[Tuple[str, torch.Tensor]]:
 
 
 def agree_on(entries: Iterable[Tuple[str, torch.Tensor]], what: str, name: str,
-             timeout: Optional[float] = None) -> None:
-    """Fails on every worker, naming the ranks, unless every worker has the same names, shapes
-    and dtypes in `entries`: a worker with another model would otherwise wait on names that no
-    other worker ever uses (until the deadline)."""
+             timeout: Optional[float] = None, process_set: PS = None) -> None:
+    """Fails on every worker (of process_set), naming the ranks, unless every worker has the
+    same names, shapes and dtypes in `entries`: a worker with another model would otherwise wait
+    on names that no other worker ever uses (until the deadline)."""
     entries = list(entries)
     text = "\n".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in entries)
     mine = (len(entries), hashlib.sha256(text.encode()).hexdigest()[:16])
-    everyone = _collective.allgather_object(mine, name=f"{name}/signature", timeout=timeout)
+    everyone = _collective.allgather_object(mine, name=f"{name}/signature", timeout=timeout,
+                                            process_set=process_set)
     if len(set(everyone)) > 1:
         counts = ", ".join(f"rank {r}: {n} tensors ({d})" for r, (n, d) in enumerate(everyone))
         raise InvalidArgumentError(
@@ -171,16 +200,50 @@ def agree_on(entries: Iterable[Tuple[str, torch.Tensor]], what: str, name: str,
 
 
 def broadcast_parameters(state_dict, root: int = 0, name: Optional[str] = None,
-                         timeout: Optional[float] = None) -> None:
+                         timeout: Optional[float] = None, process_set: PS = None) -> None:
     """Overwrites every tensor of state_dict (a module's state_dict(), or (name, tensor) pairs
     such as named_parameters()) in place with root's. Entries that are not tensors are left
     alone. Fails on every worker if their tensors differ in names, shapes or dtypes."""
     base = name or "kungfu.torch.broadcast_parameters"
     tensors = _named_tensors(state_dict)
-    agree_on(tensors, "broadcast_parameters", base, timeout)
-    handles = [broadcast_async(v, root, f"{base}/{k}", timeout) for k, v in tensors]
-    for h in handles:
-        h.wait()
+    agree_on(tensors, "broadcast_parameters", base, timeout, process_set)
+    GroupHandle([broadcast_async(v, root, f"{base}/{k}", timeout, process_set)
+                 for k, v in tensors]).wait()
+
+
+def _on_host(value):
+    """value with every tensor in it copied to the host (a state_dict's nesting: dicts, lists,
+    tuples), so that a worker whose GPU has another index can unpickle it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_host(v) for v in value)
+    return value
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0,
+                              name: Optional[str] = None, timeout: Optional[float] = None,
+                              process_set: PS = None) -> None:
+    """Every worker's optimizer takes root's state: its state_dict() (per-parameter state such
+    as momentum buffers and step counts, and each group's settings such as the learning rate),
+    loaded with load_state_dict() (which moves the tensors to each parameter's device). A root
+    without state yet (before its first step) leaves the others without state too. Fails on
+    every worker, naming the ranks, if the optimizers' parameters differ in number, shapes or
+    dtypes. Horovod's hvd.broadcast_optimizer_state(optimizer, root_rank)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    base = name or "kungfu.torch.broadcast_optimizer_state"
+    params = [(f"group{g}.{i}", p) for g, group in enumerate(optimizer.param_groups)
+              for i, p in enumerate(group["params"])]
+    agree_on(params, "broadcast_optimizer_state", base, timeout, process_set)
+    mine = _raw.set_rank(process_set) == root
+    state = _collective.broadcast_object(_on_host(optimizer.state_dict()) if mine else None,
+                                         root, f"{base}/state", timeout, process_set)
+    if not mine:
+        optimizer.load_state_dict(state)
 
 
 # The original KungFu's names.

@@ -3,4 +3,12 @@ from kungfu.torch.optimizers.pair_averaging import PairAveragingOptimizer
 from kungfu.torch.optimizers.sync_sgd import SynchronousSGDOptimizer
 from kungfu.torch.optimizers.sync_sma import SynchronousAveragingOptimizer
 
-__all__ = ["SynchronousSGDOptimizer", "SynchronousAveragingOptimizer", "PairAveragingOptimizer"]
+
+class Compression:
+    """Horovod's names for SynchronousSGDOptimizer(..., compression=...)."""
+    none = "none"
+    fp16 = "fp16"
+
+
+__all__ = ["Compression", "SynchronousSGDOptimizer", "SynchronousAveragingOptimizer",
+           "PairAveragingOptimizer"]

@@ -45,7 +45,7 @@ def wrap(mixin: type, optimizer, named_parameters, what: str, **options):
     params = named_params(optimizer, named_parameters)
     prefix = f"kungfu.torch.{mixin.__name__.strip('_')}{next(_numbers)}"
     if not _peer.joining():  # a joiner's are compared with rank 0's when it joins
-        agree_on(params, what, prefix)
+        agree_on(params, what, prefix, process_set=options.get("process_set"))
     cls = type(type(optimizer).__name__, (mixin, type(optimizer)), {"__module__": __name__})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and hooks

@@ -2,12 +2,14 @@
 as backward has made all of its gradients, overlapping the rest of backward (docs/torch.md)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from kungfu import _collective
+from kungfu import _collective, _peer
+from kungfu._process_set import ProcessSet
 from kungfu.torch.ops import Handle, all_reduce_async
 from kungfu.torch.optimizers._wrap import wrap
 
@@ -32,12 +34,14 @@ class _Bucket:
         self.ready: set = set()  # ids of the parameters whose gradient is in flat
         self.handle: Optional[Handle] = None
 
-    def put(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+    def put(self, p: torch.Tensor, grad: Optional[torch.Tensor], scale: float = 1.0) -> None:
         part = self.flat[self.slices[id(p)]]
         if grad is None:
             part.zero_()
-        else:
-            part.copy_(grad.detach().reshape(-1))
+        else:  # a sparse gradient (nn.Embedding(sparse=True)) is averaged dense
+            part.copy_((grad.to_dense() if grad.is_sparse else grad).detach().reshape(-1))
+            if scale != 1:
+                part.mul_(scale)
         self.ready.add(id(p))
 
     def complete(self) -> bool:
@@ -68,7 +72,9 @@ class _SynchronousSGD:
     """The mixin in front of the user's optimizer class (see _wrap.py).
 
     Per step, on every worker:
-    1. backward: each parameter's post-accumulate-grad hook copies its .grad into its bucket;
+    1. backward: each parameter's post-accumulate-grad hook counts the passes; at the k-th
+       (backward_passes_per_step; torch has summed the k passes' gradients into .grad) it copies
+       its .grad into its bucket, divided by k unless the passes are summed (Horovod's default);
        the hook that completes a bucket starts the bucket's asynchronous allreduce, while
        backward goes on;
     2. step(): a parameter whose hook did not fire (not used this step) takes part anyway: its
@@ -80,27 +86,52 @@ class _SynchronousSGD:
     A name's k-th use is the same operation on every worker, so names need no step counter."""
 
     def _kungfu_init(self, params: List[Tuple[str, torch.Tensor]], prefix: str, op: str,
-                     bucket_bytes: int):
+                     bucket_bytes: int, process_set: Optional[ProcessSet], passes: int,
+                     average_passes: bool, fp16: bool, predivide: float):
         self._kungfu_params = [(n, p) for n, p in params if p.requires_grad]
         self._kungfu_prefix = prefix
         self._kungfu_op = op
+        self._kungfu_set = process_set
+        self._kungfu_fp16 = fp16
+        self._kungfu_skip = False
+        self._kungfu_predivide = predivide
+        self._kungfu_k = passes
+        self._kungfu_scale = 1.0 / passes if average_passes else 1.0
+        self._kungfu_passes: Dict[int, int] = {}  # parameter id -> backward passes this step
         self._kungfu_buckets = _buckets(self._kungfu_params, bucket_bytes)
         self._kungfu_bucket_of = {id(p): b for b in self._kungfu_buckets for _, p in b.params}
         self._kungfu_hooks = [p.register_post_accumulate_grad_hook(self._kungfu_hook(n))
                               for n, p in self._kungfu_params]
 
     def _kungfu_start(self, b: _Bucket) -> None:
-        b.handle = all_reduce_async(b.flat, self._kungfu_op, f"{self._kungfu_prefix}/{b.name}")
+        name, ps, op = f"{self._kungfu_prefix}/{b.name}", self._kungfu_set, self._kungfu_op
+        n = ps.size() if ps is not None else _peer.get().size
+        if not (self._kungfu_fp16 and b.flat.dtype in (torch.float32, torch.float64)):
+            f = self._kungfu_predivide
+            if f != 1:  # Horovod's gradient_predivide_factor: a sum between 1/f and f/n
+                b.handle = all_reduce_async(b.flat, "sum", name, process_set=ps,
+                                            prescale_factor=1.0 / f, postscale_factor=f / n)
+            else:
+                b.handle = all_reduce_async(b.flat, op, name, process_set=ps)
+            return
+        # fp16 compression: the bucket travels as float16, divided by the size first for avg
+        # (the float16 sum is then the mean's, so it overflows no sooner than the mean does).
+        half = (b.flat / n if op == "avg" else b.flat).to(torch.float16)
+        inner = all_reduce_async(half, "sum" if op == "avg" else op, name, process_set=ps)
+        b.handle = Handle(inner, lambda _: b.flat.copy_(half))
 
     def _kungfu_hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
             b = self._kungfu_bucket_of[id(p)]
+            k = self._kungfu_k
             if id(p) in b.ready:
                 raise RuntimeError(
-                    f"SynchronousSGDOptimizer: the gradient of {name!r} was made twice before "
-                    "step(); accumulating gradients over several backward passes per step is "
-                    "not supported yet")
-            b.put(p, p.grad)
+                    f"SynchronousSGDOptimizer: the gradient of {name!r} was made more than "
+                    f"backward_passes_per_step={k} times before step()")
+            passes = self._kungfu_passes[id(p)] = self._kungfu_passes.get(id(p), 0) + 1
+            if passes < k:
+                return  # torch adds the next pass's gradient to .grad
+            b.put(p, p.grad, self._kungfu_scale)
             if b.complete():
                 self._kungfu_start(b)
         return hook
@@ -113,11 +144,12 @@ class _SynchronousSGD:
                 if id(p) not in b.ready:
                     if p.grad is None:
                         absent.add(id(p))
-                    b.put(p, p.grad)
+                    b.put(p, p.grad, self._kungfu_scale)
             if b.handle is None:
                 self._kungfu_start(b)
         present = np.array([id(p) not in absent for _, p in self._kungfu_params], np.int32)
-        counts = _collective.allreduce_async(present, "sum", f"{self._kungfu_prefix}/present")
+        counts = _collective.allreduce_async(present, "sum", f"{self._kungfu_prefix}/present",
+                                             process_set=self._kungfu_set)
         buckets = self._kungfu_buckets
         try:
             for b in buckets:
@@ -126,13 +158,14 @@ class _SynchronousSGD:
         finally:
             for b in buckets:
                 b.reset()
+            self._kungfu_passes.clear()
         with torch.no_grad():
             for (_, p), count in zip(self._kungfu_params, counts.tolist()):
                 if count == 0:
                     continue  # no worker had a gradient: it stays None
                 avg = self._kungfu_bucket_of[id(p)].flat[
                     self._kungfu_bucket_of[id(p)].slices[id(p)]].view_as(p)
-                if p.grad is None:
+                if p.grad is None or p.grad.is_sparse:
                     p.grad = avg.clone()
                 else:
                     p.grad.copy_(avg)
@@ -142,15 +175,29 @@ class _SynchronousSGD:
         the cluster that lost a worker; they are dropped, not waited for."""
         for b in self._kungfu_buckets:
             b.reset()
+        self._kungfu_passes.clear()
 
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.synchronize()
+        if not self._kungfu_skip:
+            self.synchronize()
         super().step()
         return loss
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """step() without synchronize() inside the block, after an explicit synchronize()
+        (Horovod's name). For torch.amp.GradScaler: synchronize(), then scaler.unscale_() and
+        scaler.step() see the averaged gradients, the same on every worker, so every worker
+        skips the same overflowing steps."""
+        self._kungfu_skip = True
+        try:
+            yield
+        finally:
+            self._kungfu_skip = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Buckets still being averaged are waited for (their operations stay paired with the
@@ -162,19 +209,48 @@ class _SynchronousSGD:
         finally:
             for b in self._kungfu_buckets:
                 b.reset()
+            self._kungfu_passes.clear()
         super().zero_grad(set_to_none)
 
 
 def SynchronousSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
-                            op: Optional[str] = "avg", bucket_bytes: int = BUCKET_BYTES):
+                            op: Optional[str] = "avg", bucket_bytes: int = BUCKET_BYTES,
+                            process_set: Optional[ProcessSet] = None,
+                            backward_passes_per_step: int = 1,
+                            average_aggregated_gradients: bool = True, compression=None,
+                            gradient_predivide_factor: float = 1.0):
     """optimizer, its gradients averaged over the workers before each step (op="sum" sums them,
     as the original KungFu did by default), in buckets of up to `bucket_bytes` of gradients
     (default 25 MiB, as DDP's; 0: one parameter per allreduce). named_parameters
     (model.named_parameters()) names the parameters in errors; without it they are named by
     their place. Every worker must wrap the same model in the same order: the workers check
     that they agree and fail at once if not. Use the returned optimizer (it shares the state of
-    the one passed in)."""
+    the one passed in).
+
+    process_set: only its workers wrap and step (averaging over them). backward_passes_per_step
+    = k: k backward passes (without zero_grad between them) per step(); the gradient averaged
+    over the workers is the mean of the k passes' (average_aggregated_gradients=True, the step
+    of a k times larger batch) or their sum (False: Horovod's DistributedOptimizer, whose
+    passes add up in .grad). compression="fp16" (or kungfu.torch.Compression.fp16, Horovod's
+    name) sends float32/float64 gradients as float16 (half the bytes or less; for avg each
+    worker's gradient is divided by the size before the cast); None or "none": as they are.
+    gradient_predivide_factor f (Horovod's; op="avg" only, not with fp16): each gradient is
+    divided by f before the sum and the sum by size / f after it (the same average, another
+    range for the sum)."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
+    k = backward_passes_per_step
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive int, got {k!r}")
+    kind = getattr(compression, "name", compression)  # also an object named like Horovod's
+    if kind not in (None, "none", "fp16"):
+        raise ValueError(f"compression must be None, 'none' or 'fp16', got {compression!r}")
+    f = gradient_predivide_factor
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
+        raise ValueError(f"gradient_predivide_factor must be a number > 0, got {f!r}")
+    if f != 1 and ((op or "sum") != "avg" or kind == "fp16"):
+        raise ValueError("gradient_predivide_factor needs op='avg' and no compression")
     return wrap(_SynchronousSGD, optimizer, named_parameters, "SynchronousSGDOptimizer",
-                op=op or "sum", bucket_bytes=bucket_bytes)
+                op=op or "sum", bucket_bytes=bucket_bytes, process_set=process_set, passes=k,
+                average_passes=bool(average_aggregated_gradients), fp16=kind == "fp16",
+                predivide=float(f))

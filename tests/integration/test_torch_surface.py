@@ -1,0 +1,214 @@
+"""kungfu.torch beyond KungFu's own calls, in real workers at np 2 and 3 (one spawn per size for
+the collectives, one for the optimizers): process sets, reduce_scatter, all_to_all, the grouped
+and async calls, prescale/postscale factors, all_gather of different first dimensions, the
+collectives' gradients (Horovod's conventions), SynchronousSGDOptimizer in a process set and
+over several backward passes, broadcast_optimizer_state. Every value is computed here from the
+inputs in _w_torch_surface.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="kungfu.torch needs torch (pip install kungfu[torch])")
+
+import torch  # noqa: E402
+
+import _w_torch_surface as W  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+NPS = [2, 3]
+ENV = {"KUNGFU_OP_TIMEOUT": "30s"}
+
+
+@pytest.fixture(scope="module")
+def runs(session_spawn):
+    cache = {}
+
+    def get(body, n):
+        if (body, n) not in cache:
+            cache[body, n] = session_spawn(n, getattr(W, body), env=ENV, timeout=150)
+        return cache[body, n]
+    return get
+
+
+def _parts(rows: int, m: int) -> list:
+    return [rows // m + (1 if j < rows % m else 0) for j in range(m)]
+
+
+def _mine(full: np.ndarray, me: int, m: int) -> np.ndarray:
+    parts = _parts(full.shape[0], m)
+    return full[sum(parts[:me]):sum(parts[:me]) + parts[me]]
+
+
+def _owner(rows: int, m: int) -> list:
+    """The set rank whose reduce_scatter part holds each row."""
+    return [j for j, c in enumerate(_parts(rows, m)) for _ in range(c)]
+
+
+def expected_values(ranks: list, r: int) -> dict:
+    m, me = len(ranks), ranks.index(r)
+    xs = [W.x_of(k) for k in ranks]
+    total, peak = sum(xs), np.max(xs, axis=0)
+    concat = np.concatenate([W.x_of(k)[:W.gather_rows(k)] for k in ranks])
+    a2a = np.concatenate([W.a2a_rows(j, m)[sum(W.a2a_splits(j, m)[:me]):][
+        :W.a2a_splits(j, m)[me]] for j in range(m)])
+    return {
+        "sum": total, "avg": total / m, "scaled": 1.5 * total, "scaled avg": 0.5 * total / m,
+        "async max": peak, "group": [total / m, total[0] / m],
+        "group async": [total, 2 * total[0]],
+        "gather stack": np.stack(xs), "gather concat": concat, "gather async": concat,
+        "group gather": [np.concatenate(xs), concat],
+        "broadcast": xs[-1],
+        "rs sum": _mine(total, me, m), "rs avg": _mine(total / m, me, m),
+        "rs async max": _mine(peak, me, m),
+        "group rs": [_mine(total, me, m), _mine(2 * total, me, m)],
+        "a2a": a2a, "a2a received": [W.a2a_splits(j, m)[me] for j in range(m)],
+        "a2a async": np.array([[me + 10.0 * j] * 2 for j in range(m)]),
+    }
+
+
+def expected_grads(ranks: list, r: int) -> dict:
+    m, me = len(ranks), ranks.index(r)
+    c = np.array([W.c_of(k) for k in ranks])
+    ones = np.ones((5, 2))
+    gathered = np.zeros((5, 2))
+    gathered[:W.gather_rows(r)] = c.mean()
+    owner = c[_owner(5, m)][:, None] * ones
+    return {
+        "ar": c.sum() * ones, "ar avg": c.mean() * ones, "ar scaled": 6 * c.sum() * ones,
+        "group": c.sum() * (1 + 2 * W.x_of(r)),
+        # Horovod's: the average of the incoming gradients, on the root only
+        "broadcast": c.mean() * ones if me == m - 1 else 0 * ones,
+        # Horovod's: the average of the incoming gradients, this worker's rows
+        "gather stack": c.mean() * ones, "gather concat": gathered,
+        # Horovod's: the gathered gradients, times the size for a sum
+        "rs sum": m * owner, "rs avg": owner, "rs scaled": 3 * m * owner,
+        "a2a": np.repeat(c, W.a2a_splits(me, m))[:, None] * np.ones((1, 2)),
+    }
+
+
+def _close(got, want, what):
+    if isinstance(want, list) and want and isinstance(want[0], np.ndarray):
+        assert len(got) == len(want), what
+        for g, w in zip(got, want):
+            _close(g, w, what)
+    elif isinstance(want, list):
+        assert got == want, (what, got, want)
+    else:
+        assert np.shape(got) == np.shape(want), (what, np.shape(got), np.shape(want))
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=str(what))
+
+
+def each_member(results, n):
+    """(set key, its members, a member's rank, that member's results), for every set; a
+    worker outside a set has no results for it."""
+    for key, ranks in W.sets_for(n).items():
+        members = list(range(n)) if ranks is None else ranks
+        for res in results:
+            assert (key in res) == (res["rank"] in members), (res["rank"], key)
+            if key in res:
+                yield key, members, res["rank"], res[key]
+
+
+# (what the worker returned, its expected values, a call that must fail, words of its error)
+PARTS = {
+    "collectives": ("values", expected_values, "int factor",
+                    ("InvalidArgumentError", "floating-point")),
+    # broadcast, all_gather and reduce_scatter differ from the true gradients of a summed loss
+    "horovods-gradients": ("grads", expected_grads, "min", ("RuntimeError", "no gradient")),
+}
+
+
+@pytest.mark.parametrize("part", PARTS)
+@pytest.mark.parametrize("n", NPS)
+def test_in_the_cluster_and_in_process_sets(runs, n, part):
+    key_in_result, expected, failing, words = PARTS[part]
+    for key, members, r, res in each_member(runs("surface", n), n):
+        got = res[key_in_result]
+        for name, want in expected(members, r).items():
+            _close(got[name], want, (key, r, name))
+        assert all(w in got[failing] for w in words), (key, r, got[failing])
+
+
+def reference(ranks: list, steps: int, lr: float, momentum: float = 0.9) -> list:
+    """One process trained on the members' concatenated shards (equal sizes: the mean of their
+    gradients is the gradient of the concatenation)."""
+    model = W.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    x = torch.cat([W.shard(k)[0] for k in ranks])
+    y = torch.cat([W.shard(k)[1] for k in ranks])
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().numpy() for p in model.parameters()]
+
+
+def sparse_reference(n: int, steps: int = 2) -> list:
+    """The embedding model of one process (dense gradients) on every worker's batch."""
+    model = W.embedding_model()
+    model[0].sparse = False
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.cat([W.ids(k) for k in range(n)])
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return [p.detach().numpy() for p in model.parameters()]
+
+
+def _trained(results, key, want, rtol=1e-9, atol=1e-12):
+    for res in results:
+        if key not in res:
+            continue
+        for got, first, w in zip(res[key], results[-1][key], want):
+            assert got.tobytes() == first.tobytes(), key  # bit-identical on every member
+            np.testing.assert_allclose(got, w, rtol=rtol, atol=atol, err_msg=key)
+
+
+@pytest.mark.parametrize("n", NPS)
+def test_optimizer_passes_sets_and_state(runs, n):
+    results = runs("optimizers", n)
+    everyone, tail = list(range(n)), W.sets_for(n)["tail"]
+    _trained(results, "one pass", reference(everyone, 3, 0.1))
+    # 2 passes of half the shard, averaged: the step of the whole shard
+    _trained(results, "two averaged", reference(everyone, 3, 0.1))
+    _trained(results, "predivided", reference(everyone, 3, 0.1))  # the same average
+    # summed (Horovod's): twice the gradient, so plain momentum SGD at twice the rate
+    _trained(results, "two summed", reference(everyone, 3, 0.2))
+    _trained(results, "tail", reference(tail, 3, 0.1))
+    # fp16 compression: the same on every worker, within float16's precision of the exact step
+    _trained(results, "fp16", reference(everyone, 3, 0.1), rtol=2e-3, atol=2e-3)
+    assert any(a.tobytes() != b.tobytes() for a, b in zip(results[0]["fp16"],
+                                                        results[0]["one pass"]))
+    _trained(results, "sparse", sparse_reference(n))
+    # AMP: rank 0 overflowed in the first step; every worker skipped it and halved its scale,
+    # then took the two steps of one process (float32)
+    amp = reference(everyone, 2, 0.1, momentum=0.0)
+    for res in results:
+        assert res["amp"]["scales"] == [512.0, 512.0, 512.0], res["amp"]["scales"]
+        for got, first, want in zip(res["amp"]["weights"], results[0]["amp"]["weights"], amp):
+            assert got.tobytes() == first.tobytes()
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(reference(everyone, 3, 0.1)[0], reference(everyone, 3, 0.2)[0])
+    root = results[n - 1]["state"]["before"]
+    for res in results:
+        r = res["rank"]
+        assert "RuntimeError" in res["too many"] and "backward_passes_per_step=2" in \
+            res["too many"], res["too many"]
+        assert res["bad compression"].startswith("ValueError") and "'int8'" in \
+            res["bad compression"], res["bad compression"]
+        before, after = res["state"]["before"], res["state"]["after"]
+        assert before["lr"] == pytest.approx(0.01 * (r + 1))
+        assert after["lr"] == root["lr"] and after["tensors"].keys() == root["tensors"].keys()
+        for k, v in root["tensors"].items():
+            np.testing.assert_array_equal(after["tensors"][k], v, err_msg=k)
+        assert ("tail state" in res) == (r in tail)
+        if r in tail:
+            first = results[tail[0]]["tail state"]["before"]
+            assert res["tail state"]["after"]["lr"] == first["lr"]
+            for k, v in first["tensors"].items():
+                np.testing.assert_array_equal(res["tail state"]["after"]["tensors"][k], v)
+    # the states did differ: rank 0 stepped once, the root n times
+    assert not np.array_equal(results[0]["state"]["before"]["tensors"]["0/exp_avg"],
+                              root["tensors"]["0/exp_avg"])
