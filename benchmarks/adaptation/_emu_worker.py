@@ -34,7 +34,7 @@ from _emulator import Device, Link, NoiseScale, Progress, Speeds  # noqa: E402
 
 from kungfu import _collective, _peer  # noqa: E402
 from kungfu._loop import Loop  # noqa: E402
-from kungfu.elastic import ElasticData, Variables, context  # noqa: E402
+from kungfu.elastic import ElasticData, Variables, context, set_batch_size  # noqa: E402
 from kungfu.policy import (  # noqa: E402
     BasePolicy,
     GNSBatchGrowth,
@@ -122,8 +122,9 @@ class Monitor(BasePolicy):
     """The noise scale from the step's measured squared norms (the same on every worker), and
     the progress it makes; both in the policies' state, so joiners and rollbacks keep them."""
 
-    def __init__(self, trainer, base, target):
+    def __init__(self, trainer, base, target, global_batch=None):
         self.trainer = trainer
+        self.global_batch = global_batch  # kept at every size (strong scaling), or None
         self.gns = NoiseScale(0.9)
         self.progress = Progress(base, target)
         self.seen = 0
@@ -147,6 +148,9 @@ class Monitor(BasePolicy):
         self.seen = state.samples_seen
         if samples > 0:
             self.progress.add(samples, phi)
+        if self.global_batch and state.local_batch_size != self.global_batch // \
+                state.cluster_size:
+            set_batch_size(self.global_batch // state.cluster_size)
 
 
 def mlp(widths, seed):
@@ -220,6 +224,7 @@ def main() -> int:
     p.add_argument("--startup", type=float, default=0.0, help="emulated start-up seconds")
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
     p.add_argument("--base-batch", type=int, default=32)
+    p.add_argument("--global-batch", type=int, help="keep it at every size (strong scaling)")
     p.add_argument("--target", type=float, default=1e5, help="base-batch samples of progress")
     p.add_argument("--max-steps", type=int, default=100000)
     p.add_argument("--lr", type=float, default=0.05)
@@ -257,7 +262,7 @@ def main() -> int:
     data = ElasticData(x, y, batch_size=args.batch_size, seed=args.seed)
     policies = build_policies(args.policy, args)
     holder = {}
-    monitor = Monitor(None, args.base_batch, args.target)
+    monitor = Monitor(None, args.base_batch, args.target, args.global_batch)
     trainer = Trainer(params + velocity, opt, monitor, *policies, data=data,
                       checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every)
     monitor.trainer = trainer

@@ -130,22 +130,36 @@ def common(args, batch, target, device=V100_RESNET50, link=RESNET50_LINK, base=N
 
 
 def exp_autoscaler(args):
-    """Or et al.: the autoscaler (from 4 workers, probing 4 more at a time: Or's spawn size,
-    one host) against every static size of 4-16, the per-worker batch fixed (64)."""
-    work = common(args, 64, args.target or 60000, base=256)
+    """Or et al.: the autoscaler (kf.policy.ScalingAutoscaler, S = 0.1, from 4 workers, probing
+    4 more at a time: Or's spawn size, one host; 4 warm spares) against every static size of
+    4-16. --scaling strong (default): the global batch fixed at 1024 (Or's CIFAR-10 batch), each
+    worker's part 1024 / n; weak: each worker's batch fixed at 64, the global batch 64 n."""
+    strong = args.scaling == "strong"
+
+    def work(n):
+        if strong:
+            return common(args, 1024 // n, args.target or 1024 * 150, base=1024) + [
+                "--global-batch", "1024"]
+        return common(args, 64, args.target or 60000, base=256)
+
     lines = []
     for n in (4, 8, 12, 16):
-        lines.append(emit(summary("autoscaler", f"static:{n}", run_arm(args, static(n), work))))
+        lines.append(emit(summary("autoscaler", f"static:{n}", run_arm(args, static(n),
+                                                                       work(n)),
+                                  {"scaling": args.scaling})))
     rows = run_arm(args, elastic(4, 16, spares=4),
-                   work + ["--policy", "autoscaler:0.1", "--probe-step", "4",
-                           "--startup", "20"])
+                   work(4) + ["--policy", "autoscaler:0.1", "--probe-step", "4",
+                              "--startup", "20"])
     done = next(r for r in rows if r.get("done"))
     lines.append(emit(summary("autoscaler", "autoscaler", rows, {
-        "trace": done["decisions"].get("ScalingAutoscaler")})))
-    best = min((ln for ln in lines if ln["arm"].startswith("static")), key=lambda r: r["jct_s"])
+        "scaling": args.scaling, "trace": [
+            {k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()}
+            for t in done["decisions"].get("ScalingAutoscaler") or []]})))
+    best = min(lines[:-1], key=lambda r: r["jct_s"])
     auto, small = lines[-1], lines[0]
     emit({"experiment": "autoscaler", "check": {
-        "best_static": best["arm"], "jct_vs_best": round(auto["jct_s"] / best["jct_s"], 3),
+        "scaling": args.scaling, "best_static": best["arm"],
+        "jct_vs_best": round(auto["jct_s"] / best["jct_s"], 3),
         "worker_s_vs_best": round(auto["worker_s"] / best["worker_s"], 3),
         "jct_vs_smallest": round(auto["jct_s"] / small["jct_s"], 3),
         "met": auto["jct_s"] <= 1.05 * best["jct_s"] and auto["worker_s"] <= 0.8 * best[
@@ -203,7 +217,162 @@ def exp_calibration(args):
               "emulated_wall_s": round(med["emu_wall"], 5), "error_wall": round(err_wall, 3)})
 
 
-EXPERIMENTS = {"autoscaler": exp_autoscaler, "calibration": exp_calibration}
+def exp_straggler(args):
+    """Or et al.'s straggler replacement (kf.policy.StragglerReplacement) against keeping the
+    straggler: 8 workers, one slot and one warm spare more; the worker that started as rank 3
+    runs 2x (then, in other arms, 4x) slower from step 30."""
+    onset = 30
+    work = common(args, 64, args.target or 512 * 200, link="", base=512) + ["--startup", "20"]
+    for factor in (2, 4):
+        for arm in ("none", "stragglers"):
+            rows = run_arm(args, elastic(8, 9, spares=1, more=["-max-restarts", "0"]),
+                           work + ["--policy", arm, "--speeds", f"3:{factor}@{onset}"])
+            done = next(r for r in rows if r.get("done"))
+            steps = [r for r in rows if "step" in r]
+            asked = done["decisions"].get("StragglerReplacement") or []
+            switch = next((r["step"] for r in steps if r["version"] > steps[0]["version"]),
+                          None)
+            emit(summary("straggler", f"{arm}:{factor}x", rows, {
+                "onset_step": onset,
+                "decided_step": asked[0]["step"] if asked else None,
+                "replaced_rank": asked[0]["rank"] if asked else None,
+                "switched_step": switch,
+                "replaced_within_steps": None if switch is None else switch - onset,
+                "rate_before": rate(steps, 10, onset), "rate_slowed": rate(
+                    steps, onset + 5, (asked[0]["step"] if asked else onset + 40)),
+                "rate_after": rate(steps, (switch or 10 ** 9) + 5, 10 ** 9)}))
+
+
+def rate(steps, first, last):
+    """Samples a second over the steps first..last of the records (None: too few)."""
+    sel = [r for r in steps if first <= r["step"] <= last]
+    if len(sel) < 3:
+        return None
+    return round(sum(r["batch"] for r in sel[1:]) / (sel[-1]["t"] - sel[0]["t"]), 1)
+
+
+def exp_lbbsp(args):
+    """LB-BSP (kf.policy.LoadBalancing, EWMA predictor) against BSP (equal split): 8 workers,
+    the global batch fixed at 1024, the workers that started as ranks 1 and 2 twice as slow
+    all along. The ideal speed-up of balancing is sum(v) / (n min v) = 7 / 4 = 1.75."""
+    work = common(args, 128, args.target or 1024 * 120, link="", base=1024) + [
+        "--speeds", "1:2,2:2"]
+    out = {}
+    for arm, policy in (("bsp", "none"), ("lbbsp", "lbbsp:ewma")):
+        rows = run_arm(args, static(8), work + ["--policy", policy])
+        steps = [r for r in rows if "step" in r]
+        out[arm] = emit(summary("lbbsp", arm, rows, {
+            "samples_per_s": rate(steps, 20, 10 ** 9),
+            "final_split": steps[-1]["sizes"]}))
+    emit({"experiment": "lbbsp", "check": {
+        "speedup": round(out["lbbsp"]["samples_per_s"] / out["bsp"]["samples_per_s"], 3),
+        "jct_ratio": round(out["bsp"]["jct_s"] / out["lbbsp"]["jct_s"], 3), "ideal": 1.75,
+        "met": out["lbbsp"]["samples_per_s"] >= 1.6 * out["bsp"]["samples_per_s"]}})
+
+
+def exp_gns(args):
+    """GNS batch growth (kf.policy.GNSBatchGrowth: double every worker's batch while the noise
+    scale exceeds the global batch, checked every 10 steps, learning rate by the square-root
+    rule) from 32 a worker against every fixed batch of 32-256 a worker: 8 workers on 2 hosts
+    (ResNet-50's allreduce over the measured link model), progress by Pollux's efficiency."""
+    target = args.target or 60000
+    lines = []
+    for b in (32, 64, 128, 256):
+        work = common(args, b, target, base=256)
+        lines.append(emit(summary("gns", f"fixed:{b}", run_arm(args, static(8), work))))
+    rows = run_arm(args, static(8), common(args, 32, target, base=256)
+                   + ["--policy", "gns:256"])
+    done = next(r for r in rows if r.get("done"))
+    lines.append(emit(summary("gns", "gns", rows, {
+        "growth": [(d["step"], d["batch"]) for d in done["decisions"].get("GNSBatchGrowth",
+                                                                         [])]})))
+    best = min(lines[:-1], key=lambda r: r["jct_s"])
+    emit({"experiment": "gns", "check": {
+        "best_fixed": best["arm"], "jct_vs_best": round(lines[-1]["jct_s"] / best["jct_s"], 3),
+        "met": lines[-1]["target_reached"] and lines[-1]["jct_s"] <= best["jct_s"]}})
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def first_step_time(path):
+    """The time of the first step record in `path`, or None (none yet)."""
+    try:
+        with open(path) as f:
+            line = f.readline()
+    except OSError:
+        return None
+    return json.loads(line)["t"] if line.endswith("\n") else None
+
+
+def spot_arm(args, arm, work, trace):
+    """One arm of the spot experiment: runs (and, for restart, reruns) the job, revoking a
+    random worker (SIGKILL) at each of the trace's times after the first step."""
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, pids = Path(tmp) / "rank0.jsonl", Path(tmp) / "pids"
+        pids.mkdir()
+        extra = ["--out", str(out), "--pid-dir", str(pids)]
+        if arm == "restart":
+            extra += ["--checkpoint", str(Path(tmp) / "ckpt"), "--checkpoint-every",
+                      str(args.checkpoint_every)]
+        pending, t0, launches, killed = list(trace), None, 0, []
+        while launches <= len(trace) + 1:
+            launches += 1
+            launcher = (elastic(8, 8, more=["-max-restarts", str(len(trace) + 1)])
+                        if arm == "elastic" else static(8))
+            proc = launch(launcher, worker_cmd(args, work + extra))
+            while proc.poll() is None:
+                time.sleep(0.1)
+                t0 = t0 or first_step_time(out)
+                if t0 and pending and time.time() >= t0 + pending[0] * args.scale:
+                    pending.pop(0)
+                    live = sorted(int(p.name) for p in pids.iterdir() if alive(int(p.name)))
+                    if live:
+                        os.kill(rng.choice(live), signal.SIGKILL)
+                        killed.append(time.time() - t0)
+            rc, so, se = finish(proc, arm)
+            rows = read(out)
+            if any(r.get("done") for r in rows):
+                break
+            if arm == "elastic" or rc == 0:
+                log = Path(tempfile.mkstemp(prefix="kungfu-emulated-", suffix=".log")[1])
+                log.write_text(so + "\n--- stderr ---\n" + se)
+                raise RuntimeError(f"the {arm} arm failed (rc {rc}; output in {log})")
+        done = next(r for r in rows if r.get("done"))
+        steps = [r for r in rows if "step" in r]
+        sizes = [(round(b["t"] - t0, 1), b["size"]) for a, b in zip(steps, steps[1:])
+                 if a["size"] != b["size"]]
+        return summary("spot", arm, rows, {
+            "revoked_at_s": [round(k, 1) for k in killed if k <= done["t"] - t0],
+            "size_changes": sizes, "launches": launches,
+            "steps_run": sum(1 for r in rows if "step" in r),
+            "recoveries": done["recoveries"]})
+
+
+def exp_spot(args):
+    """Revocations of spot instances from a trace: elastic kungfu (kungfu-run -w: the survivors
+    recover and go on, the launcher starts a worker in the lost one's place, which joins after
+    its start-up) against restart from a checkpoint (the job stops at each revocation and
+    starts again with a new worker, every worker paying its start-up, from the last checkpoint,
+    written every --checkpoint-every steps). 8 workers, 20 s of start-up (emulated)."""
+    trace = [float(t) for t in args.trace.split(",")]
+    work = common(args, 64, args.target or 512 * 500, link="", base=512) + ["--startup", "20"]
+    out = {arm: emit(spot_arm(args, arm, work, trace)) for arm in ("elastic", "restart")}
+    emit({"experiment": "spot", "check": {
+        "speedup": round(out["restart"]["jct_s"] / out["elastic"]["jct_s"], 3),
+        "met": out["elastic"]["target_reached"]
+        and out["restart"]["jct_s"] >= 1.5 * out["elastic"]["jct_s"]}})
+
+
+EXPERIMENTS = {"autoscaler": exp_autoscaler, "calibration": exp_calibration,
+               "straggler": exp_straggler, "lbbsp": exp_lbbsp, "gns": exp_gns,
+               "spot": exp_spot}
 
 
 def main() -> int:
@@ -215,6 +384,12 @@ def main() -> int:
                    help="progress to reach, in base-batch samples (default: the experiment's)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--steps", type=int, default=60, help="calibration: steps per run")
+    p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
+                   help="autoscaler: the global batch fixed (strong) or each worker's (weak)")
+    p.add_argument("--trace", default="30,70,110,150",
+                   help="spot: revocations, emulated seconds after the first step")
+    p.add_argument("--checkpoint-every", type=int, default=50,
+                   help="spot: the restart arm's checkpoint interval in steps (default 50)")
     p.add_argument("--rounds", type=int, default=3, help="calibration: rounds (default 3)")
     args = p.parse_args()
     t = time.time()
