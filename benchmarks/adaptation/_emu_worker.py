@@ -208,8 +208,9 @@ def build_policies(spec, args):
         return [StragglerReplacement()]
     if kind == "lbbsp":
         return [LoadBalancing(predictor=arg or "ewma")]
-    if kind == "gns":
-        return [GNSBatchGrowth(int(arg), every_steps=args.window)]
+    if kind in ("gns", "gns-goodput"):
+        return [GNSBatchGrowth(int(arg), every_steps=args.window,
+                               goodput=kind == "gns-goodput")]
     raise SystemExit(f"unknown --policy {spec!r}")
 
 
