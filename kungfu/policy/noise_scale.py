@@ -8,8 +8,10 @@ kf.grad_noise_stats() = (tr(S), |G|^2).
 from __future__ import annotations
 
 import math
+import time
 from typing import List, Optional
 
+from kungfu._collective import allreduce
 from kungfu.elastic import TrainingState, set_batch_size, set_learning_rate
 from kungfu.policy._base import BasePolicy
 from kungfu.policy._rules import linear_scaled_lr, sqrt_scaled_lr
@@ -22,36 +24,83 @@ class GNSBatchGrowth(BasePolicy):
     (the batch is below the critical batch, so a larger one wastes few samples), checked at
     each epoch's end (or every `every_steps` steps), up to `max_batch` per worker. The learning
     rate follows the `lr_rule`: "sqrt" (default), "linear", or None (leave it, e.g. to AdaScale
-    or MomentumCompensation in the same Hook)."""
+    or MomentumCompensation in the same Hook).
+
+    `goodput=True` (needs every_steps) also weighs what a larger batch costs in time, as Pollux
+    does: the goodput of a global batch B is its throughput (samples/s, by the clock over the
+    steps since the last change, averaged over the workers) times its statistical efficiency,
+    which is proportional to 1 / (gns + B). A growth is a trial: at the next check the goodput
+    at the new batch is compared with the one measured before it (at the same, current noise
+    scale), and a growth that lost goodput is undone; no growth is tried again until the noise
+    scale has doubled (the critical batch moves up as training goes on)."""
 
     def __init__(self, max_batch: int, lr_rule: Optional[str] = "sqrt",
-                 every_steps: Optional[int] = None, factor: int = 2):
+                 every_steps: Optional[int] = None, factor: int = 2, goodput: bool = False):
         if lr_rule not in LR_RULES:
             raise ValueError(f"lr_rule must be one of {LR_RULES}, got {lr_rule!r}")
         if max_batch < 1 or factor < 2 or (every_steps is not None and every_steps < 1):
             raise ValueError("max_batch >= 1, factor >= 2 and every_steps >= 1 are needed")
+        if goodput and not every_steps:
+            raise ValueError("goodput=True measures throughput between checks: give every_steps")
         self.max_batch, self.lr_rule, self.every_steps, self.factor = (
             max_batch, lr_rule, every_steps, factor)
+        self.goodput = goodput
+        self.mark: Optional[list] = None  # (time, samples seen, step, global batch): a window
+        self.trial: Optional[dict] = None  # the batch before a growth and its throughput
+        self.hold = 0.0  # no growth before the noise scale reaches this (after an undo)
         self.decisions: List[dict] = []  # step, gns, the new local batch and learning rate
+
+    def _rate(self, state: TrainingState) -> Optional[float]:
+        """The job's samples/s since the window began (every worker the same: the mean of
+        the workers' clocks), or None when the window is too short."""
+        m = self.mark
+        if m is None or state.step - m[2] < 3:
+            return None
+        mine = (state.samples_seen - m[1]) / max(time.monotonic() - m[0], 1e-9)
+        return float(allreduce(mine, "avg", name="kungfu/gns-growth/rate"))
 
     def _check(self, state: TrainingState) -> None:
         gns = state.metrics.get("gns", math.nan)
         b = state.local_batch_size
-        if b is None or not math.isfinite(gns) or b * self.factor > self.max_batch:
+        if b is None or not math.isfinite(gns):
             return
-        if gns > state.global_batch_size:
-            new = b * self.factor
-            set_batch_size(new)
-            lr = state.learning_rate
-            if self.lr_rule == "sqrt" and lr is not None:
-                lr = sqrt_scaled_lr(lr, b, new)
-            elif self.lr_rule == "linear" and lr is not None:
-                lr = linear_scaled_lr(lr, b, new)
-            if self.lr_rule is not None and lr is not None:
-                set_learning_rate(lr)
-            self.decisions.append({"step": state.step, "gns": gns, "batch": new, "lr": lr})
+        rate = self._rate(state) if self.goodput else None
+        if self.trial is not None and rate is not None:
+            before = self.trial["rate"] / (gns + self.trial["global"])
+            if rate / (gns + state.global_batch_size) < before:  # it lost goodput: undo
+                lr = self.trial["lr"] if self.lr_rule is not None else None
+                self._apply(state, self.trial["local"], lr, gns, "undo")
+                self.hold, self.trial = 2 * gns, None
+                return
+            self.trial = None
+        if b * self.factor > self.max_batch or gns <= state.global_batch_size or gns < self.hold:
+            return
+        if self.goodput and rate is None:
+            return  # the throughput at this batch is not known yet
+        new = b * self.factor
+        lr = state.learning_rate
+        if self.lr_rule == "sqrt" and lr is not None:
+            lr = sqrt_scaled_lr(lr, b, new)
+        elif self.lr_rule == "linear" and lr is not None:
+            lr = linear_scaled_lr(lr, b, new)
+        if self.goodput:
+            self.trial = {"rate": rate, "global": state.global_batch_size, "local": b,
+                          "lr": state.learning_rate}
+        self._apply(state, new, lr if self.lr_rule is not None else None, gns, "grow")
+
+    def _apply(self, state, batch, lr, gns, why) -> None:
+        set_batch_size(batch)
+        if lr is not None:
+            set_learning_rate(lr)
+        self.mark = None  # a new window at the new batch
+        self.decisions.append({"step": state.step, "gns": gns, "batch": batch, "lr": lr,
+                               "why": why})
 
     def after_step(self, state: TrainingState) -> None:
+        if self.goodput and (self.mark is None or self.mark[3] != state.global_batch_size):
+            # (the step after a change: its batch is the new one) a window starts here
+            self.mark = [time.monotonic(), state.samples_seen, state.step,
+                         state.global_batch_size]
         if self.every_steps and state.step % self.every_steps == 0:
             self._check(state)
 

@@ -306,6 +306,58 @@ def test_gns_batch_growth_doubles_while_the_noise_scale_exceeds_the_batch():
     assert decide(GNSBatchGrowth(max_batch=32), state, "after_epoch") == {}  # 64 > max_batch
 
 
+def test_gns_growth_with_goodput_keeps_a_growth_only_where_it_pays(monkeypatch):
+    from kungfu.policy import GNSBatchGrowth
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr("kungfu.policy.noise_scale.time.monotonic", lambda: clock["t"])
+
+    def run(gns, steps=60):
+        """4 workers whose step on b samples takes 10 ms + 1 ms a sample: a larger batch has
+        more throughput, but not twice as much (1.13x from 32 to 64 a worker)."""
+        policy = GNSBatchGrowth(max_batch=128, every_steps=5, goodput=True)
+        state = TrainingState(local_batch_size=32, global_batch_size=128, cluster_size=4,
+                              learning_rate=0.1)
+        state.metrics["gns"] = gns
+        sizes = []
+        for step in range(1, steps + 1):
+            state.step = step
+            state.samples_seen += state.global_batch_size
+            clock["t"] += 0.01 + 0.001 * state.local_batch_size
+            got = decide(policy, state)
+            if "batch_size" in got:
+                state.local_batch_size = got["batch_size"]
+                state.global_batch_size = 4 * got["batch_size"]
+                state.learning_rate = got.get("learning_rate", state.learning_rate)
+            sizes.append(state.local_batch_size)
+        return policy, sizes
+
+    # Noise scale 1e5: the efficiency hardly falls; the throughput rises: both growths kept.
+    policy, sizes = run(1e5)
+    assert [d["why"] for d in policy.decisions] == ["grow", "grow"]
+    assert sizes[-1] == 128
+    # Noise scale 200 (above the global batch, so the plain rule grows): from 128 to 256 the
+    # efficiency falls to (200 + 128) / (200 + 256) = 0.72 while the throughput rises 1.13x:
+    # the growth is undone, and not tried again while the noise scale stays.
+    policy, sizes = run(200.0)
+    assert [(d["why"], d["batch"]) for d in policy.decisions] == [("grow", 64), ("undo", 32)]
+    assert sizes[-1] == 32 and policy.decisions[-1]["lr"] == 0.1
+    plain, plain_sizes = GNSBatchGrowth(max_batch=128, every_steps=5), []
+    state = TrainingState(local_batch_size=32, global_batch_size=128, cluster_size=4,
+                          learning_rate=0.1)
+    state.metrics["gns"] = 200.0
+    for step in range(1, 21):
+        state.step = step
+        got = decide(plain, state)
+        if "batch_size" in got:
+            state.local_batch_size, state.global_batch_size = got["batch_size"], 4 * got[
+                "batch_size"]
+        plain_sizes.append(state.local_batch_size)
+    assert plain_sizes[-1] == 64  # the plain rule: 200 > 128, grown; 200 < 256, stays
+    with pytest.raises(ValueError, match="every_steps"):
+        GNSBatchGrowth(max_batch=64, goodput=True)
+
+
 def test_adascale_gain_is_between_1_and_the_scale():
     from kungfu.policy import AdaScale
 

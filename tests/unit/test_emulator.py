@@ -1,0 +1,135 @@
+"""The emulated cluster's models (benchmarks/adaptation/_emulator.py) and the calibration's
+arithmetic (emulated.py): no processes, no clocks."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parents[2] / "benchmarks" / "adaptation"
+
+
+def _load(name):
+    sys.path.insert(0, str(HERE))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # (dataclasses look their module up)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(HERE))
+
+
+emu = _load("_emulator")
+
+
+def test_a_device_step_is_its_fixed_part_plus_its_samples_times_its_slowness():
+    d = emu.Device(0.06, 0.002, saturation=48)
+    assert d.step_time(64) == pytest.approx(0.06 + 0.128)
+    assert d.step_time(64, speed=2.0) == pytest.approx(2 * (0.06 + 0.128))
+    # Below the saturation the device is not full: fewer samples take no less time.
+    assert d.step_time(16) == d.step_time(48) == pytest.approx(0.06 + 0.096)
+    assert d.step_time(0) == 0.0  # an empty part (the end of an epoch) computes nothing
+    assert emu.Device.parse("0.0599,0.002673,48") == emu.Device(0.0599, 0.002673, 48)
+    assert emu.Device.parse("1,2") == emu.Device(1.0, 2.0, 0)
+    with pytest.raises(ValueError):
+        emu.Device.parse("1")
+    with pytest.raises(ValueError):
+        emu.Device(-1, 0)
+
+
+def test_speeds_change_at_their_step_for_the_worker_that_started_with_that_rank():
+    s = emu.Speeds.parse("1:2@30, 1:4@80, 3:1.5")
+    assert [s.factor(1, k) for k in (0, 29, 30, 79, 80, 500)] == [1, 1, 2, 2, 4, 4]
+    assert s.factor(3, 0) == 1.5
+    assert s.factor(0, 100) == 1.0
+    assert s.factor(None, 100) == 1.0  # a worker started later (a replacement) is nominal
+    assert emu.Speeds.parse("").factor(0, 0) == 1.0
+    for bad in ("1", "1:0", "-1:2"):
+        with pytest.raises(ValueError):
+            emu.Speeds.parse(bad)
+
+
+def test_the_link_is_a_ring_inside_each_host_then_a_ring_across_hosts():
+    link = emu.Link(nbytes=100, intra=10.0, inter=1.0, per_host=4)
+    assert link.allreduce_time(1) == 0.0
+    assert link.allreduce_time(2) == pytest.approx(2 * 1 / 2 * 100 / 10)  # 10 s
+    assert link.allreduce_time(4) == pytest.approx(2 * 3 / 4 * 100 / 10)  # 15 s
+    # 8 workers: two full hosts, then 2 (h-1)/h of the bytes between them
+    assert link.allreduce_time(8) == pytest.approx(15 + 2 * 1 / 2 * 100 / 1)
+    assert link.allreduce_time(16) == pytest.approx(15 + 2 * 3 / 4 * 100 / 1)
+    # 5 workers are 2 hosts as well: crossing a host boundary costs the cross-host ring
+    assert link.allreduce_time(5) == link.allreduce_time(8)
+    with_alpha = emu.Link(100, 10.0, 1.0, 4, alpha=0.5)
+    assert with_alpha.allreduce_time(8) == pytest.approx(115 + 2 * 3 * 0.5 + 2 * 1 * 0.5)
+
+
+def test_statistical_efficiency_is_pollux_s_and_progress_counts_base_batch_samples():
+    assert emu.efficiency(256, 0.0, 256) == 1.0
+    assert emu.efficiency(1024, 256.0, 256) == pytest.approx(512 / 1280)
+    # A noise scale far above the batch: a larger batch is almost as good per sample.
+    assert emu.efficiency(1024, 1e6, 256) == pytest.approx(1.0, abs=1e-3)
+    # No estimate yet (NaN) or a negative one: no gain from the larger batch at all.
+    assert emu.efficiency(1024, math.nan, 256) == 0.25
+    assert emu.efficiency(1024, -5.0, 256) == 0.25
+    p = emu.Progress(base=256, target=1000)
+    assert p.add(256, 100.0) == 256
+    assert not p.reached
+    assert p.add(1024, 256.0) == pytest.approx(1024 * 0.4)
+    assert p.done == pytest.approx(665.6)
+    p.add(1024, 256.0)
+    assert p.reached
+    with pytest.raises(ValueError):
+        emu.Progress(0, 1)
+
+
+def test_the_noise_scale_estimator_finds_a_known_noise_scale():
+    # Per-sample gradients g = G + noise, noise ~ N(0, sigma^2 I): tr(S) = d sigma^2.
+    rng = np.random.default_rng(0)
+    d, sigma = 50, 2.0
+    G = rng.normal(0, 1, d)
+    truth = d * sigma ** 2 / (G @ G)
+    est = emu.NoiseScale(decay=0.99)
+    b_s, b_b = 8, 64
+    for _ in range(2000):
+        samples = G + rng.normal(0, sigma, (b_b, d))
+        small = samples.reshape(b_b // b_s, b_s, d).mean(axis=1)  # 8 batches of 8
+        small_sq = float(np.mean(np.sum(small ** 2, axis=1)))
+        big = samples.mean(axis=0)
+        est.update(small_sq, b_s, float(big @ big), b_b)
+    assert est.value == pytest.approx(truth, rel=0.15)
+    assert math.isnan(emu.NoiseScale().value)  # nothing measured yet
+    # No second batch size (one worker, one half): nothing is learned from it.
+    one = emu.NoiseScale()
+    one.update(1.0, 8, 1.0, 8)
+    assert math.isnan(one.value)
+
+
+def test_fit_device_recovers_a_linear_device():
+    truth = emu.Device(0.04, 0.0005)
+    bs = [16, 32, 64]
+    fit = emu.fit_device(bs, [truth.step_time(b) for b in bs])
+    assert fit.fixed == pytest.approx(0.04)
+    assert fit.per_sample == pytest.approx(0.0005)
+    with pytest.raises(ValueError):
+        emu.fit_device([16, 16], [0.1, 0.2])
+
+
+def test_calibration_counts_a_step_by_its_compute_and_its_allreduce():
+    driver = _load("emulated")
+    rows = [{"step": s, "step_time": 0.050, "cpu": 0.010, "compute_times": [0.040, 0.030]}
+            for s in range(1, 12)]
+    rows.append({"done": True})
+    assert driver.step_median(rows) == pytest.approx(0.050)
+    # own: the 40 ms the clock saw for the slowest worker's compute becomes rank 0's 10 ms
+    # of CPU; the 10 ms of allreduce and waiting stay.
+    assert driver.step_median(rows, own=True) == pytest.approx(0.020)
+    rows[6]["step_time"] = 9.0  # one slow step does not move a median
+    assert driver.step_median(rows) == pytest.approx(0.050)
+    rows[0]["step_time"] = rows[1]["step_time"] = 9.0  # the first steps are left out
+    assert driver.step_median(rows) == pytest.approx(0.050)
