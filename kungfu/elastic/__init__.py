@@ -11,7 +11,9 @@ state machine.
 - `_membership.py`: `Membership`, the state machine a trainer drives at its step boundaries
   (training, proposing, waiting for joiners, switching, recovering), with the in-memory commits
   and the durable checkpoint; a framework binding supplies `Variables` (capture and restore).
-- `_checkpoint.py`: the checkpoint file's format (header, checksum) and its atomic write.
+- `_checkpoint.py`: the checkpoint file's format (header, checksum or HMAC) and its atomic write;
+  `_checkpoint_content.py`: what it holds (arrays in an .npz, the rest as JSON: no pickle);
+  `convert_checkpoint.py`: converts a format-version-1 file one trusts.
 - `_data.py`: `ElasticData`, training samples addressed by global offset (every sample once per
   epoch across resizes and failures), served as numpy batches.
 
