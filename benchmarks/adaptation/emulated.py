@@ -254,7 +254,10 @@ def rate(steps, first, last):
 def exp_lbbsp(args):
     """LB-BSP (kf.policy.LoadBalancing, EWMA predictor) against BSP (equal split): 8 workers,
     the global batch fixed at 1024, the workers that started as ranks 1 and 2 twice as slow
-    all along. The ideal speed-up of balancing is sum(v) / (n min v) = 7 / 4 = 1.75."""
+    all along. The ideal speed-up of balancing is sum(v) / (n min v) = 7 / 4 = 1.75. Throughput:
+    samples/s from step 20 on, and from step 60 (the split has settled); step_overhead_s: the
+    time between steps outside the step itself (the Loop's round, the records), which no split
+    balances."""
     work = common(args, 128, args.target or 1024 * 120, link="", base=1024) + [
         "--speeds", "1:2,2:2"]
     out = {}
@@ -263,11 +266,16 @@ def exp_lbbsp(args):
         steps = [r for r in rows if "step" in r]
         out[arm] = emit(summary("lbbsp", arm, rows, {
             "samples_per_s": rate(steps, 20, 10 ** 9),
+            "samples_per_s_steady": rate(steps, 60, 10 ** 9),
+            "step_overhead_s": round(statistics.median(
+                b["t"] - a["t"] - b["step_time"] for a, b in zip(steps[20:], steps[21:])), 4),
             "final_split": steps[-1]["sizes"]}))
+    speedup = out["lbbsp"]["samples_per_s"] / out["bsp"]["samples_per_s"]
+    steady = out["lbbsp"]["samples_per_s_steady"] / out["bsp"]["samples_per_s_steady"]
     emit({"experiment": "lbbsp", "check": {
-        "speedup": round(out["lbbsp"]["samples_per_s"] / out["bsp"]["samples_per_s"], 3),
+        "speedup": round(speedup, 3), "speedup_steady": round(steady, 3),
         "jct_ratio": round(out["bsp"]["jct_s"] / out["lbbsp"]["jct_s"], 3), "ideal": 1.75,
-        "met": out["lbbsp"]["samples_per_s"] >= 1.6 * out["bsp"]["samples_per_s"]}})
+        "met": speedup >= 1.6}})
 
 
 def exp_gns(args):
@@ -327,7 +335,10 @@ def spot_arm(args, arm, work, trace):
         pending, t0, launches, killed = list(trace), None, 0, []
         while launches <= len(trace) + 1:
             launches += 1
-            launcher = (elastic(8, 8, more=["-max-restarts", str(len(trace) + 1)])
+            # Every emulated worker is an instance of its own: a revocation says nothing of the
+            # (one, real) host, which kungfu-run would otherwise cool down after two failures.
+            launcher = (elastic(8, 8, more=["-max-restarts", str(len(trace) + 1),
+                                            "-host-cooldown", "0"])
                         if arm == "elastic" else static(8))
             proc = launch(launcher, worker_cmd(args, work + extra))
             while proc.poll() is None:
