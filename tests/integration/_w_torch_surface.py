@@ -261,7 +261,7 @@ def _optimizer_state(root: int, ps) -> dict:
 
 def optimizers() -> dict:
     """The optimizer in the whole cluster and in the "tail" set, over 2 averaged and 2 summed
-    passes, with fp16 compression, with sparse gradients, with AMP's GradScaler; the errors of a third pass and of an unknown compression;
+    passes, with fp16 compression (also predivided), with sparse gradients, with AMP's GradScaler; the errors of a third pass and of an unknown compression;
     broadcast_optimizer_state, whole and in "tail"."""
     r, n = kf.rank(), kf.size()
     tail = sets_for(n)["tail"]
@@ -272,10 +272,15 @@ def optimizers() -> dict:
            "two summed": train(None, 3, 2, False),
            "fp16": train(None, 3, 1, True, compression=kf.Compression.fp16),
            "predivided": train(None, 3, 1, True, gradient_predivide_factor=4.0),
+           "fp16 predivided": train(None, 3, 1, True, compression=kf.Compression.fp16,
+                                    gradient_predivide_factor=4.0),
            "sparse": sparse_training(),
            "amp": amp_training(),
            "bad compression": _error(lambda: kf.optimizers.SynchronousSGDOptimizer(
                torch.optim.SGD(mlp().parameters(), lr=0.1), compression="int8")),
+           "predivided sum": _error(lambda: kf.optimizers.SynchronousSGDOptimizer(
+               torch.optim.SGD(mlp().parameters(), lr=0.1), op="sum",
+               gradient_predivide_factor=2.0)),
            "too many": _too_many_passes(),
            "state": _optimizer_state(n - 1, None)}
     if ps is not None:

@@ -179,6 +179,7 @@ def test_optimizer_passes_sets_and_state(runs, n):
     _trained(results, "tail", reference(tail, 3, 0.1))
     # fp16 compression: the same on every worker, within float16's precision of the exact step
     _trained(results, "fp16", reference(everyone, 3, 0.1), rtol=2e-3, atol=2e-3)
+    _trained(results, "fp16 predivided", reference(everyone, 3, 0.1), rtol=2e-3, atol=2e-3)
     assert any(a.tobytes() != b.tobytes() for a, b in zip(results[0]["fp16"],
                                                         results[0]["one pass"]))
     _trained(results, "sparse", sparse_reference(n))
@@ -198,6 +199,8 @@ def test_optimizer_passes_sets_and_state(runs, n):
             res["too many"], res["too many"]
         assert res["bad compression"].startswith("ValueError") and "'int8'" in \
             res["bad compression"], res["bad compression"]
+        assert res["predivided sum"].startswith("ValueError") and "op='sum'" in \
+            res["predivided sum"], res["predivided sum"]
         before, after = res["state"]["before"], res["state"]["after"]
         assert before["lr"] == pytest.approx(0.01 * (r + 1))
         assert after["lr"] == root["lr"] and after["tensors"].keys() == root["tensors"].keys()

@@ -106,19 +106,25 @@ class _SynchronousSGD:
     def _kungfu_start(self, b: _Bucket) -> None:
         name, ps, op = f"{self._kungfu_prefix}/{b.name}", self._kungfu_set, self._kungfu_op
         n = ps.size() if ps is not None else _peer.get().size
-        if not (self._kungfu_fp16 and b.flat.dtype in (torch.float32, torch.float64)):
-            f = self._kungfu_predivide
-            if f != 1:  # Horovod's gradient_predivide_factor: a sum between 1/f and f/n
-                b.handle = all_reduce_async(b.flat, "sum", name, process_set=ps,
-                                            prescale_factor=1.0 / f, postscale_factor=f / n)
-            else:
-                b.handle = all_reduce_async(b.flat, op, name, process_set=ps)
+        f = self._kungfu_predivide
+        fp16 = self._kungfu_fp16 and b.flat.dtype in (torch.float32, torch.float64)
+        if not fp16 and (op != "avg" or f == 1):
+            b.handle = all_reduce_async(b.flat, op, name, process_set=ps)
             return
-        # fp16 compression: the bucket travels as float16, divided by the size first for avg
-        # (the float16 sum is then the mean's, so it overflows no sooner than the mean does).
-        half = (b.flat / n if op == "avg" else b.flat).to(torch.float16)
-        inner = all_reduce_async(half, "sum" if op == "avg" else op, name, process_set=ps)
-        b.handle = Handle(inner, lambda _: b.flat.copy_(half))
+        # An average as a sum between two factors: Horovod's gradient_predivide_factor f (1/f
+        # before, f/n after), or 1/n before for fp16 (the float16 sum is then the mean's, so it
+        # overflows no sooner than the mean does).
+        pre, post = 1.0, 1.0
+        if op == "avg":
+            pre, post = (1.0 / f, f / n) if f != 1 else (1.0 / n, 1.0)
+            op = "sum"
+        if not fp16:
+            b.handle = all_reduce_async(b.flat, op, name, process_set=ps,
+                                        prescale_factor=pre, postscale_factor=post)
+            return
+        half = (b.flat * pre).to(torch.float16)
+        inner = all_reduce_async(half, op, name, process_set=ps)
+        b.handle = Handle(inner, lambda _: b.flat.copy_(half).mul_(post))
 
     def _kungfu_hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
@@ -234,9 +240,9 @@ def SynchronousSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters=N
     passes add up in .grad). compression="fp16" (or kungfu.torch.Compression.fp16, Horovod's
     name) sends float32/float64 gradients as float16 (half the bytes or less; for avg each
     worker's gradient is divided by the size before the cast); None or "none": as they are.
-    gradient_predivide_factor f (Horovod's; op="avg" only, not with fp16): each gradient is
-    divided by f before the sum and the sum by size / f after it (the same average, another
-    range for the sum)."""
+    gradient_predivide_factor f (Horovod's; op="avg" only): each gradient is divided by f
+    before the sum and the sum by size / f after it (the same average, another range for the
+    sum; with fp16, the range of the float16 sum)."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
     k = backward_passes_per_step
@@ -248,8 +254,8 @@ def SynchronousSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters=N
     f = gradient_predivide_factor
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
         raise ValueError(f"gradient_predivide_factor must be a number > 0, got {f!r}")
-    if f != 1 and ((op or "sum") != "avg" or kind == "fp16"):
-        raise ValueError("gradient_predivide_factor needs op='avg' and no compression")
+    if f != 1 and (op or "sum") != "avg":
+        raise ValueError(f"gradient_predivide_factor needs op='avg', got op={op!r}")
     return wrap(_SynchronousSGD, optimizer, named_parameters, "SynchronousSGDOptimizer",
                 op=op or "sum", bucket_bytes=bucket_bytes, process_set=process_set, passes=k,
                 average_passes=bool(average_aggregated_gradients), fp16=kind == "fp16",
