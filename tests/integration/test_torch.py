@@ -124,21 +124,39 @@ def test_a_worker_with_another_model_fails_clearly(spawn, where):
         assert "rank 0: 2 tensors" in message and "rank 1: 4 tensors" in message, message
 
 
-def test_torch_digits_example_two_workers():
-    pytest.importorskip("sklearn", reason="examples/torch_digits.py needs scikit-learn")
+def _run_example(script: str, *args: str) -> str:
+    """examples/<script> under the launcher at np 2, as a user runs it; the output of both
+    ranks, after checking that they end with the same weights."""
+    pytest.importorskip("sklearn", reason=f"examples/{script} needs scikit-learn")
     from conftest import REPO_ROOT, free_port_range
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
     env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "-m", "kungfu.cmd", "-np", "2", "-port-range", free_port_range(2),
-           "-timeout", "100s", sys.executable,
-           os.path.join(REPO_ROOT, "examples", "torch_digits.py"), "--epochs", "3"]
+           "-timeout", "100s", sys.executable, os.path.join(REPO_ROOT, "examples", script),
+           *args]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=110,
                        check=False)
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     digests = dict(re.findall(r"rank (\d+): final weights digest ([0-9a-f]{16})", r.stdout))
     assert sorted(digests) == ["0", "1"], r.stdout[-3000:]
     assert len(set(digests.values())) == 1, digests
-    accuracy = re.search(r"rank 0: test accuracy ([0-9.]+)", r.stdout)
-    assert accuracy and float(accuracy.group(1)) > 0.85, r.stdout[-3000:]
+    return r.stdout
+
+
+def test_torch_digits_example_two_workers():
+    out = _run_example("torch_digits.py", "--epochs", "3")
+    accuracy = re.search(r"rank 0: test accuracy ([0-9.]+)", out)
+    assert accuracy and float(accuracy.group(1)) > 0.85, out[-3000:]
+
+
+def test_horovods_mnist_example_in_kungfus_names():
+    """examples/torch_mnist.py, Horovod's pytorch_mnist.py in kungfu's names, with its
+    --fp16-allreduce and --gradient-predivide-factor flags."""
+    out = _run_example("torch_mnist.py", "--epochs", "2", "--lr", "0.05", "--fp16-allreduce",
+                       "--gradient-predivide-factor", "2")
+    accuracy = [float(a) for a in re.findall(r"\[0\] Test set: .* Accuracy: ([0-9.]+)%", out)]
+    assert len(accuracy) == 2 and accuracy[-1] > 60, out[-3000:]
+    # each rank trains on its DistributedSampler half: 674 of the 1,347 training images
+    assert re.search(r"\[1\] Train Epoch: 2 \[0/674\]", out), out[-3000:]
