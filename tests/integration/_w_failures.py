@@ -114,6 +114,8 @@ def _mismatch_cases(n: int, r: int):
             a(4, dtype=np.uint16 if odd else np.int16), name="mm/10")),
         ("gather-dtype", lambda: kf.gather(
             a(4, dtype=np.float32 if odd else np.int32), root=0, name="mm/11")),
+        ("allreduce-avg-dtype-float16-vs-float32", lambda: kf.allreduce(
+            np.ones(16, dtype=np.float32 if odd else np.float16), op="avg", name="mm/12")),
     ]
 
 

@@ -3,6 +3,8 @@
 Nothing may hang or abort: every spawn has a deadline, and workers that survive a failure must
 exit with status 0.
 """
+import re
+
 import pytest
 
 import _w_failures as W
@@ -90,6 +92,13 @@ def check_mismatch(results, n, kinds):
             if f"'{c['op']}'" not in c["message"] or "disagree" not in c["message"]:
                 problems.append(f"{where}: the message does not say which op disagrees: "
                                 f"{c['message']!r}")
+            # A dtype mismatch names the dtypes (an avg of float16, summed in float32 on the
+            # wire, says so rather than blaming the shape).
+            dtypes = re.search(r"dtype-(\w+)-vs-(\w+)", c["case"])
+            want = ["avg of float16"] if "avg-dtype" in c["case"] else dtypes.groups() if dtypes \
+                else []
+            if any(w not in c["message"] for w in want) or "disagree on the shape" in c["message"] and want:
+                problems.append(f"{where}: the message does not name {want}: {c['message']!r}")
             if c["seconds"] > 5.0:
                 problems.append(f"{where}: took {c['seconds']:.1f} s")
             if not (c["after"].get("error") is None and c["after"].get("ok")):

@@ -50,6 +50,10 @@ struct OpSig {
   // An allreduce whose sum the caller divides by the peer count ("avg", sum on the wire): part of
   // the signature so that sum on one peer and avg on another fail instead of both returning.
   bool average = false;
+  // An average of float16 or bfloat16 summed in float32 (Peer::WidensMean): that dtype, so that
+  // it meets only the same elsewhere (every peer sends float32, so the frames' dtype cannot tell
+  // float16 from bfloat16 or from a float32 average) and a mismatch names the dtypes.
+  int widened = -1;  // a DType, or -1
   // Local only, never on the wire: this peer fails the operation with a reason of its own
   // (Peer::Fail, input it rejected). It looks for no disagreement, so that its reason, not a
   // signature it never meant, is what every peer hears.

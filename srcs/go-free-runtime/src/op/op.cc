@@ -32,7 +32,9 @@ uint64_t OpSig::Word() const {
   // Unsigned arithmetic: a signature read off the wire may hold any root, INT_MAX included.
   return uint64_t(static_cast<uint8_t>(kind)) | uint64_t(static_cast<uint8_t>(op)) << 8 |
          uint64_t(static_cast<uint8_t>(static_cast<uint32_t>(strategy) + 1u)) << 16 |
-         uint64_t(average ? 1u : 0u) << 24 | uint64_t(static_cast<uint32_t>(root) + 1u) << 32;
+         uint64_t(average ? 1u : 0u) << 24 |
+         uint64_t(static_cast<uint8_t>(static_cast<uint32_t>(widened) + 1u) & 0x7f) << 25 |
+         uint64_t(static_cast<uint32_t>(root) + 1u) << 32;
 }
 
 OpSig OpSig::FromWire(uint64_t word, uint64_t digest) {
@@ -41,6 +43,7 @@ OpSig OpSig::FromWire(uint64_t word, uint64_t digest) {
   s.op = static_cast<int>((word >> 8) & 0xff);
   s.strategy = static_cast<int>((word >> 16) & 0xff) - 1;
   s.average = ((word >> 24) & 1) != 0;
+  s.widened = static_cast<int>((word >> 25) & 0x7f) - 1;
   s.root = static_cast<int>(static_cast<int64_t>(word >> 32) - 1);
   s.digest = digest;
   return s;
@@ -49,7 +52,9 @@ OpSig OpSig::FromWire(uint64_t word, uint64_t digest) {
 std::string OpSig::ToString() const {
   std::string args;
   auto add = [&](const std::string& a) { args += (args.empty() ? "" : ", ") + a; };
-  if (average)
+  if (average && widened >= 0)
+    add(std::string("avg of ") + DTypeName(static_cast<DType>(widened)) + " in float32");
+  else if (average)
     add("avg");
   else if (op != 0)
     add(ReduceOpName(static_cast<ReduceOp>(op)));

@@ -8,13 +8,6 @@
 namespace kungfu {
 namespace {
 
-// Mixed into the op's digest: a widened average of one dtype meets only the same elsewhere
-// (every peer sends float32, so the frames' dtype cannot tell float16 from bfloat16 or from a
-// float32 average).
-uint64_t HalfMeanDigest(DType dtype) {
-  return 0x68616c666d65616eull * (static_cast<uint64_t>(dtype) + 1);
-}
-
 Status CheckArgs(int strategy, int root, int n) {
   if (strategy != -1 && !IsValidStrategy(strategy)) {
     return InvalidArgument("unknown strategy code " + std::to_string(strategy));
@@ -36,11 +29,11 @@ bool Peer::WidensMean(DType dtype, ReduceOp op, const OpOptions& options) {
 Handle Peer::AllReduceHalfMean(std::vector<Piece> pieces, DType dtype, const OpOptions& options) {
   size_t count = 0;
   for (const Piece& p : pieces) count += p.count;
-  OpOptions o = options;
-  o.digest ^= HalfMeanDigest(dtype);
-  return Run(Sig(OpKind::kAllReduce, o, static_cast<int>(ReduceOp::kSum)), o, count * sizeof(float),
+  OpSig sig = Sig(OpKind::kAllReduce, options, static_cast<int>(ReduceOp::kSum));
+  sig.widened = static_cast<int>(dtype);
+  return Run(sig, options, count * sizeof(float),
              [=, pieces = std::move(pieces)](Session& s, const OpContext& ctx) {
-               KF_RETURN_IF_ERROR(CheckArgs(o.strategy, -1, s.size()));
+               KF_RETURN_IF_ERROR(CheckArgs(options.strategy, -1, s.size()));
                std::vector<float> wide(count);  // the pieces end to end
                size_t at = 0;
                for (const Piece& p : pieces) {
@@ -49,7 +42,7 @@ Handle Peer::AllReduceHalfMean(std::vector<Piece> pieces, DType dtype, const OpO
                }
                KF_RETURN_IF_ERROR(s.AllReduce(
                    ctx, wide.data(), wide.data(), count, DType::kFloat32, ReduceOp::kSum,
-                   o.strategy, [this](std::function<void()> f) { Submit(std::move(f)); }));
+                   options.strategy, [this](std::function<void()> f) { Submit(std::move(f)); }));
                at = 0;
                for (const Piece& p : pieces) {
                  NarrowHalf(p.recv, wide.data() + at, p.count, dtype);
@@ -61,19 +54,18 @@ Handle Peer::AllReduceHalfMean(std::vector<Piece> pieces, DType dtype, const OpO
 
 Handle Peer::ReduceHalfMean(const void* send, void* recv, size_t count, DType dtype, int root,
                             const OpOptions& options) {
-  OpOptions o = options;
-  o.digest ^= HalfMeanDigest(dtype);
-  return Run(Sig(OpKind::kReduce, o, static_cast<int>(ReduceOp::kSum), root), o,
-             count * sizeof(float), [=](Session& s, const OpContext& ctx) {
-               KF_RETURN_IF_ERROR(CheckArgs(o.strategy, root, s.size()));
-               std::vector<float> wide(count);
-               WidenHalfPart(wide.data(), send, count, s.size(), dtype);
-               KF_RETURN_IF_ERROR(s.Reduce(ctx, wide.data(), wide.data(), count, DType::kFloat32,
-                                           ReduceOp::kSum, root, o.strategy));
-               // Only the root's output is the result (the others' recv is left as it was).
-               if (s.rank() == root) NarrowHalf(recv, wide.data(), count, dtype);
-               return Status::OK();
-             });
+  OpSig sig = Sig(OpKind::kReduce, options, static_cast<int>(ReduceOp::kSum), root);
+  sig.widened = static_cast<int>(dtype);
+  return Run(sig, options, count * sizeof(float), [=](Session& s, const OpContext& ctx) {
+    KF_RETURN_IF_ERROR(CheckArgs(options.strategy, root, s.size()));
+    std::vector<float> wide(count);
+    WidenHalfPart(wide.data(), send, count, s.size(), dtype);
+    KF_RETURN_IF_ERROR(s.Reduce(ctx, wide.data(), wide.data(), count, DType::kFloat32,
+                                ReduceOp::kSum, root, options.strategy));
+    // Only the root's output is the result (the others' recv is left as it was).
+    if (s.rank() == root) NarrowHalf(recv, wide.data(), count, dtype);
+    return Status::OK();
+  });
 }
 
 }  // namespace kungfu
