@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -50,6 +50,20 @@ class _Scope:
 
 
 _scope: Optional[_Scope] = None
+# Bindings whose collectives do not go through _collective (TensorFlow's ops) announce them with
+# announce(via=...) and register here how a joined worker issues one: fn(description, timeout).
+_servers: Dict[str, Callable[[dict, Optional[float]], None]] = {}
+
+
+def active() -> bool:
+    """Whether this worker is inside a Join block and has not joined (its collectives announce
+    themselves)."""
+    scope = _scope
+    return scope is not None and not scope.joined
+
+
+def register_server(via: str, fn: Callable[[dict, Optional[float]], None]) -> None:
+    _servers[via] = fn
 
 
 def _key(kind: str, name: Optional[str]) -> str:
@@ -59,8 +73,17 @@ def _key(kind: str, name: Optional[str]) -> str:
 
 def _announce(kind: str, name: Optional[str], array: np.ndarray, ranks, **extra) -> None:
     """Called by every collective of _collective just before it is issued."""
+    if (name or "").startswith(ROUND):
+        return
+    announce(kind, name, ranks, s=list(array.shape), d=array.dtype.name, **extra)
+
+
+def announce(kind: str, name: Optional[str], ranks=(), **fields) -> None:
+    """Describes a collective about to be issued, to the workers that have joined (nothing
+    outside a Join block or once this worker has joined). `fields` (JSON values) are what a
+    server needs; via="<binding>" makes register_server's function of that binding issue it."""
     scope = _scope
-    if scope is None or scope.joined or (name or "").startswith(ROUND):
+    if scope is None or scope.joined:
         return
     if ranks:
         raise InvalidArgumentError(
@@ -71,8 +94,7 @@ def _announce(kind: str, name: Optional[str], array: np.ndarray, ranks, **extra)
         use = scope.uses.get(key, 0)
         scope.uses[key] = use + 1
         scope.rounds += 1
-        desc = dict(k=kind, n=name or "", i=use, s=list(array.shape), d=array.dtype.name, **extra)
-        _round(desc, scope.timeout)  # asynchronous: nobody waits for it here
+        _round(dict(k=kind, n=name or "", i=use, **fields), scope.timeout)  # nobody waits
 
 
 def _round(desc: dict, timeout: Optional[float]) -> _collective.Handle:
@@ -80,7 +102,7 @@ def _round(desc: dict, timeout: Optional[float]) -> _collective.Handle:
     return _collective.allgather_async(data, ROUND, timeout=timeout, with_rows=True)
 
 
-def _identity(op: str, dtype: np.dtype) -> Any:
+def identity(op: str, dtype: np.dtype) -> Any:
     """What a joined worker contributes to a reduction: the value that changes nothing."""
     if op in ("sum", "avg"):
         return 0
@@ -107,11 +129,19 @@ def _unsupported(desc: dict, me: int, why: str, timeout) -> None:
 def _serve(desc: dict, me: int, timeout) -> Optional[_collective.Handle]:
     """Issues, on a joined worker, the collective `desc` describes, contributing nothing."""
     kind, name = desc["k"], desc["n"] or None
+    if "via" in desc:
+        server = _servers.get(desc["via"])
+        if server is None:
+            _unsupported(desc, me, f"(from {desc['via']}) cannot be served here: {desc['via']} "
+                         "is not loaded on it, so it", timeout)
+        else:
+            server(desc, timeout)  # issued and waited for (TensorFlow runs it eagerly)
+        return None
     shape, dtype = tuple(desc["s"]), np.dtype(desc["d"])
     op, root, strategy = desc.get("o"), desc.get("r", 0), desc.get("st")
     c = _collective
     if kind in ("allreduce", "reduce"):
-        x = np.full(shape, _identity(op, dtype), dtype)
+        x = np.full(shape, identity(op, dtype), dtype)
         if kind == "allreduce":
             return c.allreduce_async(x, op, name, strategy, timeout)
         if root != me:

@@ -148,3 +148,31 @@ def joined_dies() -> dict:
             kf.allreduce(np.ones(3), name="after")
     got["error"] = error_of(run)
     return got
+
+
+def tf_eager() -> dict:
+    """kf.Optimizer in an eager custom loop, rank r with r + 1 batches, inside kf.Join; rank 0
+    also tries an allreduce of max while alone and a collective inside tf.function."""
+    import keras
+    import tensorflow as tf
+
+    from kungfu.tensorflow import ops
+
+    r, n = kf.rank(), kf.size()
+    w = tf.Variable(W0)
+    opt = kf.Optimizer(keras.optimizers.SGD(LR))
+    got = {}
+    with kf.Join() as j:
+        for step in range(torch_steps(r)):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.linalg.matvec(tf.constant(batch_of(r, step)), w))
+            opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+        got["mine"] = w.numpy().copy()
+        if r == n - 1:  # the others have joined by now
+            got["max"] = ops.all_reduce(tf.constant(a_of(r)), "max", name="tf_max").numpy()
+            got["in tf.function"] = error_of(tf.function(
+                lambda: ops.all_reduce(tf.constant(1.0), name="traced")))
+            got["broadcast"] = error_of(lambda: ops.broadcast(tf.constant(1.0), name="tf_bc"))
+        got["ret"] = kf.join()
+    got["block"] = j.last_joined
+    return got

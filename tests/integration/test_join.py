@@ -107,3 +107,24 @@ def test_joined_worker_dies(spawn):
     assert "(rank 1)" in o.value["error"][1], o.value
     if "first" in o.value:  # served before it died: rank 1 counted as zeros
         np.testing.assert_array_equal(o.value["first"], np.ones(3))
+
+
+def test_tensorflow_eager_loop(spawn):
+    pytest.importorskip("tensorflow")
+    n = 2
+    run = spawn.run(n, W.tf_eager, env=ENV, timeout=180)
+    w, after = W.W0.astype(np.float64), []
+    for step in range(n):
+        active = [k for k in range(n) if W.torch_steps(k) > step]
+        w = w - W.LR * sum(W.batch_of(k, step).sum(0) for k in active) / n
+        after.append(w)
+    for r, o in enumerate(run.outcomes):
+        assert o.status == "ok", o.describe()
+        got = o.value
+        assert got["ret"] == n - 1 and got["block"] == n - 1
+        np.testing.assert_allclose(got["mine"], after[r], rtol=1e-5)
+    last = run.outcomes[n - 1].value
+    np.testing.assert_array_equal(last["max"], W.a_of(n - 1))  # the joined rank 0: -inf
+    assert last["broadcast"][0] == "InvalidArgumentError", last["broadcast"]
+    for key in ("in tf.function", "broadcast"):  # tracing wraps the error in a StagingError
+        assert "inside kungfu's Join, TensorFlow's collectives are supported only" in last[key][1]
