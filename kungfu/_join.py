@@ -126,8 +126,10 @@ def _unsupported(desc: dict, me: int, why: str, timeout) -> None:
     _peer.get().fail(kind, name, reason, ms, [])
 
 
-def _serve(desc: dict, me: int, timeout) -> Optional[_collective.Handle]:
-    """Issues, on a joined worker, the collective `desc` describes, contributing nothing."""
+def _serve(desc: dict, me: int, joined: set, timeout) -> Optional[_collective.Handle]:
+    """Issues, on a joined worker, the collective `desc` describes, contributing nothing.
+    `joined`: the ranks that had joined in the round that described it (the same set on every
+    worker, so all the joined ones fail an op whose root is among them, none serves it)."""
     kind, name = desc["k"], desc["n"] or None
     if "via" in desc:
         server = _servers.get(desc["via"])
@@ -144,16 +146,16 @@ def _serve(desc: dict, me: int, timeout) -> Optional[_collective.Handle]:
         x = np.full(shape, identity(op, dtype), dtype)
         if kind == "allreduce":
             return c.allreduce_async(x, op, name, strategy, timeout)
-        if root != me:
+        if root not in joined:
             return c.reduce_async(x, op, root, name, strategy, timeout)
     elif kind in ("allgather", "gather"):
         none = np.zeros((0,) + shape[1:], dtype)
         if kind == "allgather":
             return c.allgather_async(none, name, timeout)
-        if root != me:
+        if root not in joined:
             return c.gather_async(none, root, name, timeout)
     elif kind == "broadcast":
-        if root != me:
+        if root not in joined:
             return c.broadcast_async(np.zeros(shape, dtype), root, name, strategy, timeout)
     elif kind == "barrier":
         native = _peer.get().barrier(name or "", c._timeout_ms(timeout), [])
@@ -161,7 +163,7 @@ def _serve(desc: dict, me: int, timeout) -> Optional[_collective.Handle]:
     else:
         _unsupported(desc, me, "is not supported", timeout)
         return None
-    _unsupported(desc, me, f"has the joined rank {me} as its root, which", timeout)
+    _unsupported(desc, me, f"has the joined rank {root} as its root, which", timeout)
     return None
 
 
@@ -173,7 +175,7 @@ class _Server:
         self.waiting: Dict[str, Dict[int, dict]] = {}  # per name: described uses not yet due
         self.handles: List[_collective.Handle] = []
 
-    def take(self, descs: List[dict]) -> None:
+    def take(self, descs: List[dict], joined: set) -> None:
         """Serves each described use once, in the order of the uses of its name."""
         for d in sorted(descs, key=lambda d: d["i"]):
             self.waiting.setdefault(_key(d["k"], d["n"] or None), {})[d["i"]] = d
@@ -181,7 +183,7 @@ class _Server:
             while self.scope.uses.get(key, 0) in uses:
                 d = uses.pop(self.scope.uses.get(key, 0))
                 self.scope.uses[key] = d["i"] + 1
-                h = _serve(d, self.me, self.scope.timeout)
+                h = _serve(d, self.me, joined, self.scope.timeout)
                 if h is not None:
                     self.handles.append(h)
             for i in [i for i in uses if i < self.scope.uses.get(key, 0)]:
@@ -189,15 +191,18 @@ class _Server:
         self.handles = [h for h in self.handles if not self._finished(h)]
 
     @staticmethod
-    def _finished(h: _collective.Handle) -> bool:
-        if not h.done():
+    def _finished(h: _collective.Handle, block: bool = False) -> bool:
+        if not block and not h.done():
             return False
-        h.wait()  # raises the error of a served collective that failed
+        try:
+            h.wait()  # raises the error of a served collective that failed
+        except InvalidArgumentError:
+            pass  # the others' input or call was refused: theirs to handle (they got it too)
         return True
 
     def finish(self) -> None:
         for h in self.handles:
-            h.wait()
+            self._finished(h, block=True)
         left = {k: sorted(u) for k, u in self.waiting.items() if u}
         if left:
             raise InvalidArgumentError(
@@ -228,7 +233,8 @@ def join(timeout: Optional[float] = None) -> int:
         descs = [json.loads(data[e - n:e].tobytes()) for n, e in zip(rows, ends)]
         if all("j" in d for d in descs):
             break
-        server.take([d for d in descs if "j" not in d])
+        server.take([d for d in descs if "j" not in d],
+                    {r for r, d in enumerate(descs) if "j" in d})
     server.finish()
     with scope.lock:
         scope.rounds, scope.uses, scope.joined = 0, {}, False

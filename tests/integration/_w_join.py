@@ -98,6 +98,11 @@ def _others(r: int, n: int) -> dict:
                                                          splits=[1] + [0] * (n - 1)))
             got["after errors"] = kf.allreduce(a_of(r), name="sum")
     got["ret"] = j.last_joined
+    with kf.Join() as alone:  # only the last rank has data: every other one has joined
+        if r == n - 1:
+            got["alone broadcast"] = error_of(lambda: kf.broadcast(a_of(r), root=0, name="bc0b"))
+            got["alone sum"] = kf.allreduce(a_of(r), name="alone")
+    got["alone ret"] = alone.last_joined
     return got
 
 

@@ -68,7 +68,12 @@ def test_other_collectives_while_joined(runs, n):
     rest = list(range(1, n))
     for r, got in enumerate(runs(n)):
         o = got["others"]
-        assert o["ret"] == n - 1
+        assert o["ret"] == n - 1 and o["alone ret"] == n - 1
+        if r == n - 1:  # every joined rank fails a broadcast from a joined root, none serves it
+            assert o["alone broadcast"][0] == "InvalidArgumentError", o["alone broadcast"]
+            assert "has joined (it has no more data): broadcast 'bc0b' has the joined rank 0 as " \
+                "its root" in o["alone broadcast"][1], o["alone broadcast"]
+            np.testing.assert_array_equal(o["alone sum"], W.a_of(r))
         if r == 0:
             continue
         np.testing.assert_array_equal(o["max"], np.max([W.a_of(k) for k in rest], axis=0))
