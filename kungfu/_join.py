@@ -35,7 +35,6 @@ from kungfu import _collective, _peer
 from kungfu.errors import InvalidArgumentError
 
 ROUND = "kungfu::join"  # the rounds' name; collectives under it are never announced
-_SERVED = ("allreduce", "reduce", "allgather", "gather", "broadcast", "barrier")
 
 
 class _Scope:
@@ -119,9 +118,9 @@ def identity(op: str, dtype: np.dtype) -> Any:
 def _unsupported(desc: dict, me: int, why: str, timeout) -> None:
     """Fails the operation on every worker, naming this one and the operation."""
     kind, name = desc["k"], desc["n"]
-    reason = (f"rank {me} has joined (it has no more data): {kind} '{name}' {why} while a rank "
-              f"has joined (supported: allreduce, reduce, allgather, gather, barrier, and "
-              f"broadcast from a rank that has not joined)")
+    reason = (f"rank {me} has joined (it has no more data): {kind} '{name}' {why} (supported "
+              "while a rank has joined: allreduce, barrier, allgather, and reduce, gather and "
+              "broadcast to or from a rank that has not joined)")
     ms = _collective._timeout_ms(timeout)
     _peer.get().fail(kind, name, reason, ms, [])
 
@@ -134,8 +133,8 @@ def _serve(desc: dict, me: int, joined: set, timeout) -> Optional[_collective.Ha
     if "via" in desc:
         server = _servers.get(desc["via"])
         if server is None:
-            _unsupported(desc, me, f"(from {desc['via']}) cannot be served here: {desc['via']} "
-                         "is not loaded on it, so it", timeout)
+            _unsupported(desc, me, f"comes from {desc['via']}, which this rank has not loaded",
+                         timeout)
         else:
             server(desc, timeout)  # issued and waited for (TensorFlow runs it eagerly)
         return None
@@ -161,9 +160,9 @@ def _serve(desc: dict, me: int, joined: set, timeout) -> Optional[_collective.Ha
         native = _peer.get().barrier(name or "", c._timeout_ms(timeout), [])
         return c.Handle(native, lambda: None)
     else:
-        _unsupported(desc, me, "is not supported", timeout)
+        _unsupported(desc, me, "is not supported while a rank has joined", timeout)
         return None
-    _unsupported(desc, me, f"has the joined rank {root} as its root, which", timeout)
+    _unsupported(desc, me, f"has the joined rank {root} as its root", timeout)
     return None
 
 
