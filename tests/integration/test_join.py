@@ -9,7 +9,7 @@ import pytest
 import _w_join as W
 
 pytestmark = pytest.mark.timeout(240)
-ENV = {"KUNGFU_OP_TIMEOUT": "30s"}
+ENV = {"KUNGFU_OP_TIMEOUT": "30s", "KUNGFU_MISMATCH_GRACE": "300ms"}
 
 try:
     import torch  # noqa: F401
