@@ -51,18 +51,24 @@ W0 = np.array([0.5, -1.0, 2.0], np.float32)
 # -- workers ------------------------------------------------------------------------------------
 
 def _horovod_cases(r: int, n: int) -> list:
-    """Horovod's join test: each rank in turn joins first; the others average two tensors."""
+    """Horovod's join test: each rank in turn joins first; the others average two tensors. With
+    `warm`, every rank averages them once before (the joined one has then issued use 0 of both
+    names itself: it serves only the later uses)."""
     out = []
-    for first in range(n):
-        got = {}
-        with kf.Join() as j:
-            if r != first:
-                ha = kf.allreduce_async(a_of(r), "avg", name="tensor_a")
-                hb = kf.allreduce_async(b_of(r), "avg", name="tensor_b")
-                got = {"a": ha.wait(), "b": hb.wait()}
-        got["ret"] = j.last_joined
-        got["everywhere"] = kf.allgather_object(j.last_joined)
-        out.append(got)
+    for warm in (False, True):
+        for first in range(n):
+            got = {}
+            with kf.Join() as j:
+                if warm:
+                    got["warm"] = kf.allreduce(a_of(r), "avg", name="tensor_a")
+                    kf.allreduce(b_of(r), "avg", name="tensor_b")
+                if r != first:
+                    ha = kf.allreduce_async(a_of(r), "avg", name="tensor_a")
+                    hb = kf.allreduce_async(b_of(r), "avg", name="tensor_b")
+                    got.update(a=ha.wait(), b=hb.wait())
+            got["ret"] = j.last_joined
+            got["everywhere"] = kf.allgather_object(j.last_joined)
+            out.append(got)
     return out
 
 

@@ -33,10 +33,12 @@ def runs(session_spawn):
 def test_horovod_join_allreduce(runs, n):
     # Horovod's test_horovod_join_allreduce: the joined rank counts as zeros, the average is
     # divided by the whole size; join returns the same rank everywhere, not the first joiner.
-    for first in range(n):
-        others = [k for k in range(n) if k != first]
+    for case in range(2 * n):  # each rank joining first, then the same after a warm-up round
+        first, others = case % n, [k for k in range(n) if k != case % n]
         for r, got in enumerate(runs(n)):
-            h = got["horovod"][first]
+            h = got["horovod"][case]
+            if case >= n:
+                np.testing.assert_allclose(h["warm"], sum(W.a_of(k) for k in range(n)) / n)
             assert h["ret"] == max(others)  # they joined together, after their two collectives
             assert h["everywhere"] == [h["ret"]] * n
             if r != first:
