@@ -190,4 +190,12 @@ def tf_eager() -> dict:
             got["broadcast"] = error_of(lambda: ops.broadcast(tf.constant(1.0), name="tf_bc"))
         got["ret"] = kf.join()
     got["block"] = j.last_joined
+    v, sgd = tf.Variable(W0), keras.optimizers.SGD(LR)  # Horovod's tape, a plain optimizer
+    with kf.Join():
+        for step in range(torch_steps(r)):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.linalg.matvec(tf.constant(batch_of(r, step)), v))
+            grads = kf.DistributedGradientTape(tape).gradient(loss, [v])
+            sgd.apply_gradients(zip(grads, [v]))
+        got["tape"] = v.numpy().copy()
     return got

@@ -130,6 +130,7 @@ def test_tensorflow_eager_loop(spawn):
         got = o.value
         assert got["ret"] == n - 1 and got["block"] == n - 1
         np.testing.assert_allclose(got["mine"], after[r], rtol=1e-5)
+        np.testing.assert_allclose(got["tape"], after[r], rtol=1e-5)
     last = run.outcomes[n - 1].value
     np.testing.assert_array_equal(last["max"], W.a_of(n - 1))  # the joined rank 0: -inf
     assert last["broadcast"][0] == "InvalidArgumentError", last["broadcast"]
