@@ -29,6 +29,7 @@ from kungfu._collective import (
     reducescatter,
     reducescatter_async,
 )
+from kungfu._join import Join, join
 from kungfu._process_set import ProcessSet
 from kungfu._version import __version__  # noqa: F401
 
@@ -160,4 +161,6 @@ __all__ = [
     "reducescatter_async",
     "broadcast_object",
     "allgather_object",
+    "join",
+    "Join",
 ]

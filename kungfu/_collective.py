@@ -16,6 +16,15 @@ from kungfu.errors import InvalidArgumentError, OpTimeoutError, raise_for_status
 
 _NO_TIMEOUT = -1
 
+# Set by kungfu._join inside its Join block: every collective of the cluster describes itself
+# there just before it is issued (a worker that has joined takes part in it from that).
+_announce: Optional[Callable[..., None]] = None
+
+
+def _announced(kind: str, name, array: np.ndarray, ranks, **extra) -> None:
+    if _announce is not None:
+        _announce(kind, name, array, ranks, **extra)
+
 
 @functools.lru_cache(maxsize=64)  # called per operation: dtype.name is slow to build
 def _dtype_code(dtype: np.dtype) -> int:
@@ -272,6 +281,7 @@ def allreduce_async(x, op: str = "sum", name: Optional[str] = None, strategy: Op
         average = op == "avg"
         if average and inp.array.dtype == np.bool_:
             raise InvalidArgumentError("op 'avg' is not defined for bool")
+        _announced("allreduce", name, inp.array, ranks, o=op, st=strategy)
         peer = _peer.get()
         n = len(ranks) or peer.size
         recv = _output(inp, out)
@@ -323,6 +333,7 @@ def reduce_async(x, op: str = "sum", root: int = 0, name: Optional[str] = None,
         if op not in ops:
             raise InvalidArgumentError(f"unknown reduce op {op!r} (choose sum, min, max, prod)")
         inp = _Input(x)
+        _announced("reduce", name, inp.array, ranks, o=op, r=_root(root), st=strategy)
         peer = _peer.get()
         send = inp.array
         recv = _new_result(send.shape, send.dtype)
@@ -346,6 +357,7 @@ def broadcast_async(x, root: int = 0, name: Optional[str] = None, strategy: Opti
     ranks = _members(process_set, "broadcast")
     with _takes_part("broadcast", name, timeout, ranks):
         inp = _Input(x)
+        _announced("broadcast", name, inp.array, ranks, r=_root(root), st=strategy)
         peer = _peer.get()
         send = inp.array
         recv = _output(inp, out)
@@ -399,6 +411,7 @@ def allgather_async(x, name: Optional[str] = None, timeout: Optional[float] = No
     ranks = _members(process_set, "allgather")
     with _takes_part("allgather", name, timeout, ranks):
         inp = _Input(x)
+        _announced("allgather", name, inp.array, ranks)
         peer = _peer.get()
         send = inp.array
         native = peer.allgather(send.reshape(-1).view(np.uint8), send.size, inp.code, name or "",
@@ -419,6 +432,7 @@ def gather_async(x, root: int = 0, name: Optional[str] = None,
     ranks = _members(process_set, "gather")
     with _takes_part("gather", name, timeout, ranks):
         inp = _Input(x)
+        _announced("gather", name, inp.array, ranks, r=_root(root))
         peer = _peer.get()
         send = inp.array
         native = peer.gather(send.reshape(-1).view(np.uint8), send.size, inp.code, _root(root),
@@ -466,6 +480,7 @@ def alltoall_async(x, splits=None, name: Optional[str] = None,
             raise InvalidArgumentError(
                 f"alltoall: splits must be {n} non-negative ints that add up to the {rows} rows "
                 f"of x, got {splits!r}")
+        _announced("alltoall", name, inp.array, ranks)
         row = int(np.prod(inp.array.shape[1:], dtype=np.int64))
         send = inp.array
         native = peer.alltoall(send.reshape(-1).view(np.uint8), [int(c) * row for c in splits],
@@ -496,6 +511,7 @@ def reducescatter_async(x, op: str = "sum", name: Optional[str] = None,
         if average and inp.array.dtype == np.bool_:
             raise InvalidArgumentError("op 'avg' is not defined for bool")
         peer = _peer.get()
+        _announced("reducescatter", name, inp.array, ranks, o=op)
         n, me = len(ranks) or peer.size, _set_rank(peer, ranks)
         parts = _even_parts(rows, n)
         shape = (parts[me],) + inp.array.shape[1:]
@@ -587,6 +603,7 @@ def barrier(name: Optional[str] = None, timeout: Optional[float] = None,
     """Returns once every worker (of process_set, if given) has entered the barrier."""
     ranks = _members(process_set, "barrier")
     with _takes_part("barrier", name, timeout, ranks):
+        _announced("barrier", name, np.zeros(0, np.uint8), ranks)
         native = _peer.get().barrier(name or "", _timeout_ms(timeout), ranks)
     Handle(native, lambda: None).wait()
 
@@ -601,6 +618,7 @@ def consensus_async(x, name: Optional[str] = None, timeout: Optional[float] = No
             data = np.frombuffer(bytes(x), dtype=np.uint8)
         else:
             data = np.ascontiguousarray(_Input(x).array).reshape(-1).view(np.uint8)
+        _announced("consensus", name, data, ranks)
         native = _peer.get().consensus(data, name or "", _timeout_ms(timeout), ranks)
     return Handle(native, native.agreed)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from kungfu import _gpu, _peer
 from kungfu._collective import allgather_object, barrier, broadcast_object
+from kungfu._join import Join, join
 from kungfu._process_set import ProcessSet
 from kungfu.elastic import ElasticData
 from kungfu.torch import ops, optimizers
@@ -76,4 +77,6 @@ __all__ = [
     "allgather_object",
     "barrier",
     "broadcast_object",
+    "join",
+    "Join",
 ] + [name for name in ops.__all__ if name != "agree_on"]

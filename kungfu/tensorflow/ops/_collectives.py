@@ -7,9 +7,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
-from kungfu import _peer
+import numpy as np
+
+from kungfu import _join, _peer
 from kungfu._collective import _strategy_code as _strategy, _timeout_ms
 from kungfu._process_set import ProcessSet, members as _members
+from kungfu.errors import InvalidArgumentError
 from kungfu.tensorflow._oplib import lib as _lib
 from kungfu.tensorflow.ops import _fusion
 
@@ -108,6 +111,38 @@ def _issue(op_name: str, build: Callable[[str], Any]):
     return out
 
 
+def _joining(kind: str, name: str, ts=(), attrs=None, **fields) -> None:
+    """Inside kungfu's Join block (kungfu/_join.py), before the op `name` runs: an allreduce of
+    the whole cluster, run eagerly, is described to the workers that have joined (which run it
+    with zeros, _serve_joined); any other collective is refused, on this worker, at once."""
+    if not _join.active():
+        return
+    if kind != "allreduce" or attrs or not tf.executing_eagerly():
+        raise InvalidArgumentError(
+            f"{kind} '{name}': inside kungfu's Join, TensorFlow's collectives are supported only "
+            "as allreduces of the whole cluster run eagerly (all_reduce, group_all_reduce, "
+            "kf.Optimizer in a custom loop), not inside tf.function or model.fit")
+    _join.announce(kind, name, via="tf", s=[t.shape.as_list() for t in ts], d=ts[0].dtype.name,
+                   **fields)
+
+
+def _serve_joined(desc: dict, timeout: Optional[float]) -> None:
+    """What a joined worker runs for a described allreduce: the same op over zeros (the identity
+    of min, max and prod)."""
+    dtype = tf.dtypes.as_dtype(desc["d"])
+    fill = _join.identity("sum" if desc["a"] else desc["o"], np.dtype(dtype.as_numpy_dtype))
+    ts = [tf.fill(s, tf.constant(fill, dtype)) for s in desc["s"]]
+    kw = dict(op=desc["o"], average=desc["a"], op_name=desc["n"], strategy=desc["st"],
+              timeout_ms=_timeout_ms(timeout))
+    if desc["g"]:
+        _lib.kungfu_group_all_reduce(ts, **kw)
+    else:
+        _lib.kungfu_all_reduce(ts[0], **kw)
+
+
+_join.register_server("tf", _serve_joined)
+
+
 def all_reduce(t, op: str = "sum", name: Optional[str] = None, strategy: Optional[str] = None,
                timeout: Optional[float] = None, process_set: Optional[ProcessSet] = None):
     """Reduces t over all workers with op (sum, avg, min, max, prod); every worker gets the
@@ -118,9 +153,14 @@ def all_reduce(t, op: str = "sum", name: Optional[str] = None, strategy: Optiona
         return _sparse_all_reduce(t, op, name, timeout, process_set)
     attrs = _set_attrs(process_set, "all_reduce")
     name = _name(name, t, "all_reduce")
-    reduce = lambda x, average: _issue(name, lambda n: _lib.kungfu_all_reduce(  # noqa: E731
-        x, op="sum" if average else op, average=average, op_name=n,
-        strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout), **attrs))
+    def reduce(x, average):
+        def build(n):
+            o = "sum" if average else op
+            _joining("allreduce", n, [x], attrs, o=o, a=average, st=_strategy(strategy), g=False)
+            return _lib.kungfu_all_reduce(x, op=o, average=average, op_name=n,
+                                          strategy=_strategy(strategy),
+                                          timeout_ms=_timeout_ms(timeout), **attrs)
+        return _issue(name, build)
     if op != "avg":
         return reduce(t, False)
     summed, finish = _averaged(t, axis=0, process_set=process_set)
@@ -176,11 +216,15 @@ def group_all_reduce(ts: Sequence[tf.Tensor], op: str = "sum", name: Optional[st
     finishes = None
     if average:
         ts, finishes = zip(*(_averaged(t, axis=0, process_set=process_set) for t in ts))
-    out = _fusion.grouped_apply(
-        ts, name or "group", bucket_bytes,
-        lambda group, n: _issue(n, lambda n: _lib.kungfu_group_all_reduce(
-            group, op="sum" if average else op, average=average, op_name=n,
-            strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout), **attrs)))
+    o = "sum" if average else op
+
+    def build(group, n):
+        _joining("allreduce", n, group, attrs, o=o, a=average, st=_strategy(strategy), g=True)
+        return _lib.kungfu_group_all_reduce(group, op=o, average=average, op_name=n,
+                                            strategy=_strategy(strategy),
+                                            timeout_ms=_timeout_ms(timeout), **attrs)
+    out = _fusion.grouped_apply(ts, name or "group", bucket_bytes,
+                                lambda group, n: _issue(n, lambda n: build(group, n)))
     return [f(s) for f, s in zip(finishes, out)] if average else out
 
 
@@ -188,6 +232,7 @@ def broadcast(t, root: int = 0, name: Optional[str] = None, strategy: Optional[s
               timeout: Optional[float] = None, process_set: Optional[ProcessSet] = None):
     """root's t on every worker (same shape and dtype everywhere)."""
     attrs = _set_attrs(process_set, "broadcast")
+    _joining("broadcast", name or "")
     return _issue(_name(name, t, "broadcast"), lambda n: _lib.kungfu_broadcast(
         t, root=int(root), op_name=n, strategy=_strategy(strategy), timeout_ms=_timeout_ms(timeout),
         **attrs))
@@ -197,6 +242,7 @@ def all_gather(t, name: Optional[str] = None, timeout: Optional[float] = None,
                process_set: Optional[ProcessSet] = None):
     """Every worker's t concatenated along axis 0, in rank order (axis-0 sizes may differ)."""
     attrs = _set_attrs(process_set, "all_gather")
+    _joining("allgather", name or "")
     return _issue(_name(name, t, "all_gather"), lambda n: _lib.kungfu_all_gather(
         t, op_name=n, timeout_ms=_timeout_ms(timeout), **attrs))
 
@@ -207,6 +253,7 @@ def all_to_all(t, splits=None, name: Optional[str] = None, timeout: Optional[flo
     divide evenly) and gets the rows every worker sent it, in rank order. Dimensions after the
     first must agree everywhere; splits may differ per worker."""
     attrs = _set_attrs(process_set, "all_to_all")
+    _joining("alltoall", name or "")
     t = tf.convert_to_tensor(t)
     if splits is None:
         rows = tf.shape(t, out_type=tf.int64)[0]
@@ -228,6 +275,7 @@ def reduce_scatter(t, op: str = "sum", name: Optional[str] = None,
     shape and dtype everywhere."""
     _check_op(op)
     attrs = _set_attrs(process_set, "reduce_scatter")
+    _joining("reducescatter", name or "")
     name = _name(name, t, "reduce_scatter")
     reduce = lambda x, average: _issue(name, lambda n: _lib.kungfu_reduce_scatter(  # noqa: E731
         x, op="sum" if average else op, average=average, op_name=n,
@@ -243,6 +291,7 @@ def barrier(name: str = "kungfu::tf-barrier", timeout: Optional[float] = None,
     """An op that completes once every worker (of process_set, if given) has run it."""
     _peer.get()
     attrs = _set_attrs(process_set, "barrier")
+    _joining("barrier", name)
     return _lib.kungfu_barrier(op_name=name, timeout_ms=_timeout_ms(timeout), **attrs)
 
 
@@ -250,6 +299,7 @@ def consensus(t, name: Optional[str] = None, timeout: Optional[float] = None,
               process_set: Optional[ProcessSet] = None):
     """A bool scalar: True on every worker iff every worker passed the same bytes."""
     attrs = _set_attrs(process_set, "consensus")
+    _joining("consensus", name or "")
     return _lib.kungfu_consensus(t, op_name=_name(name, t, "consensus"),
                                  timeout_ms=_timeout_ms(timeout), **attrs)
 

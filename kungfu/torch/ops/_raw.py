@@ -150,7 +150,9 @@ def _on_device(t: torch.Tensor, x: torch.Tensor, launch: Callable, mean_of: int 
 
 
 def _device_path(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" and _gpu.nccl_available()
+    # Inside kungfu's Join (kungfu/_join.py) the host path, where collectives announce themselves
+    # to the workers that have joined.
+    return x.device.type == "cuda" and _gpu.nccl_available() and _collective._announce is None
 
 
 def all_reduce_into(t: torch.Tensor, op: str = "sum", name: Optional[str] = None,
