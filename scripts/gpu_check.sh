@@ -8,6 +8,8 @@
 #   5. the ResNet-50 gradient set's allreduce at np 2: staging against synchronous .cpu()
 #      staging and against torch.distributed's gloo (benchmarks/gpu_allreduce.py).
 # Output goes to stdout and to $OUT/gpu_check.log when OUT is set. Every step has a deadline.
+# The build needs OpenSSL's headers and libcrypto; where the machine has none (and no network),
+# carry the libssl-dev package in .deb/ (scripts/openssl_from_debs.sh says how).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${OUT:-/tmp}/gpu_check.log
@@ -15,6 +17,9 @@ exec > >(tee "$log") 2>&1
 PY=${PYTHON:-python3}
 step() { echo; echo "== $*"; }
 step "build (numpy-only core)"
+# shellcheck source=scripts/openssl_from_debs.sh
+. scripts/openssl_from_debs.sh
+openssl_from_debs || { echo "build failed: no OpenSSL to build with"; exit 1; }
 KUNGFU_BUILD_TENSORFLOW=0 timeout 300 "$PY" -m pip install -q --no-build-isolation --no-deps \
   --no-index . || { echo "build failed"; exit 1; }
 export KUNGFU_GPU_COUNT=0  # both ranks on the one GPU

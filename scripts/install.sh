@@ -9,6 +9,17 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 pip() { .venv/bin/python -m pip --disable-pip-version-check "$@"; }
+# OpenSSL's headers: the runtime's handshake uses libcrypto (CMakeLists.txt). Required: without
+# them the build stops, so they are installed as root with apt-get where they are missing.
+if [ ! -e /usr/include/openssl/evp.h ] && command -v apt-get >/dev/null 2>&1 \
+    && [ "$(id -u)" = 0 ]; then
+  if { timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 600 \
+         apt-get install -y -qq libssl-dev; } >/dev/null 2>&1; then
+    echo "libssl-dev installed"
+  else
+    echo "libssl-dev not installed (apt-get failed): the build needs OpenSSL's headers" >&2
+  fi
+fi
 pip install --quiet --upgrade pip
 pip install --quiet "setuptools>=64" wheel "pybind11>=2.12" "cmake>=3.18" \
   "tensorflow-cpu==2.21.*" scikit-learn

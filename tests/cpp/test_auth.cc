@@ -32,9 +32,15 @@ using kftest::LocalCluster;
 namespace {
 
 std::string Sha(const std::string& s) {
-  kungfu::auth::Sha256 h;
-  h.Update(s.data(), s.size());
-  return kungfu::auth::Hex(h.Finish());
+  kungfu::auth::Digest d;
+  if (!CHECK(kungfu::auth::Sha256(s, &d))) return "";
+  return kungfu::auth::Hex(d);
+}
+
+std::string Hmac(const std::string& key, const std::string& message) {
+  kungfu::auth::Digest d;
+  if (!CHECK(kungfu::auth::HmacSha256(key, message, &d))) return "";
+  return kungfu::auth::Hex(d);
 }
 
 // Creates and starts every peer of `c` with its own token; returns each Start status.
@@ -134,7 +140,8 @@ std::string Transcript(const std::string& name, uint64_t version, const std::str
 }
 
 std::string Proof(const std::string& token, const char* role, const std::string& transcript) {
-  auto d = kungfu::auth::HmacSha256(token, std::string(role) + "|" + transcript);
+  kungfu::auth::Digest d;
+  CHECK(kungfu::auth::HmacSha256(token, std::string(role) + "|" + transcript, &d));
   return std::string(d.begin(), d.end());
 }
 
@@ -229,24 +236,49 @@ int ConnectWhenUp(const kungfu::PeerID& to) {
 }  // namespace
 
 TEST(Sha256AndHmacMatchPublishedVectors) {
-  CHECK_EQ(Sha(""), std::string("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"));
-  CHECK_EQ(Sha("abc"), std::string("ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"));
+  // FIPS 180-2, appendix B (one block, two blocks, a million 'a'), the empty message, and the
+  // 896-bit message of the NIST examples.
+  CHECK_EQ(Sha(""),
+           std::string("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"));
+  CHECK_EQ(Sha("abc"),
+           std::string("ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"));
   CHECK_EQ(Sha("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
            std::string("248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"));
   CHECK_EQ(Sha(std::string(1000000, 'a')),
            std::string("cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0"));
-  // RFC 4231, test cases 1, 2 and 6 (a key longer than the block).
-  CHECK_EQ(kungfu::auth::Hex(kungfu::auth::HmacSha256(std::string(20, '\x0b'), "Hi There")),
+  CHECK_EQ(Sha("abcdefghbcdefghicdefghijdefghijkefghijklfghijklmghijklmnhijklmno"
+               "ijklmnopjklmnopqklmnopqrlmnopqrsmnopqrstnopqrstu"),
+           std::string("cf5b16a778af8380036ce59e7b0492370b249b11e8f07a51afac45037afee9d1"));
+  // RFC 4231, test cases 1 to 7 (5 is truncated to 128 bits; 6 and 7 hash a key longer than the
+  // block first).
+  CHECK_EQ(Hmac(std::string(20, '\x0b'), "Hi There"),
            std::string("b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"));
-  CHECK_EQ(kungfu::auth::Hex(kungfu::auth::HmacSha256("Jefe", "what do ya want for nothing?")),
+  CHECK_EQ(Hmac("Jefe", "what do ya want for nothing?"),
            std::string("5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"));
-  CHECK_EQ(kungfu::auth::Hex(kungfu::auth::HmacSha256(
-               std::string(131, '\xaa'), "Test Using Larger Than Block-Size Key - Hash Key First")),
+  CHECK_EQ(Hmac(std::string(20, '\xaa'), std::string(50, '\xdd')),
+           std::string("773ea91e36800e46854db8ebd09181a72959098b3ef8c122d9635514ced565fe"));
+  std::string key4;
+  for (char c = 1; c <= 25; ++c) key4 += c;
+  CHECK_EQ(Hmac(key4, std::string(50, '\xcd')),
+           std::string("82558a389a443c0ea4cc819899f2083a85f0faa3e578f8077a2e3ff46729665b"));
+  CHECK_EQ(Hmac(std::string(20, '\x0c'), "Test With Truncation").substr(0, 32),
+           std::string("a3b6167473100ee06e0c796c2955552b"));
+  CHECK_EQ(Hmac(std::string(131, '\xaa'), "Test Using Larger Than Block-Size Key - Hash Key First"),
            std::string("60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"));
+  CHECK_EQ(Hmac(std::string(131, '\xaa'),
+                "This is a test using a larger than block-size key and a larger than block-size "
+                "data. The key needs to be hashed before being used by the HMAC algorithm."),
+           std::string("9b09ffa71b942fcb27635fbcd5b0e944bfdc63644f0713938a7f51535c3a35e2"));
   kungfu::auth::Digest n1{}, n2{};
   CHECK(kungfu::auth::Nonce(&n1) && kungfu::auth::Nonce(&n2));
   CHECK(!kungfu::auth::Equal(n1, n2));
   CHECK(kungfu::auth::Equal(n1, n1));
+  // Equal looks at every byte: a difference in the last one counts as much as in the first.
+  for (size_t i : {size_t(0), size_t(15), size_t(31)}) {
+    kungfu::auth::Digest m = n1;
+    m[i] ^= 1;
+    CHECK(!kungfu::auth::Equal(n1, m));
+  }
 }
 
 TEST(PeersWithTheSameTokenConnect) {

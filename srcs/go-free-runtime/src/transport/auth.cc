@@ -1,155 +1,34 @@
 #include "transport/auth.h"
 
-#include <fcntl.h>
-#include <sys/random.h>
-#include <unistd.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
 
-#include <algorithm>
-#include <cerrno>
-#include <cstring>
+#include <climits>
 
 namespace kungfu::auth {
 
-namespace {
-
-constexpr uint32_t kRound[64] = {
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
-    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
-    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
-    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
-    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
-    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
-    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
-
-inline uint32_t Rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
-
-}  // namespace
-
-Sha256::Sha256()
-    : h_{0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-         0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19} {}
-
-void Sha256::Block(const uint8_t* p) {
-  uint32_t w[64];
-  for (int i = 0; i < 16; ++i) {
-    w[i] = uint32_t(p[4 * i]) << 24 | uint32_t(p[4 * i + 1]) << 16 | uint32_t(p[4 * i + 2]) << 8 |
-           uint32_t(p[4 * i + 3]);
-  }
-  for (int i = 16; i < 64; ++i) {
-    uint32_t s0 = Rotr(w[i - 15], 7) ^ Rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
-    uint32_t s1 = Rotr(w[i - 2], 17) ^ Rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
-    w[i] = w[i - 16] + s0 + w[i - 7] + s1;
-  }
-  uint32_t a = h_[0], b = h_[1], c = h_[2], d = h_[3], e = h_[4], f = h_[5], g = h_[6], h = h_[7];
-  for (int i = 0; i < 64; ++i) {
-    uint32_t t1 =
-        h + (Rotr(e, 6) ^ Rotr(e, 11) ^ Rotr(e, 25)) + ((e & f) ^ (~e & g)) + kRound[i] + w[i];
-    uint32_t t2 = (Rotr(a, 2) ^ Rotr(a, 13) ^ Rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-    h = g;
-    g = f;
-    f = e;
-    e = d + t1;
-    d = c;
-    c = b;
-    b = a;
-    a = t1 + t2;
-  }
-  h_[0] += a;
-  h_[1] += b;
-  h_[2] += c;
-  h_[3] += d;
-  h_[4] += e;
-  h_[5] += f;
-  h_[6] += g;
-  h_[7] += h;
+bool Sha256(const std::string& data, Digest* out) {
+  unsigned int len = 0;
+  return EVP_Digest(data.data(), data.size(), out->data(), &len, EVP_sha256(), nullptr) == 1 &&
+         len == out->size();
 }
 
-void Sha256::Update(const void* data, size_t n) {
-  const uint8_t* p = static_cast<const uint8_t*>(data);
-  total_ += n;
-  while (n > 0) {
-    size_t k = std::min(n, sizeof(buf_) - buf_len_);
-    std::memcpy(buf_ + buf_len_, p, k);
-    buf_len_ += k;
-    p += k;
-    n -= k;
-    if (buf_len_ == sizeof(buf_)) {
-      Block(buf_);
-      buf_len_ = 0;
-    }
-  }
-}
-
-Digest Sha256::Finish() {
-  const uint64_t bits = total_ * 8;
-  const uint8_t one = 0x80, zero = 0;
-  Update(&one, 1);
-  while (buf_len_ != 56) Update(&zero, 1);
-  uint8_t len[8];
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(bits >> (56 - 8 * i));
-  Update(len, 8);
-  Digest out;
-  for (int i = 0; i < 8; ++i) {
-    for (int j = 0; j < 4; ++j) out[4 * i + j] = static_cast<uint8_t>(h_[i] >> (24 - 8 * j));
-  }
-  return out;
-}
-
-Digest HmacSha256(const std::string& key, const std::string& message) {
-  uint8_t k[64] = {0};
-  if (key.size() > 64) {
-    Sha256 s;
-    s.Update(key.data(), key.size());
-    Digest d = s.Finish();
-    std::memcpy(k, d.data(), d.size());
-  } else {
-    std::memcpy(k, key.data(), key.size());
-  }
-  uint8_t ipad[64], opad[64];
-  for (int i = 0; i < 64; ++i) {
-    ipad[i] = k[i] ^ 0x36;
-    opad[i] = k[i] ^ 0x5c;
-  }
-  Sha256 inner;
-  inner.Update(ipad, 64);
-  inner.Update(message.data(), message.size());
-  Digest in = inner.Finish();
-  Sha256 outer;
-  outer.Update(opad, 64);
-  outer.Update(in.data(), in.size());
-  return outer.Finish();
+bool HmacSha256(const std::string& key, const std::string& message, Digest* out) {
+  if (key.size() > INT_MAX) return false;  // HMAC takes the key's length as an int
+  unsigned int len = 0;
+  return HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
+              reinterpret_cast<const unsigned char*>(message.data()), message.size(), out->data(),
+              &len) != nullptr &&
+         len == out->size();
 }
 
 bool Equal(const Digest& a, const Digest& b) {
-  uint8_t diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
-  return diff == 0;
+  return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
-bool Nonce(Digest* out) {
-  size_t got = 0;
-  while (got < out->size()) {
-    ssize_t r = getrandom(out->data() + got, out->size() - got, 0);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      break;  // ENOSYS (an old kernel or a seccomp filter): try the device
-    }
-    got += static_cast<size_t>(r);
-  }
-  if (got == out->size()) return true;
-  int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
-  got = 0;
-  while (got < out->size()) {
-    ssize_t r = read(fd, out->data() + got, out->size() - got);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) break;
-    got += static_cast<size_t>(r);
-  }
-  close(fd);
-  return got == out->size();
-}
+bool Nonce(Digest* out) { return RAND_bytes(out->data(), static_cast<int>(out->size())) == 1; }
 
 std::string Hex(const Digest& d) {
   static const char* digits = "0123456789abcdef";

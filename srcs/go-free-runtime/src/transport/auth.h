@@ -1,5 +1,6 @@
-// SHA-256 and HMAC-SHA256 (FIPS 180-4, RFC 2104) for the handshake's proof of the job token, and
-// random nonces. Internal to the runtime.
+// The handshake's cryptography, from OpenSSL's libcrypto (never written here): HMAC-SHA256 for
+// the proof of the job token, constant-time comparison of proofs, random nonces. Internal to the
+// runtime.
 #pragma once
 #include <array>
 #include <cstddef>
@@ -10,25 +11,14 @@ namespace kungfu::auth {
 
 using Digest = std::array<uint8_t, 32>;
 
-class Sha256 {
- public:
-  Sha256();
-  void Update(const void* data, size_t n);
-  Digest Finish();
-
- private:
-  void Block(const uint8_t* p);
-  uint32_t h_[8];
-  uint8_t buf_[64];
-  size_t buf_len_ = 0;
-  uint64_t total_ = 0;
-};
-
-Digest HmacSha256(const std::string& key, const std::string& message);
-// Compares without an early exit, so the time taken says nothing about where they differ.
+// SHA-256 of `data` (FIPS 180-4); false if libcrypto cannot compute it (no digest is made up).
+bool Sha256(const std::string& data, Digest* out);
+// HMAC-SHA256 (RFC 2104) of `message` under `key`; false if libcrypto cannot compute it.
+bool HmacSha256(const std::string& key, const std::string& message, Digest* out);
+// Compares in constant time (CRYPTO_memcmp): the time taken says nothing about where they differ.
 bool Equal(const Digest& a, const Digest& b);
-// 32 bytes from the kernel's random source (getrandom, else /dev/urandom); false if neither
-// gives them.
+// 32 bytes from libcrypto's CSPRNG (seeded by the kernel, reseeded after fork); false if it
+// cannot give them.
 bool Nonce(Digest* out);
 std::string Hex(const Digest& d);
 

@@ -406,8 +406,12 @@ std::string Transcript(const std::string& name, uint64_t version, const std::str
 
 std::string Bytes(const auth::Digest& d) { return std::string(d.begin(), d.end()); }
 
+// Empty if libcrypto fails: an empty proof matches none (ProofMatches), so such a failure refuses
+// the handshake on both sides rather than admitting anyone.
 std::string Proof(const std::string& token, const char* role, const std::string& transcript) {
-  return Bytes(auth::HmacSha256(token, std::string(role) + "|" + transcript));
+  auth::Digest d;
+  if (!auth::HmacSha256(token, std::string(role) + "|" + transcript, &d)) return "";
+  return Bytes(d);
 }
 
 // Compares a proof that arrived (any length) with the one expected, in constant time.
