@@ -1,7 +1,9 @@
 """The seeds' adaptation policies on an emulated cluster of accelerators (8-16 workers on a
 machine of 2 cores): each experiment against its baseline, in one run.
 
-    python benchmarks/adaptation/emulated.py --experiment {calibration,autoscaler,straggler,lbbsp,gns,spot,arbiter}
+    python benchmarks/adaptation/emulated.py --experiment EXPERIMENT
+
+(EXPERIMENT: calibration, autoscaler, straggler, lbbsp, gns, spot, arbiter.)
 
 Every worker is a real kungfu worker (kungfu-run, the runtime, the gradients' allreduce, resize,
 recovery, warm spares, checkpoints, kungfu's policies) whose compute is an emulated accelerator
@@ -445,10 +447,12 @@ def arbiter_arm(args, arm, pool=16, step=4, settle=3, window_s=5.0):
             if move is None:
                 continue
             t0 = min(r["t"] for rs in rows.values() for r in rs if "step" in r)
-            moves.append({"t": round(time.time() - t0, 1), "from": None if move.donor is None else
-                jobs[move.donor]["name"], "to": jobs[move.receiver]["name"], "workers": move.workers,
-                "why": move.why, "gain": round(move.gain, 3), "loss": round(move.loss, 3),
-                "sizes": {jobs[j]["name"]: k for j, k in sizes.items()}})
+            donor = None if move.donor is None else jobs[move.donor]["name"]
+            moves.append({"t": round(time.time() - t0, 1), "from": donor,
+                          "to": jobs[move.receiver]["name"], "workers": move.workers,
+                          "why": move.why, "gain": round(move.gain, 3),
+                          "loss": round(move.loss, 3),
+                          "sizes": {jobs[j]["name"]: k for j, k in sizes.items()}})
             for j, k in ((move.donor, -move.workers), (move.receiver, move.workers)):
                 if j is None:
                     continue
