@@ -287,9 +287,10 @@ def exp_lbbsp(args):
 def exp_gns(args):
     """GNS batch growth (kf.policy.GNSBatchGrowth: double every worker's batch while the noise
     scale exceeds the global batch, checked every 10 steps, learning rate by the square-root
-    rule; and the same with goodput=True, which undoes a growth that lost goodput) from 32 a
-    worker against every fixed batch of 32-256 a worker: 8 workers on 2 hosts
-    (ResNet-50's allreduce over the measured link model), progress by Pollux's efficiency."""
+    rule; and goodput=True, which moves to the batch of the highest measured or predicted
+    goodput) from 32 a worker against every fixed batch of 32-256 a worker: 8 workers on 2
+    hosts (ResNet-50's allreduce over the measured link model), progress by Pollux's
+    efficiency."""
     target = args.target or 60000
     lines = []
     for b in (32, 64, 128, 256):
@@ -300,7 +301,7 @@ def exp_gns(args):
                        + ["--policy", f"{arm}:256"])
         done = next(r for r in rows if r.get("done"))
         lines.append(emit(summary("gns", arm, rows, {"growth": [
-            (d["step"], d["batch"], d["why"])
+            (d["step"], d["batch"], d["why"], round(d["gns"]))
             for d in done["decisions"].get("GNSBatchGrowth", [])]})))
     best = min(lines[:-2], key=lambda r: r["jct_s"])
     emit({"experiment": "gns", "check": {"best_fixed": best["arm"], **{
@@ -405,8 +406,9 @@ def arbiter_arm(args, arm, pool=16, step=4, settle=3, window_s=5.0):
     token = secrets.token_hex(32)
     even = pool // len(ARBITER_JOBS)
     jobs, used = [], set()
+    specs = ARBITER_JOBS[::-1] if args.reverse_jobs else ARBITER_JOBS
     with tempfile.TemporaryDirectory() as tmp:
-        for j, (name, batch, target) in enumerate(ARBITER_JOBS):
+        for j, (name, batch, target) in enumerate(specs):
             while True:
                 a = int(free_port_range(pool).split("-")[0])
                 if not used & set(range(a - pool, a + pool)):
@@ -485,7 +487,9 @@ def arbiter_arm(args, arm, pool=16, step=4, settle=3, window_s=5.0):
 def exp_arbiter(args):
     """Two jobs sharing 16 emulated accelerators (ARBITER_JOBS): an arbiter moving workers
     between them by their measured marginal goodput (_arbiter.py) against the even split (8
-    and 8, fixed); each job's time from the first step of either job to its end."""
+    and 8, fixed); each job's time from the first step of either job to its end. The arbiter's
+    first probe moves workers to the first job listed (--reverse-jobs: to "narrow", the wrong
+    way, which its measurements then undo)."""
     even = arbiter_arm(args, "even")
     arb = arbiter_arm(args, "arbiter")
     emit({"experiment": "arbiter", "check": {
@@ -515,6 +519,8 @@ def main() -> int:
                    help="spot: revocations, emulated seconds after the first step")
     p.add_argument("--checkpoint-every", type=int, default=50,
                    help="spot: the restart arm's checkpoint interval in steps (default 50)")
+    p.add_argument("--reverse-jobs", action="store_true",
+                   help="arbiter: list the narrow job first (the first probe grows it)")
     p.add_argument("--rounds", type=int, default=3, help="calibration: rounds (default 3)")
     args = p.parse_args()
     t = time.time()
