@@ -61,7 +61,8 @@ class Move:
 def decide(sizes: Dict[int, int], curves: Dict[int, Curve], total: int, step: int,
            min_size: int = 1, margin: float = 0.05) -> Optional[Move]:
     """The next move for the running jobs (`sizes`: job -> its current size; `curves`: job ->
-    its measured goodput, the current size measured), or None: stay."""
+    its measured goodput, the current size measured), or None: stay. Every job may grow to
+    `total` (its launcher has that many slots); none shrinks under `min_size`."""
     free = total - sum(sizes.values())
     jobs = sorted(sizes)
 
