@@ -8,6 +8,7 @@ kf.grad_noise_stats() = (tr(S), |G|^2).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from typing import List, Optional
 
@@ -26,17 +27,17 @@ class GNSBatchGrowth(BasePolicy):
     rate follows the `lr_rule`: "sqrt" (default), "linear", or None (leave it, e.g. to AdaScale
     or MomentumCompensation in the same Hook).
 
-    `goodput=True` (needs every_steps) chooses the batch by its goodput instead, as Pollux
-    does: the goodput of a global batch B is its throughput (samples/s, by the clock over the
-    steps since the last change, averaged over the workers) times its statistical efficiency,
-    which is proportional to 1 / (gns + B). At each check the throughput of the current batch
-    is measured (the latest measurement of each batch is kept, at the current cluster size);
-    the step time of a batch not measured is the line through the two measured batches
-    nearest to it (per worker). The policy moves to the smaller (a measured one), the same or
-    the larger batch (by `factor`), whichever has the highest goodput at the current noise
-    scale, by more than `margin`; while only one batch is measured, the larger one is tried at
-    the first check (its step time cannot be told otherwise), and a trial that lost goodput is
-    undone at the next check. Going back to a measured batch restores its learning rate."""
+    `goodput=True` (needs every_steps) chooses the batch by its goodput instead, as Pollux does:
+    the goodput of a global batch B is its throughput (samples/s: the median of the steps' since
+    the last change, by the clock, averaged over the workers) times its statistical efficiency,
+    which is proportional to 1 / (gns + B). At each check the throughput of the current batch is
+    measured (the latest measurement of each batch is kept, at the current cluster size); the
+    step time of a batch not measured is the line through the two measured batches nearest to it
+    (per worker). The policy moves to the smaller (a measured one), the same or the larger batch
+    (by `factor`), whichever has the highest goodput at the current noise scale, by more than
+    `margin`; while only one batch is measured, the larger one is tried at the first check (its
+    step time cannot be told otherwise), and a trial that lost goodput is undone at the next
+    check. Going back to a measured batch restores its learning rate."""
 
     def __init__(self, max_batch: int, lr_rule: Optional[str] = "sqrt",
                  every_steps: Optional[int] = None, factor: int = 2, goodput: bool = False,
@@ -52,18 +53,20 @@ class GNSBatchGrowth(BasePolicy):
         self.max_batch, self.lr_rule, self.every_steps, self.factor = (
             max_batch, lr_rule, every_steps, factor)
         self.goodput, self.margin = goodput, margin
-        self.mark: Optional[list] = None  # (time, samples seen, step, global batch): a window
+        self.mark: Optional[dict] = None  # the window at this batch: its steps' samples/s
         self.measured: List[list] = []  # [local batch, samples/s, learning rate] (goodput)
         self.measured_at: Optional[int] = None  # the cluster size of `measured`
         self.decisions: List[dict] = []  # step, gns, the new local batch and learning rate
 
     def _rate(self, state: TrainingState) -> Optional[float]:
-        """The job's samples/s since the window began (every worker the same: the mean of
-        the workers' clocks), or None when the window is too short."""
+        """The job's samples/s at this batch: the median of the steps' rates since the window
+        began (a step stalled by something else, a busy core or a collective's retry, does not
+        count against the batch), the mean of the workers' (every worker the same); None when
+        the window is too short."""
         m = self.mark
-        if m is None or state.step - m[2] < 3:
+        if m is None or len(m["rates"]) < 3:
             return None
-        mine = (state.samples_seen - m[1]) / max(time.monotonic() - m[0], 1e-9)
+        mine = statistics.median(m["rates"])
         return float(allreduce(mine, "avg", name="kungfu/gns-growth/rate"))
 
     def _check(self, state: TrainingState) -> None:
@@ -140,10 +143,16 @@ class GNSBatchGrowth(BasePolicy):
                                "why": why, "measured": [m[:2] for m in self.measured]})
 
     def after_step(self, state: TrainingState) -> None:
-        if self.goodput and (self.mark is None or self.mark[3] != state.global_batch_size):
-            # (the step after a change: its batch is the new one) a window starts here
-            self.mark = [time.monotonic(), state.samples_seen, state.step,
-                         state.global_batch_size]
+        if self.goodput:
+            now, m = time.monotonic(), self.mark
+            if m is None or m["batch"] != state.global_batch_size:
+                # (the step after a change: its batch is the new one) a window starts here
+                self.mark = {"t": now, "seen": state.samples_seen,
+                             "batch": state.global_batch_size, "rates": []}
+            else:
+                m["rates"].append((state.samples_seen - m["seen"]) / max(now - m["t"], 1e-9))
+                del m["rates"][:-5 * (self.every_steps or 1)]  # the latest steps' only
+                m["t"], m["seen"] = now, state.samples_seen
         if self.every_steps and state.step % self.every_steps == 0:
             self._check(state)
 

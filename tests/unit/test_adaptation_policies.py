@@ -312,7 +312,7 @@ def test_gns_growth_with_goodput_moves_to_the_batch_of_the_highest_goodput(monke
     clock = {"t": 0.0}
     monkeypatch.setattr("kungfu.policy.noise_scale.time.monotonic", lambda: clock["t"])
 
-    def run(gns, steps=60, policy=None, state=None):
+    def run(gns, steps=60, policy=None, state=None, stall=None):
         """4 workers whose step on b samples takes 10 ms + 1 ms a sample: a larger batch has
         more throughput, but not twice as much (1.13x from 32 to 64 a worker). `gns`: the
         noise scale, or a function of the step."""
@@ -324,7 +324,7 @@ def test_gns_growth_with_goodput_moves_to_the_batch_of_the_highest_goodput(monke
             state.step = step
             state.metrics["gns"] = gns(step) if callable(gns) else gns
             state.samples_seen += state.global_batch_size
-            clock["t"] += 0.01 + 0.001 * state.local_batch_size
+            clock["t"] += 0.01 + 0.001 * state.local_batch_size + (0.3 if step == stall else 0)
             got = decide(policy, state)
             if "batch_size" in got:
                 state.local_batch_size = got["batch_size"]
@@ -342,6 +342,11 @@ def test_gns_growth_with_goodput_moves_to_the_batch_of_the_highest_goodput(monke
     assert sizes[-1] == 128 and len(policy.decisions) == 2  # 128 is max_batch: it stays
     assert [m[0] for m in policy.measured] == [32, 64, 128]
     assert policy.measured[0][1] == pytest.approx(128 / 0.042)  # samples/s at 32
+    # A step of the trial stalled 0.3 s (by something else): by the clock over the window, 64
+    # would measure slower than 32; the median of its steps is not moved.
+    policy, sizes, _ = run(1e5, stall=8)
+    assert [(d["why"], d["batch"]) for d in policy.decisions] == [("try", 64), ("grow", 128)]
+    assert policy.measured[1][1] == pytest.approx(256 / 0.074)
     # Noise scale 200 (above the global batch, so the plain rule grows): at 64 the efficiency
     # falls to (200 + 128) / (200 + 256) = 0.72 while the throughput rises 1.13x: back to 32,
     # with its learning rate, and no further trial while the noise scale stays...
