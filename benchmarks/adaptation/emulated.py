@@ -398,6 +398,50 @@ def exp_spot(args):
 ARBITER_JOBS = (("wide", 2048, 2048 * 150), ("narrow", 256, 256 * 460))
 
 
+def arbitrate(arm, jobs, pool, step, settle, window_s):
+    """Polls the jobs' records until every job has ended; in the "arbiter" arm, moves workers
+    between them (_arbiter.decide) through their config stores. Returns the moves."""
+    curves = {j: Curve() for j in range(len(jobs))}
+    moves, deadline, rows = [], time.time() + 900, {}
+    while any(job["proc"].poll() is None for job in jobs) and time.time() < deadline:
+        time.sleep(0.25)
+        rows = {j: read(job["out"]) for j, job in enumerate(jobs)}
+        if arm != "arbiter":
+            continue
+        sizes, ready = {}, True
+        for j, job in enumerate(jobs):
+            steps = [r for r in rows[j] if "step" in r]
+            if job["proc"].poll() is not None or any(r.get("done") for r in rows[j]):
+                continue  # ended: its accelerators are free
+            size = steps[-1]["size"] if steps else None
+            sizes[j] = job["want"]
+            g = goodput(rows[j], size, settle, window_s) if size == job["want"] else None
+            if g is None:
+                ready = False
+            else:
+                curves[j].points[size] = g
+        if not ready or not sizes:
+            continue
+        move = decide(sizes, curves, pool, step)
+        if move is None:
+            continue
+        t0 = min(r["t"] for rs in rows.values() for r in rs if "step" in r)
+        donor = None if move.donor is None else jobs[move.donor]["name"]
+        moves.append({"t": round(time.time() - t0, 1), "from": donor,
+                      "to": jobs[move.receiver]["name"], "workers": move.workers,
+                      "why": move.why, "gain": round(move.gain, 3),
+                      "loss": round(move.loss, 3),
+                      "sizes": {jobs[j]["name"]: k for j, k in sizes.items()}})
+        for j, k in ((move.donor, -move.workers), (move.receiver, move.workers)):
+            if j is None:
+                continue
+            cfg, _ = jobs[j]["store"].config()
+            jobs[j]["store"].request_cluster(resized_peers(cfg.peers, jobs[j]["slots"],
+                                                           sizes[j] + k))
+            jobs[j]["want"] = sizes[j] + k
+    return moves
+
+
 def arbiter_arm(args, arm, pool=16, step=4, settle=3, window_s=5.0):
     """The jobs of ARBITER_JOBS started at once on an even split of `pool` accelerators, each
     under kungfu-run -w with `pool` slots; in the "arbiter" arm, _arbiter.decide moves workers
@@ -424,49 +468,15 @@ def arbiter_arm(args, arm, pool=16, step=4, settle=3, window_s=5.0):
                 launcher, worker_cmd(args, work), {"KUNGFU_JOB_TOKEN": token}, log=log),
                 "store": connect(f"http://127.0.0.1:{cport}", token),
                 "slots": [f"127.0.0.1:{p}" for p in range(a, a + pool)]})
-        curves = {j: Curve() for j in range(len(jobs))}
-        moves, deadline, rows = [], time.time() + 900, {}
-        while any(job["proc"].poll() is None for job in jobs) and time.time() < deadline:
-            time.sleep(0.25)
-            rows = {j: read(job["out"]) for j, job in enumerate(jobs)}
-            if arm != "arbiter":
-                continue
-            sizes, ready = {}, True
-            for j, job in enumerate(jobs):
-                steps = [r for r in rows[j] if "step" in r]
-                if job["proc"].poll() is not None or any(r.get("done") for r in rows[j]):
-                    continue  # ended: its accelerators are free
-                size = steps[-1]["size"] if steps else None
-                sizes[j] = job["want"]
-                g = goodput(rows[j], size, settle, window_s) if size == job["want"] else None
-                if g is None:
-                    ready = False
-                else:
-                    curves[j].points[size] = g
-            if not ready or not sizes:
-                continue
-            move = decide(sizes, curves, pool, step)
-            if move is None:
-                continue
-            t0 = min(r["t"] for rs in rows.values() for r in rs if "step" in r)
-            donor = None if move.donor is None else jobs[move.donor]["name"]
-            moves.append({"t": round(time.time() - t0, 1), "from": donor,
-                          "to": jobs[move.receiver]["name"], "workers": move.workers,
-                          "why": move.why, "gain": round(move.gain, 3),
-                          "loss": round(move.loss, 3),
-                          "sizes": {jobs[j]["name"]: k for j, k in sizes.items()}})
-            for j, k in ((move.donor, -move.workers), (move.receiver, move.workers)):
-                if j is None:
-                    continue
-                cfg, _ = jobs[j]["store"].config()
-                jobs[j]["store"].request_cluster(resized_peers(cfg.peers, jobs[j]["slots"],
-                                                               sizes[j] + k))
-                jobs[j]["want"] = sizes[j] + k
+        try:
+            moves = arbitrate(arm, jobs, pool, step, settle, window_s)
+        finally:  # whatever happened, no job outlives its arm
+            for job in jobs:
+                if job["proc"].poll() is None:
+                    os.killpg(job["proc"].pid, signal.SIGKILL)
+                job["proc"].wait()
         failed = []
         for job in jobs:
-            if job["proc"].poll() is None:
-                os.killpg(job["proc"].pid, signal.SIGKILL)
-            job["proc"].wait()
             job["log"].seek(0)
             if job["proc"].returncode != 0 or not any(r.get("done") for r in read(job["out"])):
                 failed.append((job["name"], job["proc"].returncode, job["log"].read()[-3000:]))
