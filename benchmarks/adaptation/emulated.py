@@ -1,7 +1,9 @@
 """The seeds' adaptation policies on an emulated cluster of accelerators (8-16 workers on a
 machine of 2 cores): each experiment against its baseline, in one run.
 
-    python benchmarks/adaptation/emulated.py --experiment {calibration,autoscaler,straggler,lbbsp,gns,spot}
+    python benchmarks/adaptation/emulated.py --experiment EXPERIMENT
+
+(EXPERIMENT: calibration, autoscaler, straggler, lbbsp, gns, spot, arbiter.)
 
 Every worker is a real kungfu worker (kungfu-run, the runtime, the gradients' allreduce, resize,
 recovery, warm spares, checkpoints, kungfu's policies) whose compute is an emulated accelerator
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import signal
 import statistics
 import subprocess
@@ -31,8 +34,10 @@ REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
+from _arbiter import Curve, decide, goodput, resized_peers  # noqa: E402
 from _emulator import Device, fit_device  # noqa: E402
 from kungfu._ports import free_port_range, free_ports  # noqa: E402
+from kungfu.store import connect  # noqa: E402
 
 # An emulated V100 training ResNet-50, from the KungFu README's chart (16 V100 in 2 DGX-1,
 # KungFu sync-SGD, global batch 256/1024/4096 = per GPU 16/64/256: 1361, 4433, 5504 img/s):
@@ -51,15 +56,16 @@ def worker_cmd(args, extra):
     return [sys.executable, str(HERE / "_emu_worker.py"), "--scale", str(args.scale), *extra]
 
 
-def launch(launcher, worker, env_extra=None, timeout=900):
+def launch(launcher, worker, env_extra=None, timeout=900, log=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                MKL_NUM_THREADS="1")
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "kungfu.cmd", "-q", "-timeout", f"{timeout}s", *launcher,
            *worker]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    out = subprocess.PIPE if log is None else log  # a log: a job polled, not read at the end
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.PIPE if log is None else
+                            subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def finish(proc, what, timeout=900):
@@ -281,9 +287,10 @@ def exp_lbbsp(args):
 def exp_gns(args):
     """GNS batch growth (kf.policy.GNSBatchGrowth: double every worker's batch while the noise
     scale exceeds the global batch, checked every 10 steps, learning rate by the square-root
-    rule; and the same with goodput=True, which undoes a growth that lost goodput) from 32 a
-    worker against every fixed batch of 32-256 a worker: 8 workers on 2 hosts
-    (ResNet-50's allreduce over the measured link model), progress by Pollux's efficiency."""
+    rule; and goodput=True, which moves to the batch of the highest measured or predicted
+    goodput) from 32 a worker against every fixed batch of 32-256 a worker: 8 workers on 2
+    hosts (ResNet-50's allreduce over the measured link model), progress by Pollux's
+    efficiency."""
     target = args.target or 60000
     lines = []
     for b in (32, 64, 128, 256):
@@ -294,7 +301,7 @@ def exp_gns(args):
                        + ["--policy", f"{arm}:256"])
         done = next(r for r in rows if r.get("done"))
         lines.append(emit(summary("gns", arm, rows, {"growth": [
-            (d["step"], d["batch"], d["why"])
+            (d["step"], d["batch"], d["why"], round(d["gns"]))
             for d in done["decisions"].get("GNSBatchGrowth", [])]})))
     best = min(lines[:-2], key=lambda r: r["jct_s"])
     emit({"experiment": "gns", "check": {"best_fixed": best["arm"], **{
@@ -384,7 +391,125 @@ def exp_spot(args):
         and out["restart"]["jct_s"] >= 1.5 * out["elastic"]["jct_s"]}})
 
 
-EXPERIMENTS = {"autoscaler": exp_autoscaler, "calibration": exp_calibration,
+# The arbiter's jobs (strong scaling, ResNet-50 on the V100 device and link models): "wide", a
+# global batch of 2048 (its step is mostly compute: it scales, 0.9 s a step at 8 workers, 0.72 at
+# 12), and "narrow", a global batch of 256 (at 8 workers 32 a worker, under the device's
+# saturation, with 161 ms of allreduce across 2 hosts: 0.35 s a step, slower than 0.26 s at 4).
+ARBITER_JOBS = (("wide", 2048, 2048 * 150), ("narrow", 256, 256 * 460))
+
+
+def arbitrate(arm, jobs, pool, step, settle, window_s):
+    """Polls the jobs' records until every job has ended; in the "arbiter" arm, moves workers
+    between them (_arbiter.decide) through their config stores. Returns the moves."""
+    curves = {j: Curve() for j in range(len(jobs))}
+    moves, deadline, rows = [], time.time() + 900, {}
+    while any(job["proc"].poll() is None for job in jobs) and time.time() < deadline:
+        time.sleep(0.25)
+        rows = {j: read(job["out"]) for j, job in enumerate(jobs)}
+        if arm != "arbiter":
+            continue
+        sizes, ready = {}, True
+        for j, job in enumerate(jobs):
+            steps = [r for r in rows[j] if "step" in r]
+            if job["proc"].poll() is not None or any(r.get("done") for r in rows[j]):
+                continue  # ended: its accelerators are free
+            size = steps[-1]["size"] if steps else None
+            sizes[j] = job["want"]
+            g = goodput(rows[j], size, settle, window_s) if size == job["want"] else None
+            if g is None:
+                ready = False
+            else:
+                curves[j].points[size] = g
+        if not ready or not sizes:
+            continue
+        move = decide(sizes, curves, pool, step)
+        if move is None:
+            continue
+        t0 = min(r["t"] for rs in rows.values() for r in rs if "step" in r)
+        donor = None if move.donor is None else jobs[move.donor]["name"]
+        moves.append({"t": round(time.time() - t0, 1), "from": donor,
+                      "to": jobs[move.receiver]["name"], "workers": move.workers,
+                      "why": move.why, "gain": round(move.gain, 3),
+                      "loss": round(move.loss, 3),
+                      "sizes": {jobs[j]["name"]: k for j, k in sizes.items()}})
+        for j, k in ((move.donor, -move.workers), (move.receiver, move.workers)):
+            if j is None:
+                continue
+            cfg, _ = jobs[j]["store"].config()
+            jobs[j]["store"].request_cluster(resized_peers(cfg.peers, jobs[j]["slots"],
+                                                           sizes[j] + k))
+            jobs[j]["want"] = sizes[j] + k
+    return moves
+
+
+def arbiter_arm(args, arm, pool=16, step=4, settle=3, window_s=5.0):
+    """The jobs of ARBITER_JOBS started at once on an even split of `pool` accelerators, each
+    under kungfu-run -w with `pool` slots; in the "arbiter" arm, _arbiter.decide moves workers
+    between them through each job's config store (the outside resize) from their goodput
+    measured in their records; in "even", nothing moves."""
+    token = secrets.token_hex(32)
+    even = pool // len(ARBITER_JOBS)
+    jobs, used = [], set()
+    specs = ARBITER_JOBS[::-1] if args.reverse_jobs else ARBITER_JOBS
+    with tempfile.TemporaryDirectory() as tmp:
+        for j, (name, batch, target) in enumerate(specs):
+            while True:
+                a = int(free_port_range(pool).split("-")[0])
+                if not used & set(range(a - pool, a + pool)):
+                    break
+            used.add(a)
+            cport = free_ports(1)[0]
+            out, log = Path(tmp) / f"{name}.jsonl", open(Path(tmp) / f"{name}.log", "w+")
+            work = common(args, batch // even, target, base=batch) + [
+                "--global-batch", str(batch), "--startup", "20", "--out", str(out)]
+            launcher = ["-w", "-np", str(even), "-H", f"127.0.0.1:{pool}",
+                        "-builtin-config-port", str(cport), "-port-range", f"{a}-{a + pool - 1}"]
+            jobs.append({"name": name, "out": out, "log": log, "want": even, "proc": launch(
+                launcher, worker_cmd(args, work), {"KUNGFU_JOB_TOKEN": token}, log=log),
+                "store": connect(f"http://127.0.0.1:{cport}", token),
+                "slots": [f"127.0.0.1:{p}" for p in range(a, a + pool)]})
+        try:
+            moves = arbitrate(arm, jobs, pool, step, settle, window_s)
+        finally:  # whatever happened, no job outlives its arm
+            for job in jobs:
+                if job["proc"].poll() is None:
+                    os.killpg(job["proc"].pid, signal.SIGKILL)
+                job["proc"].wait()
+        failed = []
+        for job in jobs:
+            job["log"].seek(0)
+            if job["proc"].returncode != 0 or not any(r.get("done") for r in read(job["out"])):
+                failed.append((job["name"], job["proc"].returncode, job["log"].read()[-3000:]))
+        if failed:
+            raise RuntimeError(f"the {arm} arm failed: {failed}")
+        rows = {j: read(job["out"]) for j, job in enumerate(jobs)}
+    t0 = min(r["t"] for rs in rows.values() for r in rs if "step" in r)
+    lines = [emit(summary("arbiter", f"{arm}:{job['name']}", rows[j], {
+        "sizes": [(round(b["t"] - t0, 1), b["size"]) for a, b in zip(
+            [r for r in rows[j] if "step" in r], [r for r in rows[j] if "step" in r][1:])
+                  if a["size"] != b["size"]]}, t0=t0)) for j, job in enumerate(jobs)]
+    return emit({"experiment": "arbiter", "arm": arm, "pool": pool,
+                 "avg_jct_s": round(statistics.mean(x["jct_s"] for x in lines), 2),
+                 "makespan_s": round(max(x["jct_s"] for x in lines), 2),
+                 "worker_s": round(sum(x["worker_s"] for x in lines), 1), "moves": moves})
+
+
+def exp_arbiter(args):
+    """Two jobs sharing 16 emulated accelerators (ARBITER_JOBS): an arbiter moving workers
+    between them by their measured marginal goodput (_arbiter.py) against the even split (8
+    and 8, fixed); each job's time from the first step of either job to its end. The arbiter's
+    first probe moves workers to the first job listed (--reverse-jobs: to "narrow", the wrong
+    way, which its measurements then undo)."""
+    even = arbiter_arm(args, "even")
+    arb = arbiter_arm(args, "arbiter")
+    emit({"experiment": "arbiter", "check": {
+        "avg_jct_vs_even": round(arb["avg_jct_s"] / even["avg_jct_s"], 3),
+        "makespan_vs_even": round(arb["makespan_s"] / even["makespan_s"], 3),
+        "met": arb["avg_jct_s"] < even["avg_jct_s"] and arb["makespan_s"] <= even[
+            "makespan_s"]}})
+
+
+EXPERIMENTS = {"arbiter": exp_arbiter, "autoscaler": exp_autoscaler, "calibration": exp_calibration,
                "straggler": exp_straggler, "lbbsp": exp_lbbsp, "gns": exp_gns,
                "spot": exp_spot}
 
@@ -404,6 +529,8 @@ def main() -> int:
                    help="spot: revocations, emulated seconds after the first step")
     p.add_argument("--checkpoint-every", type=int, default=50,
                    help="spot: the restart arm's checkpoint interval in steps (default 50)")
+    p.add_argument("--reverse-jobs", action="store_true",
+                   help="arbiter: list the narrow job first (the first probe grows it)")
     p.add_argument("--rounds", type=int, default=3, help="calibration: rounds (default 3)")
     args = p.parse_args()
     t = time.time()

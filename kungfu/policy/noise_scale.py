@@ -8,6 +8,7 @@ kf.grad_noise_stats() = (tr(S), |G|^2).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from typing import List, Optional
 
@@ -26,37 +27,46 @@ class GNSBatchGrowth(BasePolicy):
     rate follows the `lr_rule`: "sqrt" (default), "linear", or None (leave it, e.g. to AdaScale
     or MomentumCompensation in the same Hook).
 
-    `goodput=True` (needs every_steps) also weighs what a larger batch costs in time, as Pollux
-    does: the goodput of a global batch B is its throughput (samples/s, by the clock over the
-    steps since the last change, averaged over the workers) times its statistical efficiency,
-    which is proportional to 1 / (gns + B). A growth is a trial: at the next check the goodput
-    at the new batch is compared with the one measured before it (at the same, current noise
-    scale), and a growth that lost goodput is undone; no growth is tried again until the noise
-    scale has doubled (the critical batch moves up as training goes on)."""
+    `goodput=True` (needs every_steps) chooses the batch by its goodput instead, as Pollux does:
+    the goodput of a global batch B is its throughput (samples/s: the median of the steps' since
+    the last change, by the clock, averaged over the workers) times its statistical efficiency,
+    which is proportional to 1 / (gns + B). At each check the throughput of the current batch is
+    measured (the latest measurement of each batch is kept, at the current cluster size); the
+    step time of a batch not measured is the line through the two measured batches nearest to it
+    (per worker). The policy moves to the smaller (a measured one), the same or the larger batch
+    (by `factor`), whichever has the highest goodput at the current noise scale, by more than
+    `margin`; while only one batch is measured, the larger one is tried at the first check (its
+    step time cannot be told otherwise), and a trial that lost goodput is undone at the next
+    check. Going back to a measured batch restores its learning rate."""
 
     def __init__(self, max_batch: int, lr_rule: Optional[str] = "sqrt",
-                 every_steps: Optional[int] = None, factor: int = 2, goodput: bool = False):
+                 every_steps: Optional[int] = None, factor: int = 2, goodput: bool = False,
+                 margin: float = 0.02):
         if lr_rule not in LR_RULES:
             raise ValueError(f"lr_rule must be one of {LR_RULES}, got {lr_rule!r}")
-        if max_batch < 1 or factor < 2 or (every_steps is not None and every_steps < 1):
-            raise ValueError("max_batch >= 1, factor >= 2 and every_steps >= 1 are needed")
+        if max_batch < 1 or factor < 2 or (every_steps is not None and every_steps < 1) or not (
+                margin >= 0):
+            raise ValueError("max_batch >= 1, factor >= 2, every_steps >= 1 and margin >= 0 "
+                             "are needed")
         if goodput and not every_steps:
             raise ValueError("goodput=True measures throughput between checks: give every_steps")
         self.max_batch, self.lr_rule, self.every_steps, self.factor = (
             max_batch, lr_rule, every_steps, factor)
-        self.goodput = goodput
-        self.mark: Optional[list] = None  # (time, samples seen, step, global batch): a window
-        self.trial: Optional[dict] = None  # the batch before a growth and its throughput
-        self.hold = 0.0  # no growth before the noise scale reaches this (after an undo)
+        self.goodput, self.margin = goodput, margin
+        self.mark: Optional[dict] = None  # the window at this batch: its steps' samples/s
+        self.measured: List[list] = []  # [local batch, samples/s, learning rate] (goodput)
+        self.measured_at: Optional[int] = None  # the cluster size of `measured`
         self.decisions: List[dict] = []  # step, gns, the new local batch and learning rate
 
     def _rate(self, state: TrainingState) -> Optional[float]:
-        """The job's samples/s since the window began (every worker the same: the mean of
-        the workers' clocks), or None when the window is too short."""
+        """The job's samples/s at this batch: the median of the steps' rates since the window
+        began (a step stalled by something else, a busy core or a collective's retry, does not
+        count against the batch), the mean of the workers' (every worker the same); None when
+        the window is too short."""
         m = self.mark
-        if m is None or state.step - m[2] < 3:
+        if m is None or len(m["rates"]) < 3:
             return None
-        mine = (state.samples_seen - m[1]) / max(time.monotonic() - m[0], 1e-9)
+        mine = statistics.median(m["rates"])
         return float(allreduce(mine, "avg", name="kungfu/gns-growth/rate"))
 
     def _check(self, state: TrainingState) -> None:
@@ -64,29 +74,65 @@ class GNSBatchGrowth(BasePolicy):
         b = state.local_batch_size
         if b is None or not math.isfinite(gns):
             return
-        rate = self._rate(state) if self.goodput else None
-        if self.trial is not None and rate is not None:
-            before = self.trial["rate"] / (gns + self.trial["global"])
-            if rate / (gns + state.global_batch_size) < before:  # it lost goodput: undo
-                lr = self.trial["lr"] if self.lr_rule is not None else None
-                self._apply(state, self.trial["local"], lr, gns, "undo")
-                self.hold, self.trial = 2 * gns, None
-                return
-            self.trial = None
-        if b * self.factor > self.max_batch or gns <= state.global_batch_size or gns < self.hold:
-            return
-        if self.goodput and rate is None:
-            return  # the throughput at this batch is not known yet
-        new = b * self.factor
-        lr = state.learning_rate
-        if self.lr_rule == "sqrt" and lr is not None:
-            lr = sqrt_scaled_lr(lr, b, new)
-        elif self.lr_rule == "linear" and lr is not None:
-            lr = linear_scaled_lr(lr, b, new)
         if self.goodput:
-            self.trial = {"rate": rate, "global": state.global_batch_size, "local": b,
-                          "lr": state.learning_rate}
-        self._apply(state, new, lr if self.lr_rule is not None else None, gns, "grow")
+            self._choose(state, gns)
+            return
+        if b * self.factor > self.max_batch or gns <= state.global_batch_size:
+            return
+        new = b * self.factor
+        self._apply(state, new, self._scaled_lr(state.learning_rate, b, new), gns, "grow")
+
+    def _scaled_lr(self, lr, b, new):
+        if self.lr_rule == "sqrt" and lr is not None:
+            return sqrt_scaled_lr(lr, b, new)
+        if self.lr_rule == "linear" and lr is not None:
+            return linear_scaled_lr(lr, b, new)
+        return None
+
+    def _step_time(self, batch: int, n: int) -> Optional[float]:
+        """Seconds a step at `batch` a worker (n workers): measured, or the line through the two
+        measured batches nearest to it; None while fewer than two are measured."""
+        times = {m[0]: m[0] * n / m[1] for m in self.measured if m[1] > 0}
+        if batch in times:
+            return times[batch]
+        if len(times) < 2:
+            return None
+        (b1, t1), (b2, t2) = sorted(sorted(times.items(), key=lambda p: (abs(p[0] - batch),
+                                                                         p[0]))[:2])
+        return max(t1 + (t2 - t1) * (batch - b1) / (b2 - b1), 1e-9)
+
+    def _choose(self, state: TrainingState, gns: float) -> None:
+        rate = self._rate(state)
+        if rate is None:
+            return  # the throughput at this batch is not known yet
+        b, n = state.local_batch_size, state.cluster_size
+        if n != self.measured_at:  # another cluster: other step times
+            self.measured, self.measured_at = [], n
+        lrs = {m[0]: m[2] for m in self.measured}
+        self.measured = [m for m in self.measured if m[0] != b] + [
+            [b, rate, lrs.get(b, state.learning_rate)]]
+        lrs[b] = self.measured[-1][2]
+        larger = b * self.factor if b * self.factor <= self.max_batch else None
+        if larger is not None and len(self.measured) == 1:
+            self._apply(state, larger, self._scaled_lr(state.learning_rate, b, larger), gns,
+                        "try")
+            return
+
+        def goodput(batch):
+            t = self._step_time(batch, n)
+            return None if t is None else batch * n / t / (gns + batch * n)
+
+        now = goodput(b)
+        options = [x for x in (b // self.factor, larger) if x in lrs or (
+            x == larger and x is not None)]
+        scored = [(goodput(x), x) for x in options if goodput(x) is not None]
+        if not scored:
+            return
+        best, x = max(scored)
+        if best > now * (1 + self.margin):
+            lr = lrs.get(x) if x in lrs else self._scaled_lr(state.learning_rate, b, x)
+            self._apply(state, x, lr if self.lr_rule is not None else None, gns,
+                        "grow" if x > b else "shrink")
 
     def _apply(self, state, batch, lr, gns, why) -> None:
         set_batch_size(batch)
@@ -94,13 +140,19 @@ class GNSBatchGrowth(BasePolicy):
             set_learning_rate(lr)
         self.mark = None  # a new window at the new batch
         self.decisions.append({"step": state.step, "gns": gns, "batch": batch, "lr": lr,
-                               "why": why})
+                               "why": why, "measured": [m[:2] for m in self.measured]})
 
     def after_step(self, state: TrainingState) -> None:
-        if self.goodput and (self.mark is None or self.mark[3] != state.global_batch_size):
-            # (the step after a change: its batch is the new one) a window starts here
-            self.mark = [time.monotonic(), state.samples_seen, state.step,
-                         state.global_batch_size]
+        if self.goodput:
+            now, m = time.monotonic(), self.mark
+            if m is None or m["batch"] != state.global_batch_size:
+                # (the step after a change: its batch is the new one) a window starts here
+                self.mark = {"t": now, "seen": state.samples_seen,
+                             "batch": state.global_batch_size, "rates": []}
+            else:
+                m["rates"].append((state.samples_seen - m["seen"]) / max(now - m["t"], 1e-9))
+                del m["rates"][:-5 * (self.every_steps or 1)]  # the latest steps' only
+                m["t"], m["seen"] = now, state.samples_seen
         if self.every_steps and state.step % self.every_steps == 0:
             self._check(state)
 

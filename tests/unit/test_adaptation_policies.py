@@ -306,42 +306,63 @@ def test_gns_batch_growth_doubles_while_the_noise_scale_exceeds_the_batch():
     assert decide(GNSBatchGrowth(max_batch=32), state, "after_epoch") == {}  # 64 > max_batch
 
 
-def test_gns_growth_with_goodput_keeps_a_growth_only_where_it_pays(monkeypatch):
+def test_gns_growth_with_goodput_moves_to_the_batch_of_the_highest_goodput(monkeypatch):
     from kungfu.policy import GNSBatchGrowth
 
     clock = {"t": 0.0}
     monkeypatch.setattr("kungfu.policy.noise_scale.time.monotonic", lambda: clock["t"])
 
-    def run(gns, steps=60):
+    def run(gns, steps=60, policy=None, state=None, stall=None):
         """4 workers whose step on b samples takes 10 ms + 1 ms a sample: a larger batch has
-        more throughput, but not twice as much (1.13x from 32 to 64 a worker)."""
-        policy = GNSBatchGrowth(max_batch=128, every_steps=5, goodput=True)
-        state = TrainingState(local_batch_size=32, global_batch_size=128, cluster_size=4,
-                              learning_rate=0.1)
-        state.metrics["gns"] = gns
+        more throughput, but not twice as much (1.13x from 32 to 64 a worker). `gns`: the
+        noise scale, or a function of the step."""
+        policy = policy or GNSBatchGrowth(max_batch=128, every_steps=5, goodput=True)
+        state = state or TrainingState(local_batch_size=32, global_batch_size=128,
+                                       cluster_size=4, learning_rate=0.1)
         sizes = []
-        for step in range(1, steps + 1):
+        for step in range(state.step + 1, state.step + steps + 1):
             state.step = step
+            state.metrics["gns"] = gns(step) if callable(gns) else gns
             state.samples_seen += state.global_batch_size
-            clock["t"] += 0.01 + 0.001 * state.local_batch_size
+            clock["t"] += 0.01 + 0.001 * state.local_batch_size + (0.3 if step == stall else 0)
             got = decide(policy, state)
             if "batch_size" in got:
                 state.local_batch_size = got["batch_size"]
                 state.global_batch_size = 4 * got["batch_size"]
                 state.learning_rate = got.get("learning_rate", state.learning_rate)
             sizes.append(state.local_batch_size)
-        return policy, sizes
+        return policy, sizes, state
 
-    # Noise scale 1e5: the efficiency hardly falls; the throughput rises: both growths kept.
-    policy, sizes = run(1e5)
-    assert [d["why"] for d in policy.decisions] == ["grow", "grow"]
-    assert sizes[-1] == 128
-    # Noise scale 200 (above the global batch, so the plain rule grows): from 128 to 256 the
-    # efficiency falls to (200 + 128) / (200 + 256) = 0.72 while the throughput rises 1.13x:
-    # the growth is undone, and not tried again while the noise scale stays.
-    policy, sizes = run(200.0)
-    assert [(d["why"], d["batch"]) for d in policy.decisions] == [("grow", 64), ("undo", 32)]
+    # Noise scale 1e5: the efficiency hardly falls; the throughput rises. 64 is tried (one
+    # batch measured), then 128 chosen from the line through 32's and 64's step times (42 and
+    # 74 ms: 138 ms, exact here) without a trial: 512 / 0.138 / (1e5 + 512) > 256 / 0.074 /
+    # (1e5 + 256).
+    policy, sizes, _ = run(1e5)
+    assert [(d["why"], d["batch"]) for d in policy.decisions] == [("try", 64), ("grow", 128)]
+    assert sizes[-1] == 128 and len(policy.decisions) == 2  # 128 is max_batch: it stays
+    assert [m[0] for m in policy.measured] == [32, 64, 128]
+    assert policy.measured[0][1] == pytest.approx(128 / 0.042)  # samples/s at 32
+    # A step of the trial stalled 0.3 s (by something else): by the clock over the window, 64
+    # would measure slower than 32; the median of its steps is not moved.
+    policy, sizes, _ = run(1e5, stall=8)
+    assert [(d["why"], d["batch"]) for d in policy.decisions] == [("try", 64), ("grow", 128)]
+    assert policy.measured[1][1] == pytest.approx(256 / 0.074)
+    # Noise scale 200 (above the global batch, so the plain rule grows): at 64 the efficiency
+    # falls to (200 + 128) / (200 + 256) = 0.72 while the throughput rises 1.13x: back to 32,
+    # with its learning rate, and no further trial while the noise scale stays...
+    policy, sizes, state = run(200.0)
+    assert [(d["why"], d["batch"]) for d in policy.decisions] == [("try", 64), ("shrink", 32)]
     assert sizes[-1] == 32 and policy.decisions[-1]["lr"] == 0.1
+    # ...but once it has risen, to 64 (measured: no trial) and 128 (by the line).
+    policy, sizes, _ = run(lambda step: 1e5, steps=20, policy=policy, state=state)
+    assert [(d["why"], d["batch"]) for d in policy.decisions[2:]] == [("grow", 64),
+                                                                     ("grow", 128)]
+    assert policy.decisions[2]["lr"] == pytest.approx(0.1 * 2 ** 0.5)
+    # A noise scale where 64 and 32 are within the margin: no move.
+    r32, r64 = 128 / 0.042, 256 / 0.074
+    even = (128 * r64 - 256 * r32) / (r32 - r64)  # r32 / (even + 128) = r64 / (even + 256)
+    policy, sizes, _ = run(lambda step: 1e5 if step <= 5 else even, steps=40)
+    assert [d["why"] for d in policy.decisions] == ["try"] and sizes[-1] == 64
     plain, plain_sizes = GNSBatchGrowth(max_batch=128, every_steps=5), []
     state = TrainingState(local_batch_size=32, global_batch_size=128, cluster_size=4,
                           learning_rate=0.1)

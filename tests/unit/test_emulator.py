@@ -133,3 +133,55 @@ def test_calibration_counts_a_step_by_its_compute_and_its_allreduce():
     assert driver.step_median(rows) == pytest.approx(0.050)
     rows[0]["step_time"] = rows[1]["step_time"] = 9.0  # the first steps are left out
     assert driver.step_median(rows) == pytest.approx(0.050)
+
+
+arb = _load("_arbiter")
+
+
+def test_the_arbiter_probes_then_moves_workers_to_the_larger_marginal_goodput():
+    Curve = arb.Curve
+    # Two jobs at 8 and 8, each measured at one size: the first takes 4 from the other (a
+    # probe: then both are measured at two sizes).
+    move = arb.decide({0: 8, 1: 8}, {0: Curve({8: 2263.0}), 1: Curve({8: 733.0})}, 16, 4)
+    assert (move.donor, move.receiver, move.workers, move.why) == (1, 0, 4, "probe")
+    # The probe went the wrong way (job 1 gained little, job 0 lost much): moved back...
+    c = {0: Curve({8: 2263.0, 4: 1402.0}), 1: Curve({8: 733.0, 12: 560.0})}
+    move = arb.decide({0: 4, 1: 12}, c, 16, 4)
+    assert (move.donor, move.receiver, move.why) == (1, 0, "marginal")
+    assert move.gain == pytest.approx((2263 - 1402) / 1402)
+    assert move.loss == pytest.approx((560 - 733) / 560)  # job 1 is faster with fewer
+    # ...and past the even split: job 0's 12 and job 1's 4 are lines through its two points.
+    move = arb.decide({0: 8, 1: 8}, c, 16, 4)
+    assert (move.donor, move.receiver) == (1, 0)
+    assert move.gain == pytest.approx((2263 + (2263 - 1402) - 2263) / 2263)
+    assert move.loss == pytest.approx((733 - (733 + (733 - 560))) / 733)
+    # Measured there, no move pays: 12 and 4 stay.
+    c[0].points[12], c[1].points[4] = 2844.0, 981.0
+    assert arb.decide({0: 12, 1: 4}, c, 16, 4) is None
+    # A job that ended frees its workers: to the job whose curve says it gains, not to one
+    # that would be slower with them.
+    move = arb.decide({0: 12}, {0: c[0]}, 16, 4)
+    assert (move.donor, move.receiver, move.why) == (None, 0, "free")
+    assert move.gain == pytest.approx((2844 + (2844 - 2263) - 2844) / 2844)
+    assert arb.decide({1: 4}, {1: c[1]}, 16, 4) is None
+    # A move under the margin is no move; no job goes under min_size.
+    flat = {0: Curve({8: 100.0, 12: 103.0}), 1: Curve({8: 100.0, 4: 99.0})}
+    assert arb.decide({0: 8, 1: 8}, flat, 16, 4, margin=0.05) is None
+    assert arb.decide({0: 8, 1: 8}, flat, 16, 4, margin=0.0).receiver == 0
+    assert arb.decide({0: 8, 1: 8}, c, 16, 4).receiver == 0
+    assert arb.decide({0: 8, 1: 8}, c, 16, 4, min_size=5) is None  # job 1 would be at 4
+
+
+def test_the_arbiter_measures_goodput_over_the_latest_run_at_a_size_and_keeps_rank_0():
+    rows = [{"step": s, "t": float(s), "size": 8, "progress": 10.0 * s} for s in range(10)]
+    rows += [{"step": s, "t": float(s), "size": 4, "progress": 90 + 5.0 * (s - 9)}
+             for s in range(10, 20)]
+    assert arb.goodput(rows, 4, settle=2, window_s=5) == pytest.approx(5.0)
+    assert arb.goodput(rows, 4, settle=2, window_s=8) is None  # 7 s of it only
+    assert arb.goodput(rows, 8, settle=0, window_s=1) is None  # not the latest run
+    assert arb.goodput(rows[:10], 8, settle=0, window_s=1) == pytest.approx(10.0)
+    slots = [f"h:{p}" for p in range(10, 16)]
+    assert arb.resized_peers(["h:12", "h:10", "h:11"], slots, 1) == ["h:12"]
+    assert arb.resized_peers(["h:12", "h:10"], slots, 4) == ["h:12", "h:10", "h:11", "h:13"]
+    with pytest.raises(ValueError):
+        arb.resized_peers(["h:10"], slots, 7)
