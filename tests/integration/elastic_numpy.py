@@ -21,7 +21,7 @@ many seconds later); --kill-after-check-in, --kill-after-decision and --kill-whi
 it at those points of a recovery or a resize, as elastic_train.py's options of the same names.
 A worker writes {"fault": signal, "at": time} to its records before it faults.
 
---schedule SIZES has rank 0 ask for each size in turn (--gap steps at the size before), as
+--fail-joiner makes a joiner exit with code 3 at once. --schedule SIZES has rank 0 ask for each size in turn (--gap steps at the size before), as
 elastic_train.py's policy does; --tail steps at the last size end training.
 """
 from __future__ import annotations
@@ -38,6 +38,8 @@ import time
 # A worker started to join a running job; under kungfu-run -spares, a warm spare always is.
 JOINING = (os.environ.get("KUNGFU_ELASTIC_JOINING") == "1"
            or os.environ.get("KUNGFU_SPARE_FD") is not None)
+if "--fail-joiner" in sys.argv and os.environ.get("KUNGFU_ELASTIC_JOINING") == "1":
+    sys.exit(3)  # a joiner that fails at once
 if not JOINING and "--slow-start" in sys.argv:  # RANK:SECONDS, as a framework's import
     _rank, _, _seconds = sys.argv[sys.argv.index("--slow-start") + 1].partition(":")
     if os.environ.get("RANK") == _rank:
@@ -70,6 +72,10 @@ class Trainer(Loop):
 
     def _binding(self):
         return NumpyVariables(self.values)
+
+    def after_train(self):
+        super().after_train()
+        self._exit_if_detached()  # as kf.Hook's: a worker left out leaves with exit code 0
 
     def _start_equal(self):
         if _peer.identity().size > 1:
@@ -131,6 +137,8 @@ def main():
                         "(as one that imports a framework on a loaded machine)")
     p.add_argument("--slow-join", type=float, default=0.0,
                    help="a joiner starts this much later (as one that imports a framework)")
+    p.add_argument("--fail-joiner", action="store_true",
+                   help="a joining worker exits with code 3 at once (a joiner that fails)")
     p.add_argument("--no-guard", action="store_true",
                    help="train without trainer.guard: a job that cannot recover")
     p.add_argument("--stop-at-version", default="", metavar="V:N",
@@ -242,8 +250,9 @@ def main():
             time.sleep(args.step_sleep)
             if stop_version >= 0 and version >= stop_version and stop_at is None:
                 stop_at = s.step + stop_after
+            # A worker a shrink left out stops here, as kf.Hook stops model.fit.
             if s.step >= min(args.max_steps, stop_at or args.max_steps) or \
-                    (policies and policies[0].stop):
+                    (policies and policies[0].stop) or trainer.detached:
                 done = True
                 break
         if not done:
