@@ -21,8 +21,9 @@ many seconds later); --kill-after-check-in, --kill-after-decision and --kill-whi
 it at those points of a recovery or a resize, as elastic_train.py's options of the same names.
 A worker writes {"fault": signal, "at": time} to its records before it faults.
 
---fail-joiner makes a joiner exit with code 3 at once. --schedule SIZES has rank 0 ask for each size in turn (--gap steps at the size before), as
-elastic_train.py's policy does; --tail steps at the last size end training.
+--fail-joiner makes a joiner exit with code 3 at once. --schedule SIZES has rank 0 ask for each
+size in turn (--gap steps at the size before), as elastic_train.py's policy does; --tail steps at
+the last size end training.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -60,6 +60,8 @@ from kungfu.policy import BasePolicy  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 from numpy_variables import NumpyVariables  # noqa: E402
+
+import _fault  # noqa: E402  (next to this file)
 
 
 class Trainer(Loop):
@@ -160,15 +162,7 @@ def main():
         return not JOINING and flag == first_rank
 
     def fault(sig=signal.SIGKILL):
-        out.write(json.dumps({"fault": int(sig), "at": time.time()}) + "\n")
-        out.flush()
-        if args.pause_pid:
-            os.kill(args.pause_pid, signal.SIGSTOP)
-            subprocess.Popen(["sh", "-c",
-                              f"sleep {args.pause_seconds}; kill -CONT {args.pause_pid}"])
-        if sig == signal.SIGSTOP and args.wake_after:
-            subprocess.Popen(["sh", "-c", f"sleep {args.wake_after}; kill -CONT {os.getpid()}"])
-        os.kill(os.getpid(), sig)
+        _fault.fault(out, sig, args.pause_pid, args.pause_seconds, args.wake_after)
 
     def connect_and_die():
         _peer.get()

@@ -24,38 +24,17 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from conftest import SAMPLES, check_epochs, run_elastic, sizes_of, steps_of  # noqa: E402
+from conftest import (SAMPLES, check_epochs, run_elastic, run_recovered, sizes_of,  # noqa: E402
+                      steps_of)
 
 # 240 samples, batch 8: 10 steps per epoch at 3 workers, 8 per epoch at 4 (the last one short).
 STEPS = 24
 
 
-def _recovered(tmp_path, np_: int, *faults: str, env=None, expect_lost: int = 1,
-               steps_after: bool = True, steps_before: bool = True, replace: bool = False):
-    """A run that goes on with the survivors (-replace=false unless `replace`;
-    test_lost_workers_are_replaced has a replacement that joins)."""
-    r, records = run_elastic(tmp_path, np_, np_, "--schedule", str(np_), "--tail", "1000",
-                             "--max-steps", str(STEPS), "--step-sleep", "0.02", *faults,
-                             env_extra=env, launcher_args=() if replace else ("-replace=false",))
-    log = r.stdout[-3000:] + r.stderr[-6000:]
-    assert r.returncode == 0, log
-    assert "survived" in r.stderr or expect_lost == 0, log
-    steps = steps_of(records)
-    assert sorted(steps) == list(range(1, STEPS + 1)), log
-    for step, rows in steps.items():
-        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
-    check_epochs(steps)
-    finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
-    assert len(finals) == np_ - expect_lost, log
-    for f in finals:
-        assert f["size"] == np_ - expect_lost and f["step"] == STEPS, f
-        [rec] = f["recoveries"]
-        assert len(rec["lost"]) == expect_lost and rec["size"] == np_ - expect_lost, rec
-    sizes = [len(rows) for rows in steps.values()]
-    assert sizes[0] == (np_ if steps_before else np_ - expect_lost), sizes
-    if steps_after:  # the survivors trained on after the loss
-        assert sizes[-1] == np_ - expect_lost, sizes
-    return r, records, finals
+def _recovered(tmp_path, np_: int, *faults: str, **kw):
+    """conftest.run_recovered of elastic_train.py (its policy keeps the size)."""
+    return run_recovered(tmp_path, np_, STEPS, "--schedule", str(np_), "--tail", "1000", *faults,
+                         **kw)
 
 
 @pytest.mark.timeout(200)

@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-from conftest import check_epochs, run_elastic, sizes_of, steps_of
+from conftest import check_epochs, run_elastic, run_recovered, sizes_of, steps_of
 
 
 @pytest.mark.parametrize("kill", ["0@import", "2@import", "0@broadcast", "1@broadcast",
@@ -186,33 +186,10 @@ def test_an_etcd_job_survives_the_loss_of_a_launcher_in_one_recovery(tmp_path):
 STEPS = 24
 
 
-def _recovered(tmp_path, np_: int, *faults: str, env=None, expect_lost: int = 1,
-               steps_after: bool = True, steps_before: bool = True, replace: bool = False):
-    """A run that goes on with the survivors (-replace=false unless `replace`): it finishes,
-    says what it survived, trains every sample of every epoch once with equal weights on every
-    worker after every step, and each finisher recovered once, without the lost ones."""
-    r, records = run_elastic(tmp_path, np_, np_, "--max-steps", str(STEPS), "--step-sleep",
-                             "0.02", *faults, env_extra=env, script="elastic_numpy.py",
-                             timeout=150, launcher_args=() if replace else ("-replace=false",))
-    log = r.stdout[-3000:] + r.stderr[-6000:]
-    assert r.returncode == 0, log
-    assert "survived" in r.stderr, log
-    steps = steps_of(records)
-    assert sorted(steps) == list(range(1, STEPS + 1)), log
-    for step, rows in steps.items():
-        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
-    check_epochs(steps)
-    finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
-    assert len(finals) == np_ - expect_lost, log
-    for f in finals:
-        assert f["size"] == np_ - expect_lost and f["step"] == STEPS, f
-        [rec] = f["recoveries"]
-        assert len(rec["lost"]) == expect_lost and rec["size"] == np_ - expect_lost, rec
-    sizes = [len(rows) for rows in steps.values()]
-    assert sizes[0] == (np_ if steps_before else np_ - expect_lost), sizes
-    if steps_after:  # the survivors trained on after the loss
-        assert sizes[-1] == np_ - expect_lost, sizes
-    return r, records, finals
+def _recovered(tmp_path, np_: int, *faults: str, **kw):
+    """conftest.run_recovered of elastic_numpy.py."""
+    return run_recovered(tmp_path, np_, STEPS, *faults, script="elastic_numpy.py", timeout=150,
+                         **kw)
 
 
 @pytest.mark.timeout(160)
