@@ -160,6 +160,38 @@ def run_elastic(tmp_path, np_: int, slots: int, *args: str, timeout: float = 240
     return r, records
 
 
+def run_recovered(tmp_path, np_: int, n_steps: int, *args: str, env=None, expect_lost: int = 1,
+                  steps_after: bool = True, steps_before: bool = True, replace: bool = False,
+                  script: str = "elastic_train.py", timeout: float = 240):
+    """run_elastic of `np_` workers in `np_` slots for `n_steps` steps, with `args` (the faults),
+    that goes on with the survivors (-replace=false unless `replace`): it finishes, says what
+    it survived, trains every sample of every epoch once with equal weights on every worker
+    after every step, and each finisher recovered once, without the lost ones. Returns the
+    launcher's result, the records and the finishers' last records."""
+    r, records = run_elastic(tmp_path, np_, np_, "--max-steps", str(n_steps), "--step-sleep",
+                             "0.02", *args, env_extra=env, script=script, timeout=timeout,
+                             launcher_args=() if replace else ("-replace=false",))
+    log = r.stdout[-3000:] + r.stderr[-6000:]
+    assert r.returncode == 0, log
+    assert "survived" in r.stderr or expect_lost == 0, log
+    steps = steps_of(records)
+    assert sorted(steps) == list(range(1, n_steps + 1)), log
+    for step, rows in steps.items():
+        assert len({row["digest"] for row in rows}) == 1, f"step {step}: {rows}"
+    check_epochs(steps)
+    finals = [rows[-1] for rows in records.values() if rows and "done" in rows[-1]]
+    assert len(finals) == np_ - expect_lost, log
+    for f in finals:
+        assert f["size"] == np_ - expect_lost and f["step"] == n_steps, f
+        [rec] = f["recoveries"]
+        assert len(rec["lost"]) == expect_lost and rec["size"] == np_ - expect_lost, rec
+    sizes = [len(rows) for rows in steps.values()]
+    assert sizes[0] == (np_ if steps_before else np_ - expect_lost), sizes
+    if steps_after:  # the survivors trained on after the loss
+        assert sizes[-1] == np_ - expect_lost, sizes
+    return r, records, finals
+
+
 class WorkerError(AssertionError):
     """A worker raised, crashed, or did not finish in time."""
 

@@ -23,7 +23,6 @@ import faulthandler  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
-import subprocess  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
@@ -34,6 +33,8 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import kungfu as kf  # noqa: E402
+
+import _fault  # noqa: E402  (next to this file)
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -292,15 +293,7 @@ def main():
     my_faults = faults([(k, signal.SIGKILL) for k in args.kill] + [(args.hang, signal.SIGSTOP)])
 
     def fault(sig):
-        out.write(json.dumps({"fault": int(sig), "at": time.time()}) + "\n")
-        out.flush()
-        if args.pause_pid:
-            os.kill(args.pause_pid, signal.SIGSTOP)
-            subprocess.Popen(["sh", "-c",
-                              f"sleep {args.pause_seconds}; kill -CONT {args.pause_pid}"])
-        if sig == signal.SIGSTOP and args.wake_after:
-            subprocess.Popen(["sh", "-c", f"sleep {args.wake_after}; kill -CONT {os.getpid()}"])
-        os.kill(os.getpid(), sig)
+        _fault.fault(out, sig, args.pause_pid, args.pause_seconds, args.wake_after)
 
     def weights_digest():
         return hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights())).hexdigest()

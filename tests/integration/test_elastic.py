@@ -226,8 +226,9 @@ def test_a_joiner_whose_model_differs_fails_everyone_at_once(tmp_path):
 def test_a_joiner_that_fails_is_given_up_and_training_goes_on(tmp_path):
     # The launcher tells the workers (cluster/failed/...): they give the resize up at once, not
     # after KUNGFU_RESIZE_TIMEOUT.
+    # (The launcher's and the Loop's protocol: numpy workers, a second to start.)
     r, records = run_elastic(tmp_path, 1, 2, "--schedule", "2", "--fail-joiner",
-                             "--max-steps", "80", timeout=150,
+                             "--max-steps", "80", timeout=150, script="elastic_numpy.py",
                              env_extra={"KUNGFU_RESIZE_TIMEOUT": "300s"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "before the cluster switched to it" in r.stderr and "abandoned" in r.stderr
@@ -242,9 +243,12 @@ def test_warm_spares_become_joiners_and_leave_when_the_job_ends(tmp_path):
     """kungfu-run -spares 1: the grow 1 -> 3 takes the spare for one joiner and starts the other
     afresh; the shrink to 2 frees a slot, so the launcher starts another spare, which the job's
     end stops. Every step's workers agree on the weights, every sample is trained once per
-    epoch, and no process of the job outlives the launcher."""
+    epoch, and no process of the job outlives the launcher. (The launcher's and the Loop's
+    protocol: numpy workers, a second to start; the spares of a TensorFlow job are
+    schedule_run's.)"""
     r, records = run_elastic(tmp_path, 1, 3, "--schedule", "3,2", "--gap", "40", "--tail", "10",
-                             launcher_args=("-spares", "1"))
+                             "--max-steps", "100000", launcher_args=("-spares", "1"),
+                             script="elastic_numpy.py")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     log = r.stderr
     assert "1 warm spare here" in log and "spare 0 started" in log, log[-3000:]
