@@ -296,6 +296,7 @@ def main() -> int:
             else:
                 buf[:-3] = g1
         holder["cpu"] = time.thread_time() - c0  # this worker's real compute, in CPU seconds
+        holder["compute"] = time.perf_counter() - t0  # ... and as the clock saw it
         if not args.real:
             speed = speeds.factor(started_as, trainer.state.step)
             rest = device.step_time(part, speed) * args.scale - (time.perf_counter() - t0)
@@ -335,6 +336,7 @@ def main() -> int:
                     "batch": s.global_batch_size, "sizes": s.batch_sizes,
                     "progress": monitor.progress.done, "gns": s.metrics.get("gns"),
                     "step_time": s.metrics.get("step_time"), "cpu": holder.get("cpu"),
+                    "compute": holder.get("compute"),
                     "compute_times": s.metrics.get("compute_times"),
                     "version": context().current.version if context().enabled else 0})
             if stop or trainer.detached:

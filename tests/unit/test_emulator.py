@@ -122,13 +122,16 @@ def test_fit_device_recovers_a_linear_device():
 
 def test_calibration_counts_a_step_by_its_compute_and_its_allreduce():
     driver = _load("emulated")
-    rows = [{"step": s, "step_time": 0.050, "cpu": 0.010, "compute_times": [0.040, 0.030]}
-            for s in range(1, 12)]
+    rows = [{"step": s, "step_time": 0.050, "cpu": 0.010, "compute": 0.040,
+             "compute_times": [0.045, 0.030]} for s in range(1, 12)]
     rows.append({"done": True})
     assert driver.step_median(rows) == pytest.approx(0.050)
-    # own: the 40 ms the clock saw for the slowest worker's compute becomes rank 0's 10 ms
-    # of CPU; the 10 ms of allreduce and waiting stay.
+    # own: the 40 ms the clock saw for rank 0's compute before the allreduce becomes its 10 ms
+    # of CPU; the 10 ms of allreduce, waiting and update stay.
     assert driver.step_median(rows, own=True) == pytest.approx(0.020)
+    # the device is fitted to the compute alone (the emulated worker runs the rest for real)
+    assert driver.compute_median(rows) == pytest.approx(0.040)
+    assert driver.compute_median(rows, own=True) == pytest.approx(0.010)
     rows[6]["step_time"] = 9.0  # one slow step does not move a median
     assert driver.step_median(rows) == pytest.approx(0.050)
     rows[0]["step_time"] = rows[1]["step_time"] = 9.0  # the first steps are left out
