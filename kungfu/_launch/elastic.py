@@ -109,9 +109,7 @@ class ElasticLauncher(Launcher):
 
     def _open_store(self):
         if self.opts.builtin_config_port is not None:
-            mine = sorted(self.here)
-            bind = "127.0.0.1" if all(_is_loopback(h) for h in mine) else mine[0]
-            self.server = ConfigServer(bind, self.opts.builtin_config_port,
+            self.server = ConfigServer(self._store_address(), self.opts.builtin_config_port,
                                        token=self.opts.job_token).start()
             self.url = self.server.url
             self.info(f"config store at {self.url}")
@@ -141,6 +139,11 @@ class ElasticLauncher(Launcher):
                     self.info(f"waiting for the config store ({int(waited)} s so far; gives up "
                               f"after {int(STORE_WAIT)} s): {e}")
                 self._wait_at_start(what, 0.5)
+
+    def _store_address(self) -> str:
+        """Where the builtin store listens: this host's address in -H (loopback if none)."""
+        mine = sorted(self.here)
+        return "127.0.0.1" if all(_is_loopback(h) for h in mine) else mine[0]
 
     def _local(self, cfg: ClusterConfig) -> List[Worker]:
         out = []

@@ -161,8 +161,11 @@ never a password prompt) with the same -np, -H, -port-range and -strategy, the K
 and PYTHONPATH of this launcher, and the job's secret on its stdin. Their output comes back here
 (-show-ranks and -logdir see every rank). A host whose launcher cannot be reached, does not
 start within {ssh_start:g}s (KUNGFU_SSH_START_TIMEOUT) or fails fails the job with an error that
-names it; SIGINT, SIGTERM, -timeout and a failure stop the other hosts' workers too. Static jobs
-only: with -w, give each host's launcher -self or -nic.
+names it; SIGINT, SIGTERM, -timeout and a failure stop the other hosts' workers too. With -w,
+every other host of -H gets a launcher, following this one's config store (-builtin-config-port
+here, or the -config-server given) with the same -min-np, -max-restarts, -replace,
+-host-cooldown and -spares; a host whose launcher is lost after it started is a lost host: the
+others recover without its workers, it gets no new one, and the job goes on.
 
 In a Slurm job step (srun --ntasks-per-node=1 kungfu-run ...) and without -H, the hosts are the
 step's nodes, this host is the node it runs on, -np defaults to one worker per allocated GPU (else
@@ -426,9 +429,9 @@ def _check_together(opts: Options) -> None:
     """The checks of flags that go (or do not go) together."""
     if opts.self_host is not None and opts.nic is not None:
         raise UsageError("give only one of -self and -nic")
-    if opts.stdin_control and (opts.self_host is None or opts.elastic):
+    if opts.stdin_control and (opts.self_host is None or opts.builtin_config_port is not None):
         raise UsageError("-stdin-control is for a launcher that the ssh start runs: with -self "
-                         "and without -w")
+                         "(and with -w, -config-server: the store is the starter's)")
     if opts.quiet and opts.verbose:
         raise UsageError("give only one of -q and -v")
     if opts.elastic and (opts.builtin_config_port is None) == (opts.config_server is None):

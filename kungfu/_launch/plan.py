@@ -40,8 +40,8 @@ class Plan:
     peers: List[Worker]  # every worker of the job (-w: of its first version)
     mine: List[Worker]  # the workers this launcher starts
     here: Set[str]  # the hosts of -H that are this one
-    # The ssh start (kungfu/_launch/ssh.py): the hosts with workers whose launchers this one
-    # starts over ssh; empty when each host runs its own (-self, -nic, a cluster manager).
+    # The ssh start (kungfu/_launch/ssh.py): the hosts with workers (-w: every other host of -H)
+    # whose launchers this one starts over ssh; empty when each host runs its own (-self, -nic, a cluster manager).
     remote: List[HostSpec] = field(default_factory=list)
     # host:port -> its socket, bound and listening, for the worker there (see listen)
     listeners: Dict[str, socket.socket] = field(default_factory=dict)
@@ -62,7 +62,8 @@ def prepare(opts: Options) -> Plan:
     here = set(local_hosts(opts, hosts))
     mine = [w for w in peers if w.host in here]
     remote = [] if opts.self_host is not None or opts.nic is not None else [
-        h for h in hosts if h.host not in here and any(w.host == h.host for w in peers)]
+        h for h in hosts if h.host not in here
+        and (opts.elastic or any(w.host == h.host for w in peers))]
     _check_ssh_start(opts, remote)
     # Alone: this launcher starts every worker the job may have (elastic: every slot).
     alone = all(h.host in here for h in hosts) if opts.elastic else len(mine) == len(peers)
@@ -78,10 +79,7 @@ def prepare(opts: Options) -> Plan:
 
 
 def _check_ssh_start(opts: Options, remote: List[HostSpec]) -> None:
-    """The flags of the ssh start go with it, and it with a static job."""
-    if remote and opts.elastic:
-        raise UsageError(f"-H names several hosts ({opts.hosts}) and -w: give each host's "
-                         f"launcher -self IP or -nic IFACE (the ssh start runs static jobs)")
+    """The flags of the ssh start go with it."""
     if not remote and (opts.ssh_port is not None or opts.ssh_identity_file is not None):
         raise UsageError("-ssh-port and -ssh-identity-file are for the ssh start (several hosts "
                          "in -H, not all of them this one, and neither -self nor -nic)")

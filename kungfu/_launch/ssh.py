@@ -1,7 +1,8 @@
 """The ssh start: one kungfu-run command for a job on several hosts, as horovodrun and mpirun
 start theirs. Given several hosts in -H and neither -self nor -nic, the launcher runs the
-workers of the hosts that are this machine (a Launcher, as always) and starts a launcher on each
-other host that has workers, over ssh. Those launchers run with -stdin-control:
+workers of the hosts that are this machine (a Launcher, or with -w an ElasticLauncher, as
+always) and starts a launcher on each other host that has workers (-w: on every other host,
+following this one's config store), over ssh. Those launchers run with -stdin-control:
 
 1. The starter (SshLauncher) runs `ssh [-p P] [-i F] HOST "cd CWD && exec env VARS PYTHON -m
    kungfu.cmd -stdin-control -self HOST -np .. -H .. -- COMMAND"` (remote_command), each in a
@@ -23,7 +24,8 @@ other host that has workers, over ssh. Those launchers run with -stdin-control:
 5. No READY within KUNGFU_SSH_START_TIMEOUT, or an ssh that exits non-zero while the job runs,
    fails the job with an error that names the host and its last words; the exit code is the
    remote launcher's (a worker's there), or EXIT_SSH when ssh itself failed or the launcher
-   died.
+   died. With -w, an ssh that exits non-zero after READY is a lost host instead: the job goes
+   on, and the host cools down for good (ElasticSshLauncher).
 6. Stopping (a failure, a signal, -timeout): the starter closes every ssh's stdin (step 3) and
    kills an ssh still running REMOTE_STOP_SECONDS later. A starter that dies, even by SIGKILL,
    closes the pipes too: step 3 without the kill.
@@ -42,13 +44,15 @@ import subprocess
 import sys
 import threading
 import time
-from typing import BinaryIO, Dict, List, Optional, Tuple
+from typing import BinaryIO, Dict, List, Optional, Sequence, Set, Tuple
 
 from kungfu import _env
-from kungfu._hosts import HostSpec, UsageError, Worker
+from kungfu._hosts import HostSpec, UsageError, Worker, _is_loopback
 from kungfu._launch.flags import EXIT_NOT_FOUND, GRACE_SECONDS, Options
+from kungfu._launch.elastic import ElasticLauncher
 from kungfu._launch.launcher import Launcher
 from kungfu._launch.output import PROG, _Output, _plural, _ranks, logger, shown
+from kungfu.store import StoreError
 
 READY = b"kungfu-run: -stdin-control: started\n"  # step 3, on the remote launcher's stdout
 EXIT_SSH = 255  # ssh's own exit code for a failure of its own (or a remote end killed)
@@ -72,9 +76,11 @@ def settings() -> Tuple[List[str], float]:
         raise UsageError(str(e)) from None
 
 
-def remote_command(opts: Options, host: str, cwd: str, environ=None) -> str:
+def remote_command(opts: Options, host: str, cwd: str, environ=None,
+                   store: Optional[str] = None) -> str:
     """What ssh runs on `host` (step 1): its launcher, with this one's flags of the whole job,
-    the KUNGFU_* settings and PYTHONPATH of this one, in the same folder."""
+    the KUNGFU_* settings and PYTHONPATH of this one, in the same folder. `store`: an elastic
+    job's config store, as the other hosts reach it."""
     environ = os.environ if environ is None else environ
     env = [f"{k}={v}" for k, v in sorted(environ.items())
            if (k.startswith("KUNGFU_") and k not in _NOT_FORWARDED) or k == "PYTHONPATH"]
@@ -83,8 +89,29 @@ def remote_command(opts: Options, host: str, cwd: str, environ=None) -> str:
     flags += ["-q"] * opts.quiet + ["-v"] * opts.verbose
     flags += [] if opts.gpu_per_worker else ["-gpu-per-worker=false"]
     flags += [] if opts.timeline is None else ["-timeline", opts.timeline]
+    flags += _elastic_flags(opts, store) if opts.elastic else []
     words = ["env", *env, sys.executable, "-m", "kungfu.cmd", *flags, "--", *opts.command]
     return f"cd {shlex.quote(cwd)} && exec {shlex.join(words)}"
+
+
+def _elastic_flags(opts: Options, store: Optional[str]) -> List[str]:
+    """-w and the elastic flags of this launcher, for another host's: the same store and rules
+    (-spares is per host: each keeps as many)."""
+    flags = ["-w", "-config-server", store or ""]
+    for flag, value in (("-config-server-credentials", opts.config_server_credentials),
+                        ("-min-np", opts.min_np), ("-max-restarts", opts.max_restarts),
+                        ("-spares", opts.spares or None)):
+        flags += [] if value is None else [flag, str(value)]
+    flags += [] if opts.replace is None else [f"-replace={str(opts.replace).lower()}"]
+    flags += [] if opts.host_cooldown is None else ["-host-cooldown", f"{opts.host_cooldown!r}s"]
+    return flags
+
+
+def address_toward(host: str) -> str:
+    """This machine's address on the route to `host` (a UDP socket's connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
 
 
 def ssh_command(opts: Options, host: str, remote: str) -> List[str]:
@@ -128,6 +155,8 @@ class _RankLogs:
 
     def write(self, rank: int, line: bytes) -> None:
         with self.lock:
+            if rank not in self.files and self.logdir is not None:  # -w: a rank new here
+                self.files[rank] = open(os.path.join(self.logdir, f"rank-{rank}.log"), "wb")
             f = self.files.get(rank)
             if f is not None and not f.closed:
                 f.write(line)
@@ -139,16 +168,15 @@ class _RankLogs:
                 f.close()
 
 
-class SshLauncher(Launcher):
-    """A static job on several hosts from one command (see the module's doc): this host's
-    workers as Launcher runs them, the other hosts' launchers as ssh processes, one event loop."""
+class _SshStart:
+    """The other hosts' launchers as ssh processes, in the event loop of this host's launcher
+    (the class this is mixed into: Launcher for a static job, ElasticLauncher with -w)."""
 
-    def __init__(self, opts: Options, peers: List[Worker], mine: List[Worker],
-                 remote: List[HostSpec], listeners: Optional[Dict[str, socket.socket]] = None):
-        super().__init__(opts, peers, mine, listeners)
+    def __init__(self, remote: List[HostSpec], *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.remote_hosts = remote
         self.remotes: Dict[str, _Remote] = {}
-        self.logs = _RankLogs(opts.logdir)
+        self.logs = _RankLogs(self.opts.logdir)
 
     def run(self) -> int:
         try:
@@ -156,31 +184,25 @@ class SshLauncher(Launcher):
         finally:
             self.logs.close()
 
-    def _begin(self) -> Optional[int]:
+    def _no_ssh(self) -> Optional[int]:
         ssh, _ = settings()
         if shutil.which(ssh[0]) is None:
             self.error(f"cannot start the other hosts' launchers: {ssh[0]} not found "
                        f"(KUNGFU_SSH names the ssh command)")
             return EXIT_NOT_FOUND
-        there = "; ".join(f"{h.host} ({_ranks(self._workers_of(h.host))})"
-                          for h in self.remote_hosts)
-        here = f"here {_ranks(self.mine)}, " if self.mine else ""
-        self.info(f"starting {_plural(len(self.peers), 'worker')}: {here}over ssh on {there}; "
-                  f"strategy {self.opts.strategy}: {shlex.join(self.opts.command)}")
-        code = self._start_all()  # forks this host's workers before any thread starts
-        if code is not None:
-            return code
+        return None
+
+    def _start_remotes(self, store: Optional[str] = None) -> None:
         cwd = os.getcwd()
         for h in self.remote_hosts:
-            self._start_remote(h.host, cwd)
-        return None
+            self._start_remote(h.host, cwd, store)
 
     def _workers_of(self, host: str) -> List[Worker]:
         return [w for w in self.peers if w.host == host]
 
-    def _start_remote(self, host: str, cwd: str) -> None:
+    def _start_remote(self, host: str, cwd: str, store: Optional[str]) -> None:
         """Steps 1 and 2, and the threads of steps 4 and 5."""
-        argv = ssh_command(self.opts, host, remote_command(self.opts, host, cwd))
+        argv = ssh_command(self.opts, host, remote_command(self.opts, host, cwd, store=store))
         logger.debug(f"{host}: {shlex.join(argv)}")
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)
@@ -239,7 +261,7 @@ class SshLauncher(Launcher):
             return
         r.returncode = rc = event[2]
         if rc == 0 and r.ready.is_set():
-            logger.debug(f"{r.host}: its launcher finished ({_ranks(r.workers)})")
+            logger.debug(f"{r.host}: its launcher finished")
             return
         code = rc if rc > 0 else EXIT_SSH
         if self.result is None and not self.stopping:
@@ -248,10 +270,14 @@ class SshLauncher(Launcher):
             else:
                 what = (f"cannot be reached over ssh, or its launcher died (ssh exited with "
                         f"code {rc})")
-            self.error(f"{r.host}: {what}{self._words(r)}; stopping the job")
-            self._stop(code, signal.SIGTERM, now)
+            self._lost(r, f"{r.host}: {what}{self._words(r)}", code, now)
         elif self.result is None and self.received_signal is not None:
             self.result = code
+
+    def _lost(self, r: _Remote, what: str, code: int, now: float) -> None:
+        """A remote launcher failed or is gone: a static job stops."""
+        self.error(f"{what}; stopping the job")
+        self._stop(code, signal.SIGTERM, now)
 
     @staticmethod
     def _words(r: _Remote) -> str:
@@ -276,13 +302,13 @@ class SshLauncher(Launcher):
         timer.start()
 
     def _over(self) -> bool:
-        return not self._alive() and all(r.returncode is not None
-                                         for r in self.remotes.values())
+        return super()._over() and all(r.returncode is not None for r in self.remotes.values())
 
     def _close(self) -> None:
         for r in self.remotes.values():
             if r.proc.poll() is None:
                 self._stop_remote(r)
+        super()._close()
 
     def _drain(self, seconds: float = 2.0) -> None:
         until = time.monotonic() + seconds
@@ -291,11 +317,77 @@ class SshLauncher(Launcher):
             for t in r.readers:
                 t.join(timeout=max(0.0, until - time.monotonic()))
 
+
+
+class SshLauncher(_SshStart, Launcher):
+    """A static job on several hosts from one command (see the module's doc): this host's
+    workers as Launcher runs them, the other hosts' launchers over ssh, one event loop."""
+
+    def __init__(self, opts: Options, peers: List[Worker], mine: List[Worker],
+                 remote: List[HostSpec], listeners: Optional[Dict[str, socket.socket]] = None):
+        super().__init__(remote, opts, peers, mine, listeners)
+
+    def _begin(self) -> Optional[int]:
+        code = self._no_ssh()
+        if code is not None:
+            return code
+        there = "; ".join(f"{h.host} ({_ranks(self._workers_of(h.host))})"
+                          for h in self.remote_hosts)
+        here = f"here {_ranks(self.mine)}, " if self.mine else ""
+        self.info(f"starting {_plural(len(self.peers), 'worker')}: {here}over ssh on {there}; "
+                  f"strategy {self.opts.strategy}: {shlex.join(self.opts.command)}")
+        code = self._start_all()  # forks this host's workers before any thread starts
+        if code is None:
+            self._start_remotes()
+        return code
+
     def _success(self) -> int:
         self.info(f"all {_plural(len(self.peers), 'worker')} on "
                   f"{_plural(len(self.remotes) + bool(self.mine), 'host')} finished "
                   f"successfully in {time.monotonic() - self.start:.1f}s")
         return 0
+
+
+class ElasticSshLauncher(_SshStart, ElasticLauncher):
+    """An elastic job (-w) on several hosts from one command: this host's part as
+    ElasticLauncher runs it, a launcher over ssh on every other host of -H (one with no worker
+    yet gets workers when the job grows onto it), all of them following one config store. A
+    host whose launcher is lost once started is a lost host, as with a launcher per host: its
+    workers' peers recover without them, and it gets no new worker (its cool-down lasts for
+    good); the job goes on."""
+
+    def __init__(self, opts: Options, peers: List[Worker], mine: List[Worker],
+                 hosts: Sequence[HostSpec], here: Set[str], remote: List[HostSpec],
+                 listeners: Optional[Dict[str, socket.socket]] = None):
+        super().__init__(remote, opts, peers, mine, hosts, here, listeners)
+
+    def _store_address(self) -> str:
+        """The builtin store's address: this host's in -H, else the one the others reach
+        this machine at."""
+        if self.here and not all(_is_loopback(h) for h in self.here):
+            return super()._store_address()
+        return address_toward(self.remote_hosts[0].host)
+
+    def _begin(self) -> Optional[int]:
+        code = self._no_ssh()
+        if code is None:
+            code = super()._begin()  # opens (or hosts) the store
+        if code is None:
+            self.info(f"starting the launchers of "
+                      f"{', '.join(h.host for h in self.remote_hosts)} over ssh")
+            self._start_remotes(self.url)
+        return code
+
+    def _lost(self, r: _Remote, what: str, code: int, now: float) -> None:
+        if not r.ready.is_set():  # the job cannot start as planned
+            super()._lost(r, what, code, now)
+            return
+        self.error(f"{what}; the job goes on without {r.host} (its workers' peers recover "
+                   f"without them; it gets no new worker)")
+        try:
+            self.store.cool_down(r.host, math.inf)
+        except StoreError as e:
+            self._store_trouble(e)
 
 
 # The remote side (step 3).
@@ -317,15 +409,17 @@ def read_secret(timeout: float) -> None:
     os.environ[_env.JOB_TOKEN.name] = data.decode().strip()
 
 
-def run_remote(opts: Options, mine: List[Worker], peers: List[Worker],
-               listeners: Optional[Dict[str, socket.socket]] = None) -> int:
-    """A launcher started by the ssh start: says READY, and stops its workers when its stdin
-    ends. `listeners`: the sockets plan.listen bound for its workers."""
-    launcher = Launcher(opts, peers, mine, listeners)
+def run_remote(opts: Options, job) -> int:
+    """A launcher started by the ssh start, for `job` (plan.Plan): says READY, and stops its
+    workers when its stdin ends. An elastic one runs even with no worker yet."""
+    if opts.elastic:
+        launcher = ElasticLauncher(opts, job.peers, job.mine, job.hosts, job.here, job.listeners)
+    else:
+        launcher = Launcher(opts, job.peers, job.mine, job.listeners)
     sys.stdout.buffer.write(READY)
     sys.stdout.buffer.flush()
     threading.Thread(target=_watch_stdin, args=(launcher,), daemon=True).start()
-    return launcher.run() if mine else 0
+    return launcher.run() if job.mine or opts.elastic else 0
 
 
 def _watch_stdin(launcher: Launcher) -> None:

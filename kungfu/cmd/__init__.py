@@ -23,8 +23,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run(argv: Sequence[str]) -> int:
     """Checks the command line and plans the job, then runs this host's part of it: with -w
-    the elastic launcher, else the static one; the ssh start (kungfu/_launch/ssh.py) runs the
-    static one here and starts the other hosts' launchers."""
+    the elastic launcher, else the static one; the ssh start (kungfu/_launch/ssh.py) runs
+    either here and starts the other hosts' launchers."""
     try:
         opts = flags.parse_args(argv)
         if opts.help:
@@ -47,7 +47,10 @@ def run(argv: Sequence[str]) -> int:
         sys.stderr.flush()
         return flags.EXIT_USAGE
     if opts.stdin_control:
-        return ssh.run_remote(opts, job.mine, job.peers, job.listeners)
+        return ssh.run_remote(opts, job)
+    if job.remote and opts.elastic:
+        return ssh.ElasticSshLauncher(opts, job.peers, job.mine, job.hosts, job.here,
+                                      job.remote, job.listeners).run()
     if job.remote:
         return ssh.SshLauncher(opts, job.peers, job.mine, job.remote, job.listeners).run()
     if opts.elastic:

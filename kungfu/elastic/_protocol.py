@@ -48,6 +48,7 @@ Recovery (a peer of version v died or hangs; Elastic.recover, driven by Membersh
 from __future__ import annotations
 
 import json
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -149,7 +150,8 @@ class Elastic:
     def cooling(self) -> str:
         """The hosts that cool down now, for messages."""
         hosts = self.store.cooling_hosts(time.time())
-        return ", ".join(f"{h} for {until - time.time():.0f}s more" for h, until in hosts.items())
+        return ", ".join(f"{h} for {until - time.time():.0f}s more" if until != math.inf else
+                         f"{h} for good (its launcher is gone)" for h, until in hosts.items())
 
     def check_size(self, n) -> int:
         if not self.enabled:

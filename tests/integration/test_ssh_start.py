@@ -5,6 +5,7 @@ with a throwaway host key and a key made for the test; the third has none and st
 Needs root, iproute2 and openssh-server (scripts/install.sh installs it with apt-get)."""
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -270,3 +271,90 @@ def test_a_host_that_cannot_be_reached_fails_the_job_naming_it(cluster, tmp_path
         assert why in err, err
         # Stopped by the launcher, long before rank 0's own wait for its peer would end.
         assert time.monotonic() - start < 40, err
+
+
+ELASTIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_numpy.py")
+
+
+def _records(folder):
+    """{worker file name: its JSON lines} of elastic_numpy.py's records."""
+    return {f.stem: [json.loads(line) for line in f.read_text().splitlines()]
+            for f in folder.glob("*.jsonl")}
+
+
+def _start_elastic(cluster, where, np, tmp_path, *args):
+    """kungfu-run -w from host `where` of a:2,b:1 (the store there) running elastic_numpy.py
+    with `args`; returns the process and the records' folder."""
+    hosts = cluster[0]
+    a, b, _c = hosts.ip
+    out = tmp_path / "records"
+    out.mkdir()
+    return _start(cluster, hosts.ns[where], [
+        "-w", "-np", str(np), "-H", f"{a}:2,{b}:1", "-builtin-config-port", "auto", "-timeout",
+        "90s", PY, ELASTIC, "--out", str(out), *args], tmp_path), out
+
+
+def test_an_elastic_job_from_one_command_grows_onto_a_host_without_workers(cluster, tmp_path):
+    """-w from host c, which runs no worker but hosts the config store: a's launcher starts the
+    2 workers, b's starts with none and gets the third when rank 0 asks for 3."""
+    hosts, _, _, _ = cluster
+    a, b, c = hosts.ip
+    p, out = _start_elastic(cluster, 2, 2, tmp_path, "--schedule", "3", "--max-steps", "60")
+    stdout, err = p.communicate(timeout=100)
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{stdout}\nstderr:\n{err}"
+    # The store listens on c's address toward the others, and they follow it.
+    assert re.search(rf"config store at http://{re.escape(c)}:\d+", err), err
+    assert f"starting the launchers of {a}, {b} over ssh" in err, err
+    records = _records(out)
+    assert sorted(records) == [f"{a}_10000", f"{a}_10001", f"{b}_10000"], sorted(records)
+    joiner = records[f"{b}_10000"]
+    assert joiner[-1]["done"] and joiner[-1]["size"] == 3, joiner[-1]
+    assert {r["size"] for r in joiner if "step" in r} == {3}
+    first = [r for r in records[f"{a}_10000"] if "step" in r]
+    assert first[0]["size"] == 2 and first[-1]["size"] == 3
+    # Every worker ended with the same weights.
+    assert len({rs[-2]["digest"] for rs in records.values()}) == 1
+    # b's launcher's lines come back with its name: it started the joiner, rank 2.
+    assert f"kungfu-run: {b}: version 1: started worker 2 ({b}:10000)" in err, err
+
+
+def test_an_elastic_job_goes_on_when_a_hosts_launcher_is_lost(cluster, tmp_path):
+    """-w from host a (ranks 0-1, the store), b's launcher (rank 2) over ssh: b's launcher killed
+    (a machine gone) takes its worker with it; a's workers recover without it and finish, the
+    job exits 0, and b gets no replacement."""
+    hosts, _, _, _ = cluster
+    a, b, _c = hosts.ip
+    p, out = _start_elastic(cluster, 0, 3, tmp_path, "--max-steps", "40", "--step-sleep", "0.1")
+    lines: list = []
+    threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True).start()
+    threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True).start()
+    try:
+        end, victim = time.monotonic() + 60, out / f"{b}_10000.jsonl"
+        while not (victim.exists() and victim.read_text().count("\n") >= 3):
+            assert time.monotonic() < end and p.poll() is None, "".join(lines)
+            time.sleep(0.1)
+        worker = json.loads(victim.read_text().splitlines()[0])["pid"]
+        with open(f"/proc/{worker}/stat") as f:
+            launcher = int(f.read().rsplit(")", 1)[1].split()[1])
+        os.kill(launcher, signal.SIGKILL)
+        p.wait(timeout=80)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    time.sleep(0.5)
+    err = "".join(lines)
+    assert p.returncode == 0, f"exit {p.returncode}\n{err}"
+    assert f"kungfu-run: {b}: cannot be reached over ssh, or its launcher died" in err, err
+    assert f"the job goes on without {b}" in err, err
+    assert _gone([worker]) == []
+    # b cools down for good: rank 0's replacement finds no free slot and asks for none (without
+    # it: "version 2: 2 -> 3 workers; waiting for 1 joiner", a joiner b never starts).
+    assert "2 -> 3 workers" not in err and "abandoned" not in err, err
+    records = _records(out)
+    assert sorted(records) == [f"{a}_10000", f"{a}_10001", f"{b}_10000"]  # no replacement
+    for name in (f"{a}_10000", f"{a}_10001"):
+        last = records[name][-1]
+        assert last["done"] and last["size"] == 2, last
+        [recovery] = last["recoveries"]
+        assert recovery["lost"] == [f"{b}:10000"] and recovery["size"] == 2, recovery
+    assert records[f"{a}_10000"][-2]["digest"] == records[f"{a}_10001"][-2]["digest"]

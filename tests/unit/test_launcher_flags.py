@@ -288,6 +288,35 @@ def test_the_ssh_start_runs_the_other_launchers_with_the_jobs_flags(monkeypatch)
     assert argv[argv.index("-i") + 1] == "/k/id"
 
 
+def test_the_ssh_start_of_an_elastic_job(monkeypatch):
+    # -w: every other host of -H gets a launcher (a host with no worker yet may get some), each
+    # following the starter's store with the same rules; -spares is per host.
+    from kungfu._launch import ssh
+
+    monkeypatch.delenv("KUNGFU_JOB_TOKEN", raising=False)
+    opts = flags.parse_args(["-w", "-np", "2", "-H", "127.0.0.1:2,10.0.0.1,10.0.0.2",
+                             "-builtin-config-port", "auto", "-min-np", "2", "-max-restarts", "5",
+                             "-replace=false", "-host-cooldown", "90s", "-spares", "1", "cmd"])
+    job = plan.prepare(opts)
+    assert [h.host for h in job.remote] == ["10.0.0.1", "10.0.0.2"]
+    assert [w.rank for w in job.mine] == [0, 1] and len(opts.job_token) == 64
+    words = shlex.split(ssh.remote_command(opts, "10.0.0.2", "/w", {},
+                                           store="http://10.0.0.9:4242"))
+    again = flags.parse_args(words[words.index("kungfu.cmd") + 1:])
+    assert (again.elastic, again.config_server, again.builtin_config_port) == (
+        True, "http://10.0.0.9:4242", None)
+    assert (again.min_np, again.max_restarts, again.replace, again.host_cooldown,
+            again.spares) == (2, 5, False, 90.0, 1)
+    # Unset rules stay unset (the remote launcher's defaults).
+    opts = flags.parse_args(["-w", "-H", "10.0.0.1,10.0.0.2", "-config-server",
+                             "etcd://10.0.0.9:2379", "cmd"])
+    words = shlex.split(ssh.remote_command(opts, "10.0.0.2", "/w", {}, store=opts.config_server))
+    again = flags.parse_args(words[words.index("kungfu.cmd") + 1:])
+    assert (again.min_np, again.max_restarts, again.replace, again.host_cooldown,
+            again.spares, again.config_server) == (None, None, None, None, 0,
+                                                   "etcd://10.0.0.9:2379")
+
+
 @pytest.mark.parametrize("text, ranks", [("0", {0}), ("0,2", {0, 2}), ("1-3,7", {1, 2, 3, 7}),
                                          (" 4 , 0-1", {0, 1, 4})])
 def test_show_ranks(text, ranks):
@@ -328,7 +357,8 @@ BAD = [
     (["-H", "10.0.0.300:2", "true"], "-H"),
     (["-H", "bad_host:2", "true"], "-H"),
     (["-H", "127.0.0.1,127.0.0.1", "true"], "more than once"),
-    (["-H", "10.0.0.1:1,10.0.0.2:1", "-w", "-builtin-config-port", "auto", "true"], "-self"),
+    (["-H", "10.0.0.1", "-self", "10.0.0.1", "-stdin-control", "-w", "-builtin-config-port",
+      "auto", "true"], "-stdin-control"),
     (["-ssh-port", "22", "true"], "for the ssh start"),
     (["-H", "10.0.0.1,10.0.0.2", "-self", "10.0.0.1", "-ssh-identity-file", "k", "true"],
      "for the ssh start"),
