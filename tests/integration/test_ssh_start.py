@@ -358,3 +358,31 @@ def test_an_elastic_job_goes_on_when_a_hosts_launcher_is_lost(cluster, tmp_path)
         [recovery] = last["recoveries"]
         assert recovery["lost"] == [f"{b}:10000"] and recovery["size"] == 2, recovery
     assert records[f"{a}_10000"][-2]["digest"] == records[f"{a}_10001"][-2]["digest"]
+
+
+def test_sigterm_to_the_starter_of_an_elastic_job_stops_every_host(cluster, tmp_path):
+    """SIGTERM to the starting launcher (host a, with the store) stops a's workers and, through
+    the ssh pipe, b's launcher and worker; no worker is left running."""
+    hosts, _, _, _ = cluster
+    a, b, _c = hosts.ip
+    p, out = _start_elastic(cluster, 0, 3, tmp_path, "--max-steps", "1000", "--step-sleep",
+                            "0.1")
+    lines: list = []
+    threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True).start()
+    threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True).start()
+    try:
+        files = [out / f"{a}_10000.jsonl", out / f"{a}_10001.jsonl", out / f"{b}_10000.jsonl"]
+        end = time.monotonic() + 60
+        while not all(f.exists() and f.read_text().count("\n") >= 2 for f in files):
+            assert time.monotonic() < end and p.poll() is None, "".join(lines)
+            time.sleep(0.1)
+        workers = [json.loads(f.read_text().splitlines()[0])["pid"] for f in files]
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=40)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = "".join(lines)
+    assert _gone(workers) == [], err
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert f"kungfu-run: {b}: received SIGTERM; forwarding it to 1 worker" in err, err
