@@ -29,6 +29,7 @@ from kungfu._collective import (
     reducescatter,
     reducescatter_async,
 )
+from kungfu._adasum import adasum
 from kungfu._join import Join, join
 from kungfu._process_set import ProcessSet
 from kungfu._version import __version__  # noqa: F401
@@ -162,5 +163,6 @@ __all__ = [
     "broadcast_object",
     "allgather_object",
     "join",
+    "adasum",
     "Join",
 ]
