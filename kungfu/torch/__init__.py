@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from kungfu import _gpu, _peer
 from kungfu._collective import allgather_object, barrier, broadcast_object
-from kungfu._join import Join, join
+from kungfu._join import join
 from kungfu._process_set import ProcessSet
 from kungfu.elastic import ElasticData
 from kungfu.torch import ops, optimizers
+from kungfu.torch._join import Join
 from kungfu.torch.elastic import ElasticTrainer
 from kungfu.torch.ops import *  # noqa: F401,F403 - the collectives, under KungFu's names
 from kungfu.torch.optimizers import Compression

@@ -134,8 +134,26 @@ def _torch(r: int, n: int) -> dict:
         mine = model.weight.detach().numpy().reshape(-1).copy()
         ret = kt.join()
     kt.broadcast_parameters(model.state_dict(), root=ret)
-    return {"mine": mine, "ret": ret, "block": j.last_joined,
-            "final": model.weight.detach().numpy().reshape(-1).copy()}
+    out = {"mine": mine, "ret": ret, "block": j.last_joined,
+           "final": model.weight.detach().numpy().reshape(-1).copy()}
+    # PyTorch's form, Join([model, optimizer]): the block ends with the last joined rank's
+    # weights and momentum everywhere.
+    model = torch.nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.from_numpy(W0).reshape(1, 3))
+    opt = kt.optimizers.SynchronousSGDOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), model.named_parameters())
+    with kt.Join([model, opt]):
+        for step in range(torch_steps(r)):
+            opt.zero_grad()
+            model(torch.from_numpy(batch_of(r, step))).sum().backward()
+            opt.step()
+        out["own"] = model.weight.detach().numpy().reshape(-1).copy()
+    out["synced"] = model.weight.detach().numpy().reshape(-1).copy()
+    out["momentum"] = opt.state[model.weight]["momentum_buffer"].numpy().reshape(-1).copy()
+    out["bad"] = [error_of(lambda: kt.Join([object()])),
+                  error_of(lambda: kt.Join(throw_on_early_termination=True))]
+    return out
 
 
 def uneven(with_torch: bool = True) -> dict:

@@ -103,6 +103,25 @@ def test_torch_optimizer_uneven(runs, n):
         assert t["ret"] == n - 1 and t["block"] == n - 1
         np.testing.assert_allclose(t["mine"], after[r], rtol=1e-5)
         np.testing.assert_allclose(t["final"], after[-1], rtol=1e-5)
+    # Join([model, optimizer]) with momentum: each worker's own weights differ (rank r stopped
+    # after r + 1 steps); the block leaves the last joined rank's weights and momentum buffer
+    # on every worker.
+    w, m, own = W.W0.astype(np.float64), np.zeros(3), []
+    for step in range(n):
+        active = [k for k in range(n) if W.torch_steps(k) > step]
+        m = 0.9 * m + sum(W.batch_of(k, step).sum(0) for k in active) / n
+        w = w - W.LR * m
+        own.append(w)
+    for r, got in enumerate(runs(n)):
+        t = got["torch"]
+        np.testing.assert_allclose(t["own"], own[r], rtol=1e-5)
+        np.testing.assert_allclose(t["synced"], own[-1], rtol=1e-5)
+        np.testing.assert_allclose(t["momentum"], m, rtol=1e-5)
+        assert t["bad"] == [
+            ["TypeError", "Join's joinables are modules and optimizers, got object"],
+            ["ValueError", "Join(throw_on_early_termination=True) is not supported: in kungfu's "
+                           "Join the workers that still have data go on, the joined ones "
+                           "contributing nothing"]]
 
 
 def test_joined_worker_dies(spawn):
