@@ -13,6 +13,13 @@ def grads_of(r: int) -> list:
     return [rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal(5)]
 
 
+def tf_grads_of(r: int) -> list:
+    """Worker r's gradients of the two variables in _w_tf_optim's op="adasum" step."""
+    rng = np.random.default_rng(20 + r)
+    return [rng.standard_normal(4).astype(np.float32),
+            rng.standard_normal((2, 2)).astype(np.float32)]
+
+
 def run() -> dict:
     r, n = kf.rank(), kf.size()
     unit = np.zeros(n, np.float64)

@@ -222,6 +222,26 @@ def sync_sgd_checks():
     out["adam_after_digest"] = _digest(after)
     out["adam_after_consensus"] = _consensus(kf, after + _weights(model.weights))
     out["adam_after_iterations"] = int(opt.iterations.numpy())
+    # -- op="adasum": one step of known gradients in a tf.function; model.fit ---------------
+    from _w_adasum import tf_grads_of
+    consts = [tf.constant(g) for g in tf_grads_of(rank)]
+    variables = [tf.Variable(tf.zeros_like(g)) for g in consts]
+    opt = kf.Optimizer(keras.optimizers.SGD(1.0), op="adasum")
+
+    @tf.function
+    def adasum_step():
+        with tf.GradientTape() as tape:
+            loss = sum(tf.reduce_sum(v * g) for v, g in zip(variables, consts))
+        opt.apply(tape.gradient(loss, variables), variables)
+
+    adasum_step()
+    out["adasum_step"] = [-v.numpy() for v in variables]  # the Adasum of the gradients (lr 1)
+    model = _mlp(keras, seed=400 + rank)
+    model.compile(optimizer=kf.Optimizer(keras.optimizers.SGD(LR), op="adasum"),
+                  loss=_loss_fn(keras))
+    model.fit(_shard(x, rank, n), _shard(y, rank, n), batch_size=BATCH, epochs=1,
+              shuffle=False, verbose=0, callbacks=[kf.BroadcastGlobalVariablesCallback()])
+    out["adasum_fit_consensus"] = _consensus(kf, _weights(model.weights))
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -333,6 +353,9 @@ def single_worker_checks():
     sgd = keras.optimizers.SGD(0.1)
     expect("string", lambda: kf.Optimizer("sgd"))
     expect("none", lambda: kf.Optimizer(None))
+    expect("op", lambda: kf.Optimizer(keras.optimizers.SGD(0.1), op="sum"))
+    expect("adasum_monitor", lambda: kf.Optimizer(keras.optimizers.SGD(0.1), op="adasum",
+                                                  monitor="variance"))
     expect("tf_module", lambda: kf.Optimizer(tf.keras))
     expect("algorithm", lambda: kf.Optimizer(sgd, algorithm="nope"))
     expect("algorithm_type", lambda: kf.Optimizer(sgd, algorithm=3))

@@ -5,6 +5,7 @@ runs many checks); the jobs are shared between the tests through module-scoped f
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 pytest.importorskip("tensorflow")
@@ -104,6 +105,20 @@ def test_callback_broadcasts_adam_state(sync_runs, n):
     assert rs[0]["adam_before_iterations"] == 2
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_sync_sgd_adasum(sync_runs, n):
+    # kf.Optimizer(op="adasum"): a step of SGD(1.0) moves each variable by minus the Adasum of
+    # the workers' gradients, per variable (the tree of test_adasum); model.fit stays in step.
+    from _w_adasum import tf_grads_of
+    from test_adasum import tree
+    want = [tree([tf_grads_of(r)[i] for r in range(n)]) for i in range(2)]
+    for r in sync_runs[n]:
+        for got, w in zip(r["adasum_step"], want):
+            np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+        assert r["adasum_fit_consensus"]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("algorithm", ["sma", "pair-averaging"])
 def test_model_averaging_converges_on_digits(averaging_run, algorithm):
@@ -154,6 +169,10 @@ def test_bad_input_errors(single_run):
     assert e["string"][0] == "TypeError" and "Keras 3 optimizer" in e["string"][1]
     assert "'sgd'" in e["string"][1]
     assert e["none"][0] == "TypeError"
+    assert e["op"] == ("ValueError", "op must be 'average' or 'adasum', got 'sum'")
+    assert e["adasum_monitor"] == ("ValueError", "op='adasum' combines dense gradients as they "
+                                   "are: it takes no monitor=, compression= nor "
+                                   "sparse_as_dense=False")
     assert e["tf_module"][0] == "TypeError"
     assert e["algorithm"][0] == "ValueError"
     assert "'nope'" in e["algorithm"][1] and "sync-sgd" in e["algorithm"][1]

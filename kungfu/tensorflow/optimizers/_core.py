@@ -93,6 +93,9 @@ class Optimizer:
               optimizer's iterations count the applied steps.
           average_aggregated_gradients: True (default): the k passes are averaged; False: summed
               (Horovod's default, k times the step; the gradient monitor still sees the mean).
+          op: "average" (default) or "adasum": the gradients' Adasum (kf.adasum, per
+              variable; Horovod's op=hvd.Adasum), computed by the numpy core in the step (not
+              under XLA); without monitor, compression and sparse_as_dense=False.
       "sma": synchronous model averaging. options: alpha (default 0.1), bucket_bytes, strategy.
       "pair-averaging": AD-PSGD, average with one random peer each step. options: none besides
           op_prefix.
@@ -212,6 +215,11 @@ def validate_option(key: str, value):
             value = "fp16"
         else:
             raise ValueError(f"compression must be None, 'none' or 'fp16', got {value!r}")
+    elif key == "op":
+        name = getattr(value, "name", value)
+        if name not in ("average", "adasum"):
+            raise ValueError(f"op must be 'average' or 'adasum', got {value!r}")
+        value = name
     elif key == "sparse_as_dense":
         if not isinstance(value, bool):
             raise ValueError(f"sparse_as_dense must be True or False, got {value!r}")
@@ -237,7 +245,7 @@ class _SynchronousSGD(Optimizer):
     _kf_algorithm = "sync-sgd"
     _kf_accepts = ("op_prefix", "bucket_bytes", "strategy", "compression",
                    "sparse_as_dense", "backward_passes_per_step",
-                   "average_aggregated_gradients") + _MONITOR_OPTIONS
+                   "average_aggregated_gradients", "op") + _MONITOR_OPTIONS
     _kf_bucket_bytes = DEFAULT_BUCKET_BYTES
     _kf_strategy = None
     _kf_compression = None
@@ -248,9 +256,14 @@ class _SynchronousSGD(Optimizer):
     _kf_monitor_interval = 1
     _kf_monitor_decay = _monitor.DEFAULT_DECAY
     _kf_batch_size = None
+    _kf_op = "average"
 
     def _kf_configured(self):
         monitor = None
+        if self._kf_op == "adasum" and (self._kf_monitor or self._kf_compression
+                                        or not self._kf_sparse_as_dense):
+            raise ValueError("op='adasum' combines dense gradients as they are: it takes no "
+                             "monitor=, compression= nor sparse_as_dense=False")
         if self._kf_monitor and not self._kf_sparse_as_dense:
             raise ValueError("monitor= needs every gradient dense: use sparse_as_dense=True")
         if self._kf_monitor:
@@ -291,7 +304,7 @@ class _SynchronousSGD(Optimizer):
 
         averaged = _average_gradients(grads, prefix or self._kf_prefix(), self._kf_bucket_bytes,
                                       self._kf_strategy, self._kf_compression,
-                                      self._kf_sparse_as_dense, before=ready)
+                                      self._kf_sparse_as_dense, before=ready, op=self._kf_op)
         with tf.control_dependencies(averaged.averaged):
             self.__dict__["_kf_wait"].assign(tf.timestamp() - stamps[0])
         return averaged._replace(started=started[0] if started else None)

@@ -5,6 +5,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import tensorflow as tf
 
+from kungfu._adasum import adasum
 from kungfu.tensorflow import ops
 from kungfu.tensorflow.ops._fusion import fused_apply
 
@@ -36,6 +37,18 @@ def mean_over_workers(tensors: Sequence, prefix: str, bucket_bytes: Optional[int
             for t, w, h in zip(tensors, wide, half)]
 
 
+def adasum_over_workers(tensors: Sequence, prefix: str) -> List[tf.Tensor]:
+    """The Adasum of each tensor over the workers (kf.adasum, per tensor), computed by the numpy
+    core in a tf.numpy_function: eager, in tf.function and in model.fit, not under XLA."""
+    if not tensors:
+        return []
+    out = tf.numpy_function(lambda *arrays: adasum(list(arrays), name=prefix), list(tensors),
+                            [t.dtype for t in tensors], stateful=True)
+    for o, t in zip(out, tensors):
+        o.set_shape(t.shape)
+    return list(out)
+
+
 def broadcast(tensors: Sequence, root: int, prefix: str, bucket_bytes: int) -> List[tf.Tensor]:
     return fused_apply(tensors, prefix, bucket_bytes,
                        lambda t, name: ops.broadcast(t, root=root, name=name))
@@ -55,7 +68,8 @@ class Averaged(NamedTuple):
 def average_gradients(grads: Sequence, prefix: str, bucket_bytes: Optional[int] = None,
                       strategy=None, compression: Optional[str] = None,
                       sparse_as_dense: bool = True,
-                      before: Optional[Callable[[List[tf.Tensor]], object]] = None) -> Averaged:
+                      before: Optional[Callable[[List[tf.Tensor]], object]] = None,
+                      op: str = "average") -> Averaged:
     """The average over all workers of each gradient, as kf.Optimizer's sync-sgd applies it.
 
     IndexedSlices (embedding gradients) become dense tensors unless sparse_as_dense is False:
@@ -63,7 +77,8 @@ def average_gradients(grads: Sequence, prefix: str, bucket_bytes: Optional[int] 
     Sparse ones are allgathered, the rows of every worker (exactly the dense result once
     applied). Dense ones go in one group allreduce (mean_over_workers, with compression).
     `before(local)` runs on the dense local gradients before they are sent (in eager mode the
-    order of the calls is the order of the work)."""
+    order of the calls is the order of the work). op "adasum": the dense gradients' Adasum
+    instead of their average (adasum_over_workers)."""
     grads = list(grads)
     present = [i for i, g in enumerate(grads) if g is not None]
     sparse = [] if sparse_as_dense else [
@@ -72,7 +87,8 @@ def average_gradients(grads: Sequence, prefix: str, bucket_bytes: Optional[int] 
     local = [tf.convert_to_tensor(grads[i]) for i in present]
     if before is not None:
         before(local)
-    averaged = mean_over_workers(local, f"{prefix}/grads", bucket_bytes, strategy, compression)
+    averaged = adasum_over_workers(local, f"{prefix}/adasum") if op == "adasum" else \
+        mean_over_workers(local, f"{prefix}/grads", bucket_bytes, strategy, compression)
     for i in sparse:
         grads[i] = ops.all_reduce(grads[i], op="avg", name=f"{prefix}/sparse/{i}")
     for i, g in zip(present, averaged):
