@@ -97,6 +97,7 @@ _TENSORFLOW_NAMES = {
     "Hook": "kungfu.tensorflow",
     "ElasticData": "kungfu.tensorflow",
     "MetricAverageCallback": "kungfu.tensorflow",
+    "JoinCallback": "kungfu.tensorflow",
     "LearningRateWarmupCallback": "kungfu.tensorflow",
     "LearningRateScheduleCallback": "kungfu.tensorflow",
     "combine_metrics": "kungfu.tensorflow",

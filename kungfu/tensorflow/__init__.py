@@ -16,6 +16,7 @@ from kungfu.tensorflow.callbacks import (  # noqa: F401
     combine_metrics,
 )
 from kungfu.tensorflow.gradient_tape import DistributedGradientTape  # noqa: F401
+from kungfu.tensorflow._join import JoinCallback  # noqa: F401
 from kungfu.tensorflow.data import (  # noqa: F401
     ElasticData,
     RecordFiles,
@@ -51,6 +52,7 @@ __all__ = [
     "Hook",
     "ElasticData",
     "MetricAverageCallback",
+    "JoinCallback",
     "LearningRateWarmupCallback",
     "LearningRateScheduleCallback",
     "combine_metrics",

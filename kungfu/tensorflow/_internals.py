@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable, Iterable
+from typing import Callable, Iterable, List
 
 import keras
 import tensorflow as tf
@@ -119,22 +119,30 @@ def serialize_like(dynamic: type, base: type) -> None:
         object_registration.GLOBAL_CUSTOM_NAMES[dynamic] = custom
 
 
+# The datasets whose epochs end where their data does (let_data_end_epochs): one test each.
+_data_ending: List[Callable[[object], bool]] = []
+
+
 def let_data_end_epochs(ours: Callable[[object], bool]) -> bool:
     """Keras takes the number of steps of a dataset of unknown length from its first epoch and
-    ends every later epoch after that many steps. For a dataset `ours(dataset)` accepts, Keras
-    forgets the inferred count and lets the data end each epoch (without its "ran out of data"
-    warning). Process-wide, once; False when Keras lacks what it needs."""
+    ends every later epoch after that many steps. For a dataset that `ours(dataset)` (or the
+    test of an earlier call) accepts, Keras forgets the inferred count and lets the data end
+    each epoch (without its "ran out of data" warning). Process-wide, once; False when Keras
+    lacks what it needs."""
     try:
         from keras.src.trainers.epoch_iterator import EpochIterator
     except ImportError:  # pragma: no cover - Keras moved it; epochs then keep their length
         return False
+    if ours not in _data_ending:
+        _data_ending.append(ours)
     original = EpochIterator.catch_stop_iteration
     if getattr(original, "_kungfu", False):
         return True
 
     @contextlib.contextmanager
     def catch_stop_iteration(self):
-        if not ours(getattr(self.data_adapter, "_dataset", None)):
+        dataset = getattr(self.data_adapter, "_dataset", None)
+        if not any(test(dataset) for test in _data_ending):
             with original(self):
                 yield
             return

@@ -122,9 +122,19 @@ def combine_while_training(model, on: bool) -> None:
         model.kungfu_combine = "fit" if on else None
 
 
+def install_epoch_end(model) -> None:
+    """From now on, `model.kungfu_steps_ended()` (kf.JoinCallback's join), when set, runs where
+    Keras reads a training epoch's metrics: the first thing after the epoch's last step, before
+    validation and every callback's on_epoch_end."""
+    _install(model)
+
+
 def _install(model) -> None:
     def wrap(own):  # own: Keras's one place for "the metrics of an epoch"
         def combined(logs):
+            steps_ended = getattr(model, "kungfu_steps_ended", None)
+            if steps_ended is not None:
+                steps_ended()
             # kf.Hook adds its own values (the monitored estimates, the cluster's numbers) to
             # each step's logs; Keras takes the metrics only from logs that hold nothing else.
             if isinstance(logs, dict):

@@ -187,7 +187,11 @@ def _keep_keras_from_fixing_epoch_length() -> None:
     epoch and ends every later epoch after that many steps. An elastic epoch's step count
     changes with the batch size and the cluster size (and a joining worker's first epoch is only
     the rest of one), so for kungfu's datasets Keras must let the data end each epoch."""
-    _internals.let_data_end_epochs(lambda ds: getattr(ds, "_kungfu_elastic", False))
+    _internals.let_data_end_epochs(_is_elastic)
+
+
+def _is_elastic(dataset) -> bool:
+    return getattr(dataset, "_kungfu_elastic", False)
 
 
 def shard(data, rank=None, size=None):

@@ -183,37 +183,92 @@ def joined_dies() -> dict:
     return got
 
 
-def tf_eager() -> dict:
-    """kf.Optimizer in an eager custom loop, rank r with r + 1 batches, inside kf.Join; rank 0
-    also tries an allreduce of max while alone and a collective inside tf.function."""
+def fit_steps(r: int, n: int, epoch: int) -> int:
+    """Worker r's batches in model.fit's epoch: rank n - 1 joins last in epoch 0, rank 0 in 1."""
+    return r + 1 if epoch == 0 else n - r
+
+
+def tf_uneven() -> dict:
+    """TensorFlow inside kf.Join, rank r with r + 1 batches: kf.Optimizer in an eager custom loop
+    and in a tf.function traced inside the block, DistributedGradientTape; the last rank, alone,
+    also an allreduce of max, a traced allreduce and a broadcast (refused). Then model.fit with
+    kf.JoinCallback, fit_steps(r, n, epoch) batches of a dataset of unknown length, and with
+    kf.Hook (refused)."""
     import keras
     import tensorflow as tf
 
     from kungfu.tensorflow import ops
 
     r, n = kf.rank(), kf.size()
+    got = {}
+
+    def loss_of(x, w):
+        return tf.reduce_sum(tf.linalg.matvec(x, w))
+
     w = tf.Variable(W0)
     opt = kf.Optimizer(keras.optimizers.SGD(LR))
-    got = {}
     with kf.Join() as j:
         for step in range(torch_steps(r)):
             with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(tf.linalg.matvec(tf.constant(batch_of(r, step)), w))
+                loss = loss_of(tf.constant(batch_of(r, step)), w)
             opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
         got["mine"] = w.numpy().copy()
         if r == n - 1:  # the others have joined by now
             got["max"] = ops.all_reduce(tf.constant(a_of(r)), "max", name="tf_max").numpy()
-            got["in tf.function"] = error_of(tf.function(
-                lambda: ops.all_reduce(tf.constant(1.0), name="traced")))
+            got["traced alone"] = tf.function(
+                lambda: ops.all_reduce(tf.constant(a_of(r)), name="traced"))().numpy()
             got["broadcast"] = error_of(lambda: ops.broadcast(tf.constant(1.0), name="tf_bc"))
+            got["traced broadcast"] = error_of(tf.function(
+                lambda: ops.broadcast(tf.constant(1.0), name="tf_bc")))
         got["ret"] = kf.join()
     got["block"] = j.last_joined
     v, sgd = tf.Variable(W0), keras.optimizers.SGD(LR)  # Horovod's tape, a plain optimizer
     with kf.Join():
         for step in range(torch_steps(r)):
             with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(tf.linalg.matvec(tf.constant(batch_of(r, step)), v))
+                loss = loss_of(tf.constant(batch_of(r, step)), v)
             grads = kf.DistributedGradientTape(tape).gradient(loss, [v])
             sgd.apply_gradients(zip(grads, [v]))
         got["tape"] = v.numpy().copy()
+    u, traced_opt = tf.Variable(W0), kf.Optimizer(keras.optimizers.SGD(LR))
+
+    @tf.function
+    def traced_step(x):
+        with tf.GradientTape() as tape:
+            loss = loss_of(x, u)
+        traced_opt.apply_gradients(zip(tape.gradient(loss, [u]), [u]))
+
+    with kf.Join():
+        for step in range(torch_steps(r)):
+            traced_step(tf.constant(batch_of(r, step)))
+    got["traced"] = u.numpy().copy()
+    got.update(_tf_fit(r, n))
     return got
+
+
+def _tf_fit(r: int, n: int) -> dict:
+    import keras
+    import tensorflow as tf
+
+    epochs = iter(range(2))
+
+    def batches():  # called once per epoch by tf.data
+        epoch = next(epochs)
+        for step in range(fit_steps(r, n, epoch)):
+            yield batch_of(r, 10 * epoch + step), np.zeros((3, 1), np.float32)
+
+    spec = (tf.TensorSpec((3, 3), tf.float32), tf.TensorSpec((3, 1), tf.float32))
+    data = tf.data.Dataset.from_generator(batches, output_signature=spec)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
+    model.layers[0].kernel.assign(W0[:, None])
+    model.compile(optimizer=kf.Optimizer(keras.optimizers.SGD(LR)),
+                  loss=lambda y, p: tf.reduce_sum(p))
+    join = kf.JoinCallback()
+    history = model.fit(data, epochs=2, verbose=0, callbacks=[
+        kf.BroadcastGlobalVariablesCallback(), kf.MetricAverageCallback(), join])
+    out = {"fit": model.layers[0].kernel.numpy()[:, 0].copy(),
+           "fit iterations": int(model.optimizer.iterations.numpy()),
+           "fit last": join.last_joined, "fit loss": history.history["loss"]}
+    out["with hook"] = error_of(lambda: model.fit(
+        data, epochs=1, verbose=0, callbacks=[kf.Hook(), kf.JoinCallback()]))
+    return out

@@ -135,23 +135,42 @@ def test_joined_worker_dies(spawn):
         np.testing.assert_array_equal(o.value["first"], np.ones(3))
 
 
-def test_tensorflow_eager_loop(spawn):
+@pytest.mark.parametrize("n", [2, 3])
+def test_tensorflow(spawn, n):
+    """Eager loops, a tf.function traced inside the block and model.fit with kf.JoinCallback."""
     pytest.importorskip("tensorflow")
-    n = 2
-    run = spawn.run(n, W.tf_eager, env=ENV, timeout=180)
-    w, after = W.W0.astype(np.float64), []
-    for step in range(n):
-        active = [k for k in range(n) if W.torch_steps(k) > step]
-        w = w - W.LR * sum(W.batch_of(k, step).sum(0) for k in active) / n
-        after.append(w)
+    run = spawn.run(n, W.tf_uneven, env=ENV, timeout=180)
+
+    def trained(w, steps_of, step0=0):
+        """w after the steps of workers with steps_of(k) batches, a joined one adding zeros to
+        the average (divided by n)."""
+        w, after = w.astype(np.float64), {}
+        for step in range(max(steps_of(k) for k in range(n))):
+            active = [k for k in range(n) if steps_of(k) > step]
+            w = w - W.LR * sum(W.batch_of(k, step0 + step).sum(0) for k in active) / n
+            after.update({k: w for k in active})
+        return after, w
+
+    eager, _ = trained(W.W0, W.torch_steps)
+    _, epoch0 = trained(W.W0, lambda k: W.fit_steps(k, n, 0))
+    _, epoch1 = trained(epoch0, lambda k: W.fit_steps(k, n, 1), step0=10)
     for r, o in enumerate(run.outcomes):
         assert o.status == "ok", o.describe()
         got = o.value
         assert got["ret"] == n - 1 and got["block"] == n - 1
-        np.testing.assert_allclose(got["mine"], after[r], rtol=1e-5)
-        np.testing.assert_allclose(got["tape"], after[r], rtol=1e-5)
+        for key in ("mine", "tape", "traced"):
+            np.testing.assert_allclose(got[key], eager[r], rtol=1e-5, err_msg=key)
+        # every worker ends each epoch with the model of the rank that joined last
+        np.testing.assert_allclose(got["fit"], epoch1, rtol=1e-5)
+        assert got["fit last"] == [n - 1, 0]
+        # the optimizer's state too (Keras counts its own iterations over data of unknown length)
+        assert got["fit iterations"] == run.outcomes[0].value["fit iterations"] >= 2 * n
+        assert got["fit loss"] == run.outcomes[0].value["fit loss"]  # combined after the join
+        assert got["with hook"][0] == "ValueError"
+        assert "kf.JoinCallback cannot run beside kf.Hook" in got["with hook"][1]
     last = run.outcomes[n - 1].value
-    np.testing.assert_array_equal(last["max"], W.a_of(n - 1))  # the joined rank 0: -inf
-    assert last["broadcast"][0] == "InvalidArgumentError", last["broadcast"]
-    for key in ("in tf.function", "broadcast"):  # tracing wraps the error in a StagingError
+    np.testing.assert_array_equal(last["max"], W.a_of(n - 1))  # the joined ranks: -inf
+    np.testing.assert_array_equal(last["traced alone"], W.a_of(n - 1))  # the joined ones: 0
+    for key in ("broadcast", "traced broadcast"):
+        assert last[key][0] in ("InvalidArgumentError", "StagingError"), last[key]
         assert "inside kungfu's Join, TensorFlow's collectives are supported only" in last[key][1]

@@ -149,7 +149,8 @@ def prepare_fit(model, steps: Optional[int] = None) -> None:
       plain optimizer back; kf.load_model distributes it again)."""
     from kungfu.tensorflow.optimizers import Optimizer
 
-    _check_equal_steps(steps)
+    # kf.JoinCallback: the workers may run out of data at different steps
+    _check_equal_steps(None if getattr(model, "kungfu_uneven", False) else steps)
     opt = getattr(model, "optimizer", None)
     if opt is None:
         return

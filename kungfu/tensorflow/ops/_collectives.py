@@ -111,19 +111,35 @@ def _issue(op_name: str, build: Callable[[str], Any]):
     return out
 
 
-def _joining(kind: str, name: str, ts=(), attrs=None, **fields) -> None:
+def _joining(kind: str, name: str, ts=(), attrs=None, **fields) -> list:
     """Inside kungfu's Join block (kungfu/_join.py), before the op `name` runs: an allreduce of
-    the whole cluster, run eagerly, is described to the workers that have joined (which run it
-    with zeros, _serve_joined); any other collective is refused, on this worker, at once."""
+    the whole cluster is described to the workers that have joined (which run it with zeros,
+    _serve_joined); any other collective is refused, on this worker, at once. Returns what the
+    op must run after: nothing eagerly (the description is sent now); in a function traced
+    inside the block, the op that describes it each time it runs. That op runs after the
+    inputs are computed (a step whose data ran out describes nothing) and does nothing once the
+    block has ended or this worker has joined."""
     if not _join.active():
-        return
-    if kind != "allreduce" or attrs or not tf.executing_eagerly():
+        return []
+    if kind != "allreduce" or attrs:
         raise InvalidArgumentError(
             f"{kind} '{name}': inside kungfu's Join, TensorFlow's collectives are supported only "
-            "as allreduces of the whole cluster run eagerly (all_reduce, group_all_reduce, "
-            "kf.Optimizer in a custom loop), not inside tf.function or model.fit")
-    _join.announce(kind, name, via="tf", s=[t.shape.as_list() for t in ts], d=ts[0].dtype.name,
-                   **fields)
+            "as allreduces of the whole cluster (all_reduce, group_all_reduce, kf.Optimizer, "
+            "DistributedGradientTape, model.fit with kf.JoinCallback)")
+    dtype = ts[0].dtype.name
+
+    def announce(*shapes):
+        _join.announce(kind, name, via="tf", s=[[int(d) for d in s] for s in shapes], d=dtype,
+                       **fields)
+        return np.int64(0)
+
+    if tf.executing_eagerly():
+        announce(*(t.shape.as_list() for t in ts))
+        return []
+    with tf.control_dependencies(ts):
+        described = tf.numpy_function(announce, [tf.shape(t, out_type=tf.int64) for t in ts],
+                                      tf.int64, stateful=True, name="kungfu_join_describe")
+    return [described]
 
 
 def _serve_joined(desc: dict, timeout: Optional[float]) -> None:
@@ -156,10 +172,12 @@ def all_reduce(t, op: str = "sum", name: Optional[str] = None, strategy: Optiona
     def reduce(x, average):
         def build(n):
             o = "sum" if average else op
-            _joining("allreduce", n, [x], attrs, o=o, a=average, st=_strategy(strategy), g=False)
-            return _lib.kungfu_all_reduce(x, op=o, average=average, op_name=n,
-                                          strategy=_strategy(strategy),
-                                          timeout_ms=_timeout_ms(timeout), **attrs)
+            after = _joining("allreduce", n, [x], attrs, o=o, a=average,
+                             st=_strategy(strategy), g=False)
+            with tf.control_dependencies(after):  # [] adds nothing (None would clear)
+                return _lib.kungfu_all_reduce(x, op=o, average=average, op_name=n,
+                                              strategy=_strategy(strategy),
+                                              timeout_ms=_timeout_ms(timeout), **attrs)
         return _issue(name, build)
     if op != "avg":
         return reduce(t, False)
@@ -219,10 +237,12 @@ def group_all_reduce(ts: Sequence[tf.Tensor], op: str = "sum", name: Optional[st
     o = "sum" if average else op
 
     def build(group, n):
-        _joining("allreduce", n, group, attrs, o=o, a=average, st=_strategy(strategy), g=True)
-        return _lib.kungfu_group_all_reduce(group, op=o, average=average, op_name=n,
-                                            strategy=_strategy(strategy),
-                                            timeout_ms=_timeout_ms(timeout), **attrs)
+        after = _joining("allreduce", n, group, attrs, o=o, a=average, st=_strategy(strategy),
+                         g=True)
+        with tf.control_dependencies(after):  # [] adds nothing (None would clear)
+            return _lib.kungfu_group_all_reduce(group, op=o, average=average, op_name=n,
+                                                strategy=_strategy(strategy),
+                                                timeout_ms=_timeout_ms(timeout), **attrs)
     out = _fusion.grouped_apply(ts, name or "group", bucket_bytes,
                                 lambda group, n: _issue(n, lambda n: build(group, n)))
     return [f(s) for f, s in zip(finishes, out)] if average else out
