@@ -47,6 +47,8 @@ def parse_args():
     p.add_argument("--fp16-allreduce", action="store_true", help="average gradients as float16")
     p.add_argument("--use-mixed-precision", action="store_true", help="AMP (needs a GPU)")
     p.add_argument("--gradient-predivide-factor", type=float, default=1.0)
+    p.add_argument("--use-adasum", action="store_true",
+                   help="combine the gradients by Adasum instead of averaging them")
     p.add_argument("--min-accuracy", type=float, default=0.0,
                    help="exit with 1 when the last test accuracy is below this")
     return p.parse_args()
@@ -105,12 +107,15 @@ def main():
                                               sampler=test_sampler)
 
     model = Net().cuda() if cuda else Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * size, momentum=args.momentum)
+    lr_scaler = 1 if args.use_adasum else size  # Adasum sums where the gradients differ
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * lr_scaler,
+                                momentum=args.momentum)
     kf.broadcast_parameters(model.state_dict(), root=0)  # hvd.broadcast_parameters(.., root_rank=0)
     kf.broadcast_optimizer_state(optimizer, root=0)  # hvd.broadcast_optimizer_state(.., root_rank=0)
     compression = kf.Compression.fp16 if args.fp16_allreduce else kf.Compression.none
-    optimizer = kf.optimizers.SynchronousSGDOptimizer(  # hvd.DistributedOptimizer(op=hvd.Average)
+    optimizer = kf.optimizers.SynchronousSGDOptimizer(  # hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), compression=compression,
+        op="adasum" if args.use_adasum else "avg",  # op=hvd.Adasum if .. else hvd.Average
         gradient_predivide_factor=args.gradient_predivide_factor)
     scaler = torch.amp.GradScaler("cuda") if args.use_mixed_precision else None
 

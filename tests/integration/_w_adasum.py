@@ -20,6 +20,27 @@ def tf_grads_of(r: int) -> list:
             rng.standard_normal((2, 2)).astype(np.float32)]
 
 
+def torch_step(r: int) -> dict:
+    """A step of SynchronousSGDOptimizer(op="adasum") with SGD(lr=1) from zero weights, whose
+    gradients are grads_of(r) (so the weights end at minus their Adasum), and the refusals."""
+    import torch
+
+    from kungfu.torch.optimizers import SynchronousSGDOptimizer
+
+    g = grads_of(r)
+    params = [torch.zeros(t.shape, dtype=torch.float32) for t in g]
+    for p in params:
+        p.requires_grad_()
+    opt = SynchronousSGDOptimizer(torch.optim.SGD(params, lr=1.0), op="adasum")
+    sum((p * torch.from_numpy(t.astype(np.float32))).sum() for p, t in zip(params, g)).backward()
+    opt.step()
+    plain = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    return {"weights": [p.detach().numpy().copy() for p in params],
+            "fp16": error_of(lambda: SynchronousSGDOptimizer(plain, op="adasum",
+                                                             compression="fp16")),
+            "bad op": error_of(lambda: SynchronousSGDOptimizer(plain, op="mean"))}
+
+
 def run() -> dict:
     r, n = kf.rank(), kf.size()
     unit = np.zeros(n, np.float64)
@@ -34,4 +55,13 @@ def run() -> dict:
         "half": kf.adasum(half, name="h"),
         "integer": error_of(lambda: kf.adasum(np.arange(3))),
         "after": kf.allreduce(np.ones(2)),  # the cluster's collectives still pair up
+        "torch": torch_step(r) if n in (2, 3) and _has_torch() else None,
     }
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -69,3 +69,20 @@ def test_adasum_is_the_tree_of_pairwise_adaptive_sums(runs, n):
     total = sum(g[1] for g in grads)
     assert not np.allclose(results[0]["grads"][1], total)
     assert not np.allclose(results[0]["grads"][1], total / n)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_torch_synchronous_sgd_adasum(runs, n):
+    """kungfu.torch's SynchronousSGDOptimizer(op="adasum"): a step of SGD(1) from zeros ends at
+    minus the tree's value of each parameter's gradients, on every worker."""
+    pytest.importorskip("torch")
+    grads = [W.grads_of(r) for r in range(n)]
+    want = [tree([g[i] for g in grads]) for i in range(2)]
+    for got in runs(n):
+        t = got["torch"]
+        for w_got, w in zip(t["weights"], want):
+            np.testing.assert_allclose(w_got, -w, rtol=1e-5, atol=1e-6)
+        assert t["fp16"] == ["ValueError", "op='adasum' combines the gradients as they are, "
+                             "over the whole cluster: it takes no compression and no "
+                             "process_set"]
+        assert t["bad op"][0] == "ValueError" and "'mean'" in t["bad op"][1]

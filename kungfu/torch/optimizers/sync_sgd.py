@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from kungfu import _collective, _peer
+from kungfu import _adasum, _collective, _peer
 from kungfu._process_set import ProcessSet
 from kungfu.torch.ops import Handle, all_reduce_async
 from kungfu.torch.optimizers._wrap import wrap
@@ -105,6 +105,8 @@ class _SynchronousSGD:
 
     def _kungfu_start(self, b: _Bucket) -> None:
         name, ps, op = f"{self._kungfu_prefix}/{b.name}", self._kungfu_set, self._kungfu_op
+        if op == "adasum":
+            return  # in synchronize, once every bucket is complete (_kungfu_adasum)
         n = ps.size() if ps is not None else _peer.get().size
         f = self._kungfu_predivide
         fp16 = self._kungfu_fp16 and b.flat.dtype in (torch.float32, torch.float64)
@@ -153,13 +155,16 @@ class _SynchronousSGD:
                     b.put(p, p.grad, self._kungfu_scale)
             if b.handle is None:
                 self._kungfu_start(b)
+        if self._kungfu_op == "adasum":
+            self._kungfu_adasum()
         present = np.array([id(p) not in absent for _, p in self._kungfu_params], np.int32)
         counts = _collective.allreduce_async(present, "sum", f"{self._kungfu_prefix}/present",
                                              process_set=self._kungfu_set)
         buckets = self._kungfu_buckets
         try:
             for b in buckets:
-                b.handle.wait()
+                if b.handle is not None:
+                    b.handle.wait()
             counts = counts.wait()
         finally:
             for b in buckets:
@@ -175,6 +180,18 @@ class _SynchronousSGD:
                     p.grad = avg.clone()
                 else:
                     p.grad.copy_(avg)
+
+    def _kungfu_adasum(self) -> None:
+        """op="adasum": each parameter's gradient (zeros where a worker has none) replaced in
+        its bucket by the workers' Adasum, per parameter as Horovod's per layer (kf.adasum: a
+        tree of pairwise exchanges, float64 arithmetic, host memory)."""
+        views = [self._kungfu_bucket_of[id(p)].flat[self._kungfu_bucket_of[id(p)].slices[id(p)]]
+                 for _, p in self._kungfu_params]
+        host = [v.detach().to("cpu", torch.float64).numpy() for v in views]
+        combined = _adasum.adasum(host, name=f"{self._kungfu_prefix}/adasum")
+        with torch.no_grad():
+            for v, c in zip(views, combined):
+                v.copy_(torch.from_numpy(c))
 
     def _kungfu_forget(self) -> None:
         """After a recovery (kungfu.torch.ElasticTrainer): the averages still pending belong to
@@ -242,7 +259,9 @@ def SynchronousSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters=N
     worker's gradient is divided by the size before the cast); None or "none": as they are.
     gradient_predivide_factor f (Horovod's; op="avg" only): each gradient is divided by f
     before the sum and the sum by size / f after it (the same average, another range for the
-    sum; with fp16, the range of the float16 sum)."""
+    sum; with fp16, the range of the float16 sum). op="adasum" (Horovod's op=hvd.Adasum): each
+    parameter's gradient is the workers' Adasum (kf.adasum), any number of workers; not with
+    compression, a predivide factor or a process set."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
     k = backward_passes_per_step
@@ -256,6 +275,13 @@ def SynchronousSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters=N
         raise ValueError(f"gradient_predivide_factor must be a number > 0, got {f!r}")
     if f != 1 and (op or "sum") != "avg":
         raise ValueError(f"gradient_predivide_factor needs op='avg', got op={op!r}")
+    op = getattr(op, "name", op)  # also an object named like Horovod's hvd.Adasum
+    if op not in (None, "avg", "sum", "min", "max", "prod", "adasum"):
+        raise ValueError(f"op must be 'avg', 'sum', 'adasum' (or 'min', 'max', 'prod'), "
+                         f"got {op!r}")
+    if op == "adasum" and (kind == "fp16" or process_set is not None):
+        raise ValueError("op='adasum' combines the gradients as they are, over the whole "
+                         "cluster: it takes no compression and no process_set")
     return wrap(_SynchronousSGD, optimizer, named_parameters, "SynchronousSGDOptimizer",
                 op=op or "sum", bucket_bytes=bucket_bytes, process_set=process_set, passes=k,
                 average_passes=bool(average_aggregated_gradients), fp16=kind == "fp16",
