@@ -72,6 +72,15 @@ def _values(ps, r: int, me: int, m: int) -> dict:
         "scaled": _np(scaled),
         "scaled avg": _np(kf.all_reduce_fn(x, "avg", name="scaled-avg", process_set=ps,
                                            prescale_factor=2.0, postscale_factor=0.25)),
+        # Horovod's integer scaling: in float64, each product cast back toward zero
+        "int scaled": _np(kf.all_reduce_fn(x.to(torch.int32) - 17, "sum", name="int-scaled",
+                                           process_set=ps, prescale_factor=0.37,
+                                           postscale_factor=2.5)),
+        "half scaled": _np(kf.all_reduce_fn(x.to(torch.float16), "sum", name="half-scaled",
+                                            process_set=ps, prescale_factor=0.5)),
+        "rs int scaled": _np(kf.reduce_scatter(x.to(torch.int64) - 17, "sum", name="rs-int",
+                                               process_set=ps, prescale_factor=0.37,
+                                               postscale_factor=2.5)),
         "async max": _np(kf.all_reduce_async(x.to(torch.int64).clone(), "max", name="amax",
                                              process_set=ps).wait()),
         "group": [_np(t) for t in kf.group_all_reduce([x, x[0]], "avg", name="grp",
@@ -92,8 +101,8 @@ def _values(ps, r: int, me: int, m: int) -> dict:
                                                              process_set=ps)],
         "a2a": _np(out), "a2a received": received.tolist(),
         "a2a async": _np(kf.all_to_all_async(even, name="a2a-even", process_set=ps).wait()),
-        "int factor": _error(lambda: kf.all_reduce_fn(x.to(torch.int32), name="ifac",
-                                                     process_set=ps, prescale_factor=2.0)),
+        "bool factor": _error(lambda: kf.all_reduce_fn(x > 3, "max", name="bfac",
+                                                      process_set=ps, prescale_factor=2.0)),
     }
 
 

@@ -52,7 +52,10 @@ def expected_values(ranks: list, r: int) -> dict:
     concat = np.concatenate([W.x_of(k)[:W.gather_rows(k)] for k in ranks])
     a2a = np.concatenate([W.a2a_rows(j, m)[sum(W.a2a_splits(j, m)[:me]):][
         :W.a2a_splits(j, m)[me]] for j in range(m)])
+    int_total = sum(np.trunc((x - 17) * 0.37) for x in xs)  # each worker's product, truncated
     return {
+        "int scaled": np.trunc(int_total * 2.5), "half scaled": 0.5 * total,
+        "rs int scaled": _mine(np.trunc(int_total * 2.5), me, m),
         "sum": total, "avg": total / m, "scaled": 1.5 * total, "scaled avg": 0.5 * total / m,
         "async max": peak, "group": [total / m, total[0] / m],
         "group async": [total, 2 * total[0]],
@@ -112,8 +115,9 @@ def each_member(results, n):
 
 # (what the worker returned, its expected values, a call that must fail, words of its error)
 PARTS = {
-    "collectives": ("values", expected_values, "int factor",
-                    ("InvalidArgumentError", "floating-point")),
+    "collectives": ("values", expected_values, "bool factor",
+                    ("InvalidArgumentError", "prescale_factor needs a tensor of numbers, got "
+                     "torch.bool")),
     # broadcast, all_gather and reduce_scatter differ from the true gradients of a summed loss
     "horovods-gradients": ("grads", expected_grads, "min", ("RuntimeError", "no gradient")),
 }

@@ -90,9 +90,20 @@ def checked(kind: str, t, name, timeout, process_set: Optional[ProcessSet]) -> t
 def _factor(value, name: str, x: torch.Tensor) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
-    if value != 1 and not x.dtype.is_floating_point:
-        raise InvalidArgumentError(f"{name} needs a floating-point tensor, got {x.dtype}")
+    if value != 1 and x.dtype == torch.bool:
+        raise InvalidArgumentError(f"{name} needs a tensor of numbers, got {x.dtype}")
     return float(value)
+
+
+def scale_(y: torch.Tensor, factor: float) -> torch.Tensor:
+    """y *= factor in place, as Horovod scales: integers in float64, the product cast back
+    (toward zero); float16 and bfloat16 in float32."""
+    if factor == 1:
+        return y
+    if y.dtype.is_floating_point and y.dtype not in (torch.float16, torch.bfloat16):
+        return y.mul_(factor)
+    wide = torch.float32 if y.dtype.is_floating_point else torch.float64
+    return y.copy_((y.to(wide) * factor).to(y.dtype))
 
 
 def checked_scaled(kind: str, t, name, timeout, process_set: Optional[ProcessSet],
@@ -165,8 +176,8 @@ def all_reduce_into(t: torch.Tensor, op: str = "sum", name: Optional[str] = None
     op = op or "sum"
     if pre != 1:
         with torch.no_grad():
-            x.mul_(pre)
-    post = (lambda y: y.mul_(post_factor)) if post_factor != 1 else None
+            scale_(x, pre)
+    post = (lambda y: scale_(y, post_factor)) if post_factor != 1 else None
     if _device_path(x):
         return _on_device(t, x, lambda ptr, count, dtype, stream, keep: _device.allreduce_async(
             ptr, ptr, count, dtype, "sum" if op == "avg" else op, name, timeout, stream, keep,
@@ -232,13 +243,13 @@ def reduce_scatter(t: torch.Tensor, op: str = "sum", name: Optional[str] = None,
     (times postscale_factor); wait() returns it as a new tensor."""
     x, pre, post = checked_scaled("reducescatter", t, name, timeout, process_set,
                                   prescale_factor, postscale_factor)
-    a = host_array(x * pre if pre != 1 else x)
+    a = host_array(scale_(x.clone(), pre) if pre != 1 else x)
     inner = _collective.reducescatter_async(a, op or "sum", name, timeout=timeout,
                                             process_set=process_set)
 
     def finish(part):
         out = to_tensor(part, x)
-        return out.mul_(post) if post != 1 else out
+        return scale_(out, post)
 
     return Handle(inner, finish)
 
