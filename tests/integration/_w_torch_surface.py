@@ -200,6 +200,32 @@ def ids(r: int) -> torch.Tensor:
     return torch.tensor([[r, r + 1], [r + 2, 0], [7, r]])
 
 
+def sparse_rows_training(steps: int = 2) -> dict:
+    """sparse_as_dense=False (Horovod's default): the embedding model with plain SGD, whether
+    its gradient stayed sparse, and an embedding alone with torch.optim.SparseAdam."""
+    model = embedding_model()
+    opt = kf.optimizers.SynchronousSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                                model.named_parameters(), sparse_as_dense=False)
+    x = ids(kf.rank())
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    out = {"sgd": [_np(p) for p in model.parameters()],
+           "still sparse": model[0].weight.grad.is_sparse}
+    table = embedding_model()[0]
+    adam = kf.optimizers.SynchronousSGDOptimizer(torch.optim.SparseAdam(table.parameters(), 0.1),
+                                                 sparse_as_dense=False)
+    for _ in range(steps):
+        adam.zero_grad()
+        table(x).square().mean().backward()
+        adam.step()
+    out["sparse adam"] = [_np(table.weight)]
+    out["max"] = _error(lambda: kf.optimizers.SynchronousSGDOptimizer(
+        torch.optim.SGD(table.parameters(), lr=0.1), op="max", sparse_as_dense=False))
+    return out
+
+
 def sparse_training(steps: int = 2) -> list:
     """An embedding with sparse gradients, trained with plain SGD."""
     model = embedding_model()
@@ -284,6 +310,7 @@ def optimizers() -> dict:
            "fp16 predivided": train(None, 3, 1, True, compression=kf.Compression.fp16,
                                     gradient_predivide_factor=4.0),
            "sparse": sparse_training(),
+           "sparse rows": sparse_rows_training(),
            "amp": amp_training(),
            "bad compression": _error(lambda: kf.optimizers.SynchronousSGDOptimizer(
                torch.optim.SGD(mlp().parameters(), lr=0.1), compression="int8")),

@@ -161,6 +161,18 @@ def sparse_reference(n: int, steps: int = 2) -> list:
     return [p.detach().numpy() for p in model.parameters()]
 
 
+def sparse_adam_reference(n: int, steps: int = 2) -> list:
+    """The embedding alone with SparseAdam in one process, on every worker's batch."""
+    table = W.embedding_model()[0]
+    opt = torch.optim.SparseAdam(table.parameters(), 0.1)
+    x = torch.cat([W.ids(k) for k in range(n)])
+    for _ in range(steps):
+        opt.zero_grad()
+        table(x).square().mean().backward()
+        opt.step()
+    return [table.weight.detach().numpy()]
+
+
 def _trained(results, key, want, rtol=1e-9, atol=1e-12):
     for res in results:
         if key not in res:
@@ -187,6 +199,13 @@ def test_optimizer_passes_sets_and_state(runs, n):
     assert any(a.tobytes() != b.tobytes() for a, b in zip(results[0]["fp16"],
                                                         results[0]["one pass"]))
     _trained(results, "sparse", sparse_reference(n))
+    # sparse_as_dense=False: the rows gathered, the same steps, .grad sparse; SparseAdam
+    rows = [res["sparse rows"] for res in results]
+    _trained(rows, "sgd", sparse_reference(n))
+    assert all(r["still sparse"] for r in rows)
+    _trained(rows, "sparse adam", sparse_adam_reference(n))
+    assert rows[0]["max"] == ("ValueError: sparse_as_dense=False gathers sparse rows: op must "
+                              "be 'avg' or 'sum', got 'max'")
     # AMP: rank 0 overflowed in the first step; every worker skipped it and halved its scale,
     # then took the two steps of one process (float32)
     amp = reference(everyone, 2, 0.1, momentum=0.0)

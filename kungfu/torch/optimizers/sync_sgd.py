@@ -10,7 +10,7 @@ import torch
 
 from kungfu import _adasum, _collective, _peer
 from kungfu._process_set import ProcessSet
-from kungfu.torch.ops import Handle, all_reduce_async
+from kungfu.torch.ops import Handle, all_gather_async, all_reduce_async
 from kungfu.torch.optimizers._wrap import wrap
 
 BUCKET_BYTES = 25 << 20  # as DDP's; measured in benchmarks/README.md, "torch_ddp.py"
@@ -38,7 +38,7 @@ class _Bucket:
         part = self.flat[self.slices[id(p)]]
         if grad is None:
             part.zero_()
-        else:  # a sparse gradient (nn.Embedding(sparse=True)) is averaged dense
+        else:  # a sparse gradient (nn.Embedding(sparse=True)) averaged dense: sparse_as_dense
             part.copy_((grad.to_dense() if grad.is_sparse else grad).detach().reshape(-1))
             if scale != 1:
                 part.mul_(scale)
@@ -83,11 +83,16 @@ class _SynchronousSGD:
     3. step() waits for every bucket (each has the op deadline), gives a parameter that some
        worker had a gradient for the average (absent gradients count as zeros), leaves .grad
        None where no worker had one, and calls the wrapped optimizer's step.
+    With sparse_as_dense=False, a sparse gradient (nn.Embedding(sparse=True)) takes zeros in its
+    bucket and its rows are gathered instead (indices and values, two allgathers started in
+    step 1); step 3 gives the parameter the sparse sum of every worker's rows (divided by the
+    size for avg), coalesced.
     A name's k-th use is the same operation on every worker, so names need no step counter."""
 
     def _kungfu_init(self, params: List[Tuple[str, torch.Tensor]], prefix: str, op: str,
                      bucket_bytes: int, process_set: Optional[ProcessSet], passes: int,
-                     average_passes: bool, fp16: bool, predivide: float):
+                     average_passes: bool, fp16: bool, predivide: float,
+                     sparse_as_dense: bool = True):
         self._kungfu_params = [(n, p) for n, p in params if p.requires_grad]
         self._kungfu_prefix = prefix
         self._kungfu_op = op
@@ -98,6 +103,10 @@ class _SynchronousSGD:
         self._kungfu_k = passes
         self._kungfu_scale = 1.0 / passes if average_passes else 1.0
         self._kungfu_passes: Dict[int, int] = {}  # parameter id -> backward passes this step
+        self._kungfu_dense = sparse_as_dense
+        self._kungfu_index = {id(p): i for i, (_, p) in enumerate(self._kungfu_params)}
+        # parameter id -> the allgathers of its sparse gradient's (indices, values) this step
+        self._kungfu_rows: Dict[int, Tuple[Handle, Handle]] = {}
         self._kungfu_buckets = _buckets(self._kungfu_params, bucket_bytes)
         self._kungfu_bucket_of = {id(p): b for b in self._kungfu_buckets for _, p in b.params}
         self._kungfu_hooks = [p.register_post_accumulate_grad_hook(self._kungfu_hook(n))
@@ -139,10 +148,32 @@ class _SynchronousSGD:
             passes = self._kungfu_passes[id(p)] = self._kungfu_passes.get(id(p), 0) + 1
             if passes < k:
                 return  # torch adds the next pass's gradient to .grad
-            b.put(p, p.grad, self._kungfu_scale)
+            self._kungfu_put(b, p)
             if b.complete():
                 self._kungfu_start(b)
         return hook
+
+    def _kungfu_put(self, b: _Bucket, p: torch.Tensor) -> None:
+        grad = p.grad
+        if grad is not None and grad.is_sparse and not self._kungfu_dense:
+            g = grad.coalesce()
+            name = f"{self._kungfu_prefix}/sparse{self._kungfu_index[id(p)]}"
+            ps = self._kungfu_set
+            self._kungfu_rows[id(p)] = (
+                all_gather_async(g.indices().t().contiguous(), f"{name}/indices",
+                                 process_set=ps, stack=False),
+                all_gather_async(g.values() * self._kungfu_scale, f"{name}/values",
+                                 process_set=ps, stack=False))
+            grad = None  # its part of the bucket: zeros
+        b.put(p, grad, self._kungfu_scale)
+
+    def _kungfu_sparse(self, p: torch.Tensor) -> torch.Tensor:
+        """The sparse gradient of p from every worker's rows (step 3)."""
+        indices, values = (h.wait() for h in self._kungfu_rows[id(p)])
+        if self._kungfu_op == "avg":
+            ps = self._kungfu_set
+            values = values / (ps.size() if ps is not None else _peer.get().size)
+        return torch.sparse_coo_tensor(indices.t(), values, p.shape).coalesce()
 
     def synchronize(self) -> None:
         """Steps 2 and 3 above without the optimizer's step: every parameter's .grad averaged."""
@@ -152,7 +183,7 @@ class _SynchronousSGD:
                 if id(p) not in b.ready:
                     if p.grad is None:
                         absent.add(id(p))
-                    b.put(p, p.grad, self._kungfu_scale)
+                    self._kungfu_put(b, p)
             if b.handle is None:
                 self._kungfu_start(b)
         if self._kungfu_op == "adasum":
@@ -166,14 +197,17 @@ class _SynchronousSGD:
                 if b.handle is not None:
                     b.handle.wait()
             counts = counts.wait()
+            sparse = {id(p): self._kungfu_sparse(p) for _, p in self._kungfu_params
+                      if id(p) in self._kungfu_rows}
         finally:
-            for b in buckets:
-                b.reset()
-            self._kungfu_passes.clear()
+            self._kungfu_clear()
         with torch.no_grad():
             for (_, p), count in zip(self._kungfu_params, counts.tolist()):
                 if count == 0:
                     continue  # no worker had a gradient: it stays None
+                if id(p) in sparse:
+                    p.grad = sparse[id(p)]
+                    continue
                 avg = self._kungfu_bucket_of[id(p)].flat[
                     self._kungfu_bucket_of[id(p)].slices[id(p)]].view_as(p)
                 if p.grad is None or p.grad.is_sparse:
@@ -196,9 +230,13 @@ class _SynchronousSGD:
     def _kungfu_forget(self) -> None:
         """After a recovery (kungfu.torch.ElasticTrainer): the averages still pending belong to
         the cluster that lost a worker; they are dropped, not waited for."""
+        self._kungfu_clear()
+
+    def _kungfu_clear(self) -> None:
         for b in self._kungfu_buckets:
             b.reset()
         self._kungfu_passes.clear()
+        self._kungfu_rows.clear()
 
     def step(self, closure=None):
         loss = None
@@ -229,10 +267,11 @@ class _SynchronousSGD:
             for b in self._kungfu_buckets:
                 if b.handle is not None:
                     b.handle.wait()
+            for handles in self._kungfu_rows.values():
+                for h in handles:
+                    h.wait()
         finally:
-            for b in self._kungfu_buckets:
-                b.reset()
-            self._kungfu_passes.clear()
+            self._kungfu_clear()
         super().zero_grad(set_to_none)
 
 
@@ -241,7 +280,8 @@ def SynchronousSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters=N
                             process_set: Optional[ProcessSet] = None,
                             backward_passes_per_step: int = 1,
                             average_aggregated_gradients: bool = True, compression=None,
-                            gradient_predivide_factor: float = 1.0):
+                            gradient_predivide_factor: float = 1.0,
+                            sparse_as_dense: bool = True):
     """optimizer, its gradients averaged over the workers before each step (op="sum" sums them,
     as the original KungFu did by default), in buckets of up to `bucket_bytes` of gradients
     (default 25 MiB, as DDP's; 0: one parameter per allreduce). named_parameters
@@ -261,7 +301,11 @@ def SynchronousSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters=N
     before the sum and the sum by size / f after it (the same average, another range for the
     sum; with fp16, the range of the float16 sum). op="adasum" (Horovod's op=hvd.Adasum): each
     parameter's gradient is the workers' Adasum (kf.adasum), any number of workers; not with
-    compression, a predivide factor or a process set."""
+    compression, a predivide factor or a process set. sparse_as_dense=True (default): a sparse
+    gradient (nn.Embedding(sparse=True)) is averaged as a dense tensor and .grad is left dense;
+    False (Horovod's default): every worker's rows are gathered and .grad stays sparse (their
+    sum, or avg divided by the size), as an optimizer that takes sparse gradients only
+    (torch.optim.SparseAdam) needs."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise ValueError(f"bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
     k = backward_passes_per_step
@@ -279,10 +323,15 @@ def SynchronousSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters=N
     if op not in (None, "avg", "sum", "min", "max", "prod", "adasum"):
         raise ValueError(f"op must be 'avg', 'sum', 'adasum' (or 'min', 'max', 'prod'), "
                          f"got {op!r}")
+    if not isinstance(sparse_as_dense, bool):
+        raise ValueError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
+    if not sparse_as_dense and op not in (None, "sum", "avg"):
+        raise ValueError(f"sparse_as_dense=False gathers sparse rows: op must be 'avg' or "
+                         f"'sum', got {op!r}")
     if op == "adasum" and (kind == "fp16" or process_set is not None):
         raise ValueError("op='adasum' combines the gradients as they are, over the whole "
                          "cluster: it takes no compression and no process_set")
     return wrap(_SynchronousSGD, optimizer, named_parameters, "SynchronousSGDOptimizer",
                 op=op or "sum", bucket_bytes=bucket_bytes, process_set=process_set, passes=k,
                 average_passes=bool(average_aggregated_gradients), fp16=kind == "fp16",
-                predivide=float(f))
+                predivide=float(f), sparse_as_dense=sparse_as_dense)
