@@ -181,3 +181,34 @@ def test_compile_under_mixed_float16_still_turns_xla_off_for_the_wrapped_optimiz
     assert type(model.optimizer).__name__ == "LossScaleOptimizer"
     assert model.jit_compile is False
     assert any("training without XLA" in str(w.message) for w in caught)
+
+
+def test_compression_objects_compress_and_decompress(tfk):
+    """Horovod's Compression.fp16.compress/decompress, in TensorFlow and PyTorch: floating
+    point goes to float16 and comes back in its dtype, other dtypes pass as they are."""
+    kf, tf, _ = tfk
+    from kungfu.tensorflow.optimizers import Compression
+
+    assert Compression.fp16 == "fp16" and Compression.none == "none"
+    for dtype in (tf.float32, tf.float64):
+        small, ctx = Compression.fp16.compress(tf.fill([5, 5], tf.constant(1.5, dtype)))
+        assert small.dtype == tf.float16
+        back = Compression.fp16.decompress(small, ctx)
+        assert back.dtype == dtype and np.all(back.numpy() == 1.5)
+    for dtype in (tf.int32, tf.uint8):
+        same, ctx = Compression.fp16.compress(tf.ones([3], dtype))
+        assert same.dtype == dtype and Compression.fp16.decompress(same, ctx).dtype == dtype
+    t, ctx = Compression.none.compress(tf.ones([2]))
+    assert Compression.none.decompress(t, ctx).dtype == tf.float32
+    torch = pytest.importorskip("torch")
+    from kungfu.torch.optimizers import Compression as TorchCompression
+
+    for dtype in (torch.float32, torch.float64):
+        small, ctx = TorchCompression.fp16.compress(torch.full((5, 5), 1.5, dtype=dtype))
+        assert small.dtype == torch.float16
+        back = TorchCompression.fp16.decompress(small, ctx)
+        assert back.dtype == dtype and torch.all(back == 1.5)
+    for dtype in (torch.int64, torch.int8):
+        same, ctx = TorchCompression.fp16.compress(torch.ones(3, dtype=dtype))
+        assert same.dtype == dtype and TorchCompression.fp16.decompress(same, ctx).dtype == dtype
+    assert TorchCompression.none.compress(torch.ones(2))[1] is None
