@@ -4,6 +4,8 @@ process set and over several backward passes, and broadcast_optimizer_state. Eac
 raw values (numpy); the tests compute what they must be from the inputs below."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -200,6 +202,28 @@ def ids(r: int) -> torch.Tensor:
     return torch.tensor([[r, r + 1], [r + 2, 0], [7, r]])
 
 
+def step_after_synchronize() -> dict:
+    """op="sum": synchronize() then step(), with and without skip_synchronize() (the warning,
+    and the same step: the sums are not summed again)."""
+    import warnings
+
+    out = {}
+    for skip in (True, False):
+        model = mlp()
+        opt = kf.optimizers.SynchronousSGDOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), op="sum")
+        x, y = shard(kf.rank())
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with opt.skip_synchronize() if skip else contextlib.nullcontext():
+                opt.step()
+        out["skip" if skip else "plain"] = [_np(p) for p in model.parameters()]
+        out[f"warnings {'skip' if skip else 'plain'}"] = [str(w.message) for w in caught]
+    return out
+
+
 def sparse_rows_training(steps: int = 2) -> dict:
     """sparse_as_dense=False (Horovod's default): the embedding model with plain SGD, whether
     its gradient stayed sparse, and an embedding alone with torch.optim.SparseAdam."""
@@ -311,6 +335,7 @@ def optimizers() -> dict:
                                     gradient_predivide_factor=4.0),
            "sparse": sparse_training(),
            "sparse rows": sparse_rows_training(),
+           "step after synchronize": step_after_synchronize(),
            "amp": amp_training(),
            "bad compression": _error(lambda: kf.optimizers.SynchronousSGDOptimizer(
                torch.optim.SGD(mlp().parameters(), lr=0.1), compression="int8")),

@@ -199,6 +199,14 @@ def test_optimizer_passes_sets_and_state(runs, n):
     assert any(a.tobytes() != b.tobytes() for a, b in zip(results[0]["fp16"],
                                                         results[0]["one pass"]))
     _trained(results, "sparse", sparse_reference(n))
+    # step() after synchronize(): Horovod's warning, and the sums are not summed again
+    for res in results:
+        after = res["step after synchronize"]
+        assert after["warnings skip"] == []
+        assert len(after["warnings plain"]) == 1
+        assert "after optimizer.synchronize() without" in after["warnings plain"][0]
+        for a, b in zip(after["plain"], after["skip"]):
+            assert a.tobytes() == b.tobytes()
     # sparse_as_dense=False: the rows gathered, the same steps, .grad sparse; SparseAdam
     rows = [res["sparse rows"] for res in results]
     _trained(rows, "sgd", sparse_reference(n))

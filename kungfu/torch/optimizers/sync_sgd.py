@@ -3,6 +3,7 @@ as backward has made all of its gradients, overlapping the rest of backward (doc
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -99,6 +100,7 @@ class _SynchronousSGD:
         self._kungfu_set = process_set
         self._kungfu_fp16 = fp16
         self._kungfu_skip = False
+        self._kungfu_synced = False  # synchronize() ran since the last backward pass or step
         self._kungfu_predivide = predivide
         self._kungfu_k = passes
         self._kungfu_scale = 1.0 / passes if average_passes else 1.0
@@ -145,6 +147,7 @@ class _SynchronousSGD:
                 raise RuntimeError(
                     f"SynchronousSGDOptimizer: the gradient of {name!r} was made more than "
                     f"backward_passes_per_step={k} times before step()")
+            self._kungfu_synced = False
             passes = self._kungfu_passes[id(p)] = self._kungfu_passes.get(id(p), 0) + 1
             if passes < k:
                 return  # torch adds the next pass's gradient to .grad
@@ -214,6 +217,7 @@ class _SynchronousSGD:
                     p.grad = avg.clone()
                 else:
                     p.grad.copy_(avg)
+        self._kungfu_synced = True
 
     def _kungfu_adasum(self) -> None:
         """op="adasum": each parameter's gradient (zeros where a worker has none) replaced in
@@ -243,8 +247,15 @@ class _SynchronousSGD:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._kungfu_skip:
+        if self._kungfu_synced and not self._kungfu_skip:
+            # Averaging again would be a second collective for nothing (and, with op="sum",
+            # multiply the gradients by the size): the gradients are used as they are.
+            warnings.warn("kungfu: optimizer.step() after optimizer.synchronize() without "
+                          "`with optimizer.skip_synchronize():` (Horovod's recipe); the "
+                          "gradients already synchronized are used", stacklevel=2)
+        elif not self._kungfu_skip:
             self.synchronize()
+        self._kungfu_synced = False
         super().step()
         return loss
 
@@ -272,6 +283,7 @@ class _SynchronousSGD:
                     h.wait()
         finally:
             self._kungfu_clear()
+        self._kungfu_synced = False
         super().zero_grad(set_to_none)
 
 
