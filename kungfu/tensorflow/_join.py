@@ -8,11 +8,11 @@ Each epoch is a Join block (kungfu/_join.py):
    (on_train_begin makes Keras build it again), describes each of its allreduces to the workers
    that have joined every time it runs (ops/_collectives.py, _joining).
 2. A worker whose data runs out leaves Keras's loop of steps (each epoch where its data ends:
-   Keras would keep the first epoch's count of a dataset of unknown length); the first thing Keras does then is
-   read the epoch's metrics (before validation and every callback's on_epoch_end), and there it
-   joins: it runs, with zeros, the allreduces the others still describe, until every worker
-   has joined. The average divides by the whole cluster's size (a joined worker counts as
-   zeros), as Horovod's does.
+   Keras would keep the first epoch's count of a dataset of unknown length). The first thing
+   Keras does then is read the epoch's metrics (before validation and every callback's
+   on_epoch_end), and there it joins: it runs, with zeros, the allreduces the others still
+   describe, until every worker has joined. The average divides by the whole cluster's size
+   (a joined worker counts as zeros), as Horovod's does.
 3. Every worker then takes the weights and the optimizer's state of the rank that joined last
    (the one that trained the most steps), as PyTorch's Join with DDP ends with its model, so
    that the next epoch starts from one model; `last_joined` lists that rank per epoch.

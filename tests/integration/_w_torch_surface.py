@@ -320,7 +320,9 @@ def _optimizer_state(root: int, ps) -> dict:
 
 def optimizers() -> dict:
     """The optimizer in the whole cluster and in the "tail" set, over 2 averaged and 2 summed
-    passes, with fp16 compression (also predivided), with sparse gradients, with AMP's GradScaler; the errors of a third pass and of an unknown compression;
+    passes, with fp16 compression (also predivided), with sparse gradients (dense and as
+    rows), with AMP's GradScaler, a step after synchronize(); the errors of a third pass and of
+    an unknown compression;
     broadcast_optimizer_state, whole and in "tail"."""
     r, n = kf.rank(), kf.size()
     tail = sets_for(n)["tail"]
