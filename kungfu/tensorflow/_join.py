@@ -76,8 +76,12 @@ class JoinCallback(keras.callbacks.Callback):
         _internals.let_data_end_epochs(_ends_epochs)
         _fitting += 1
         _callbacks.install_epoch_end(self.model)
-        # A function traced before the first block describes nothing: trace it inside one.
-        self.model.make_train_function(force=True)
+        # A function traced before the first block describes nothing: trace it inside one (a
+        # function traced in a block describes only inside one: a later fit keeps it).
+        model = self.model
+        if model.train_function is None or model.train_function is not getattr(
+                model, "kungfu_join_function", None):
+            model.kungfu_join_function = model.make_train_function(force=True)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._close()  # a block left open by a fit that raised

@@ -184,7 +184,8 @@ def joined_dies() -> dict:
 
 
 def fit_steps(r: int, n: int, epoch: int) -> int:
-    """Worker r's batches in model.fit's epoch: rank n - 1 joins last in epoch 0, rank 0 in 1."""
+    """Worker r's batches in model.fit's epoch: rank n - 1 joins last in epoch 0, rank 0 in the
+    next ones."""
     return r + 1 if epoch == 0 else n - r
 
 
@@ -250,7 +251,7 @@ def _tf_fit(r: int, n: int) -> dict:
     import keras
     import tensorflow as tf
 
-    epochs = iter(range(2))
+    epochs = iter(range(3))
 
     def batches():  # called once per epoch by tf.data
         epoch = next(epochs)
@@ -269,6 +270,10 @@ def _tf_fit(r: int, n: int) -> dict:
     out = {"fit": model.layers[0].kernel.numpy()[:, 0].copy(),
            "fit iterations": int(model.optimizer.iterations.numpy()),
            "fit last": join.last_joined, "fit loss": history.history["loss"]}
+    again = kf.JoinCallback()  # a second fit keeps the function traced in the first one's block
+    model.fit(data, epochs=1, verbose=0, callbacks=[again])
+    out.update({"fit again": model.layers[0].kernel.numpy()[:, 0].copy(),
+                "fit again last": again.last_joined})
     out["with hook"] = error_of(lambda: model.fit(
         data, epochs=1, verbose=0, callbacks=[kf.Hook(), kf.JoinCallback()]))
     return out

@@ -154,6 +154,7 @@ def test_tensorflow(spawn, n):
     eager, _ = trained(W.W0, W.torch_steps)
     _, epoch0 = trained(W.W0, lambda k: W.fit_steps(k, n, 0))
     _, epoch1 = trained(epoch0, lambda k: W.fit_steps(k, n, 1), step0=10)
+    _, epoch2 = trained(epoch1, lambda k: W.fit_steps(k, n, 2), step0=20)
     for r, o in enumerate(run.outcomes):
         assert o.status == "ok", o.describe()
         got = o.value
@@ -163,6 +164,8 @@ def test_tensorflow(spawn, n):
         # every worker ends each epoch with the model of the rank that joined last
         np.testing.assert_allclose(got["fit"], epoch1, rtol=1e-5)
         assert got["fit last"] == [n - 1, 0]
+        np.testing.assert_allclose(got["fit again"], epoch2, rtol=1e-5)
+        assert got["fit again last"] == [0]
         # the optimizer's state too (Keras counts its own iterations over data of unknown length)
         assert got["fit iterations"] == run.outcomes[0].value["fit iterations"] >= 2 * n
         assert got["fit loss"] == run.outcomes[0].value["fit loss"]  # combined after the join
