@@ -204,7 +204,8 @@ def test_optimizer_passes_sets_and_state(runs, n):
         after = res["step after synchronize"]
         assert after["warnings skip"] == []
         assert len(after["warnings plain"]) == 1
-        assert "after optimizer.synchronize() without" in after["warnings plain"][0]
+        assert ("optimizer.step() called without optimizer.skip_synchronize() after "
+                "optimizer.synchronize()") in after["warnings plain"][0]
         for a, b in zip(after["plain"], after["skip"]):
             assert a.tobytes() == b.tobytes()
     # sparse_as_dense=False: the rows gathered, the same steps, .grad sparse; SparseAdam

@@ -250,9 +250,10 @@ class _SynchronousSGD:
         if self._kungfu_synced and not self._kungfu_skip:
             # Averaging again would be a second collective for nothing (and, with op="sum",
             # multiply the gradients by the size): the gradients are used as they are.
-            warnings.warn("kungfu: optimizer.step() after optimizer.synchronize() without "
-                          "`with optimizer.skip_synchronize():` (Horovod's recipe); the "
-                          "gradients already synchronized are used", stacklevel=2)
+            warnings.warn("kungfu: optimizer.step() called without optimizer.skip_synchronize() "
+                          "after optimizer.synchronize() (Horovod's recipe: `with "
+                          "optimizer.skip_synchronize(): optimizer.step()`); the gradients "
+                          "already synchronized are used", stacklevel=2)
         elif not self._kungfu_skip:
             self.synchronize()
         self._kungfu_synced = False
