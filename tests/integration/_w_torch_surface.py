@@ -202,6 +202,12 @@ def ids(r: int) -> torch.Tensor:
     return torch.tensor([[r, r + 1], [r + 2, 0], [7, r]])
 
 
+def _partially_named():
+    model = mlp()
+    return kf.optimizers.SynchronousSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                 model[0].named_parameters())
+
+
 def step_after_synchronize() -> dict:
     """op="sum": synchronize() then step(), with and without skip_synchronize() (the warning,
     and the same step: the sums are not summed again)."""
@@ -345,6 +351,10 @@ def optimizers() -> dict:
                torch.optim.SGD(mlp().parameters(), lr=0.1), op="sum",
                gradient_predivide_factor=2.0)),
            "too many": _too_many_passes(),
+           "duplicate names": _error(lambda: kf.optimizers.SynchronousSGDOptimizer(
+               torch.optim.SGD(mlp().parameters(), lr=0.1),
+               [("same", p) for p in mlp().parameters()])),
+           "partial names": _error(lambda: _partially_named()),
            "state": _optimizer_state(n - 1, None)}
     if ps is not None:
         out["tail"] = train(ps, 3, 1, True)

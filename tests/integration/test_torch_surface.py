@@ -199,6 +199,13 @@ def test_optimizer_passes_sets_and_state(runs, n):
     assert any(a.tobytes() != b.tobytes() for a, b in zip(results[0]["fp16"],
                                                         results[0]["one pass"]))
     _trained(results, "sparse", sparse_reference(n))
+    # named_parameters must name every parameter, each name once (Horovod's checks)
+    assert results[0]["duplicate names"] == (
+        "ValueError: named_parameters names two parameters 'same': give each its own name (a "
+        "prefix per model, say)")
+    assert results[0]["partial names"].startswith(
+        "ValueError: named_parameters does not name 2 of the optimizer's parameters (group0.2, "
+        "group0.3)"), results[0]["partial names"]
     # step() after synchronize(): Horovod's warning, and the sums are not summed again
     for res in results:
         after = res["step after synchronize"]

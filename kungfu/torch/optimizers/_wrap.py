@@ -19,19 +19,28 @@ _numbers = itertools.count()
 def named_params(optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]]
                  ) -> List[Tuple[str, torch.Tensor]]:
-    """The optimizer's parameters in its param_groups' order, named by named_parameters where it
-    names them and by their place (`group{g}.{i}`) otherwise; the names are unique."""
-    names = {}
+    """The optimizer's parameters in its param_groups' order, named by named_parameters (which
+    must name each of them, each name once, as Horovod requires: a list of another model's or
+    of a part of the model is a mistake) or by their place (`group{g}.{i}`) without it."""
+    names: dict = {}
+    owners: dict = {}
     for n, p in (named_parameters or ()):
-        names.setdefault(id(p), str(n))
-    out, seen = [], set()
+        n = str(n)
+        if owners.setdefault(n, id(p)) != id(p):
+            raise ValueError(f"named_parameters names two parameters {n!r}: give each its own "
+                             "name (a prefix per model, say)")
+        names.setdefault(id(p), n)
+    out = []
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
-            name = names.get(id(p), f"group{g}.{i}")
-            if name in seen:
-                name = f"{name}@group{g}.{i}"
-            seen.add(name)
-            out.append((name, p))
+            out.append((names.get(id(p), f"group{g}.{i}"), p))
+    if named_parameters is not None:
+        unnamed = [name for (name, p) in out if id(p) not in names]
+        if unnamed:
+            raise ValueError(
+                f"named_parameters does not name {len(unnamed)} of the optimizer's parameters "
+                f"({', '.join(unnamed[:5])}{', ...' if len(unnamed) > 5 else ''}): pass "
+                "model.named_parameters() of the model whose parameters the optimizer holds")
     return out
 
 
