@@ -15,42 +15,22 @@ from typing import Optional
 
 import tensorflow as tf
 
+from kungfu._compression import FP16Compression, NoCompression
 from kungfu.tensorflow.optimizers._core import ALGORITHMS, Optimizer
 
 
-class _NoCompression(str):
-    """compression="none", with Horovod's compressor interface."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class _FP16Compression(str):
-    """compression="fp16": floating-point tensors as float16, with Horovod's compressor
-    interface (compress returns the tensor to send and what decompress needs to undo it)."""
-
-    @staticmethod
-    def compress(tensor):
-        tensor = tf.convert_to_tensor(tensor)
-        if tensor.dtype.is_floating:
-            return tf.cast(tensor, tf.float16), tensor.dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor if ctx is None else tf.cast(tensor, ctx)
+def _to_half(tensor):
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.dtype.is_floating:
+        return tf.cast(tensor, tf.float16), tensor.dtype
+    return tensor, None
 
 
 class Compression:
     """Horovod's names for kf.Optimizer(..., compression=...): strings ("none", "fp16") that
     also compress and decompress a tensor as Horovod's do."""
-    none = _NoCompression("none")
-    fp16 = _FP16Compression("fp16")
+    none = NoCompression()
+    fp16 = FP16Compression(_to_half, tf.cast)
 
 
 def _unsupported(**flags):
