@@ -16,9 +16,13 @@ the step's agreement, so every worker computes the same split). Predictors of th
   values and a constant, fit per worker on the last `window` steps (a linear NARX model whose
   exogenous input is the worker's batch share); EWMA until it has enough history.
 
-The first `warmup` steps are not measured (they trace and compile). Damping keeps the split from oscillating: the split changes only when some worker's size is
-more than `threshold` (relative) off its share of the predicted speeds, at most every `every`
-steps, and then moves only `damping` of the way there.
+The first `warmup` steps are not measured (they trace and compile). Damping keeps the split
+from oscillating: a change starts only when some worker's size is more than `threshold`
+(relative) off its share of the predicted speeds; it moves `damping` of the way there, at most
+every `every` steps, and goes on until every size is within a quarter of `threshold` of its
+share (or one sample). The dead band keeps noise from starting changes; it does not leave a
+change that has started short of its target (a split left 5% off would cost about 5% of the
+throughput for good).
 """
 from __future__ import annotations
 
@@ -70,6 +74,7 @@ class LoadBalancing(BasePolicy):
         self.history: List[List[float]] = []  # measured speeds, per step: one per worker
         self.smoothed: Optional[List[float]] = None  # EWMA per worker
         self.last_change = -10 ** 9
+        self.moving = False  # a change started and not yet within threshold / 4 of its target
         self.decisions: List[dict] = []  # (step, sizes) of each split applied, for the record
 
     # -- prediction -----------------------------------------------------------------------
@@ -77,7 +82,8 @@ class LoadBalancing(BasePolicy):
     def observe(self, speeds) -> None:
         speeds = [float(v) for v in speeds]
         if self.history and len(self.history[-1]) != len(speeds):
-            self.history, self.smoothed = [], None  # another cluster size: start over
+            # another cluster size: start over
+            self.history, self.smoothed, self.moving = [], None, False
         self.history.append(speeds)
         del self.history[:-self.window]
         if self.smoothed is None:
@@ -112,15 +118,21 @@ class LoadBalancing(BasePolicy):
 
     def target(self, state: TrainingState) -> Optional[List[int]]:
         """The next split, or None to keep the current one: when some worker's size is more
-        than `threshold` (relative) off its share of the predicted speeds, the sizes move
-        `damping` of the way there (at least one sample)."""
+        than `threshold` (relative) off its share of the predicted speeds, or a change that
+        started so is not yet within `threshold / 4` (or one sample), the sizes move `damping`
+        of the way there (at least one sample)."""
         current = state.batch_sizes
         speeds = self.predict()
         if current is None or len(current) != len(speeds) or min(speeds) <= 0:
             return None
         total = sum(current)
         ideal = split(total, speeds, self.min_batch)
-        if max(abs(t - c) / c for t, c in zip(ideal, current)) <= self.threshold:
+        if self.moving:
+            self.moving = any(abs(t - c) > max(1.0, self.threshold / 4 * c)
+                              for t, c in zip(ideal, current))
+        else:
+            self.moving = max(abs(t - c) / c for t, c in zip(ideal, current)) > self.threshold
+        if not self.moving:
             return None
         moved = [c + self.damping * (t - c) for c, t in zip(current, ideal)]
         new = split(total, moved, self.min_batch)

@@ -67,6 +67,23 @@ def test_a_worker_slowed_twice_gets_about_half_the_batch_within_a_few_steps(pred
     assert settled <= 15, trace
 
 
+def test_a_change_once_started_goes_on_past_the_dead_band_to_its_target():
+    # 8 workers of 128, two of them twice as slow: the exact split is 1024 / 14 = 73.1 for the
+    # slow ones, 146.3 for the others. Halving the distance from 128 stops 4.7% short (76-77)
+    # if the dead band of 5% also ends a change; the slow workers' steps would then take 5%
+    # longer than balanced ones, for good.
+    cost = [1, 2, 2, 1, 1, 1, 1, 1]
+    policy = LoadBalancing(every=2, warmup=2)
+    trace = balance(policy, cost, 60, batch=128)
+    b = trace[-1]
+    assert sum(b) == 1024
+    exact = split(1024, [1 / c for c in cost])  # [147, 73, 73, 147, 146, 146, 146, 146]
+    assert all(abs(x - y) <= 1 for x, y in zip(b, exact)), (b, exact)
+    # ... and then it stops: nothing moves once the split is there
+    assert trace[-20:] == [b] * 20
+    assert len(policy.decisions) <= 8, policy.decisions
+
+
 def test_no_straggler_and_ten_percent_jitter_leave_the_split_alone():
     for predictor in ("ewma", "narx"):
         policy = LoadBalancing(predictor=predictor, threshold=0.1)
