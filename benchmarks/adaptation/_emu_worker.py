@@ -249,11 +249,7 @@ def main() -> int:
         time.sleep(args.startup * args.scale)
     device = Device.parse(args.device)
     speeds = Speeds.parse(args.speeds)
-    link = None
-    if args.link:
-        f = args.link.split(",")
-        link = Link(int(float(f[0])), float(f[1]), float(f[2]), int(f[3]),
-                    float(f[4]) if len(f) > 4 else 0.0)
+    link = Link.parse(args.link) if args.link else None
     started_as = None if _peer.started_as_joiner() else _peer.identity_from_env().rank
 
     x, y, x_test, y_test = load(args.seed, args.copies)

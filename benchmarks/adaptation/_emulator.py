@@ -105,6 +105,15 @@ class Link:
             t += 2 * (hosts - 1) / hosts * self.nbytes / self.inter + 2 * (hosts - 1) * self.alpha
         return t
 
+    @classmethod
+    def parse(cls, text: str) -> "Link":
+        """`NBYTES,INTRA,INTER,PER_HOST[,ALPHA]` (bytes, bytes/s, bytes/s, workers, seconds)."""
+        f = text.split(",")
+        if len(f) not in (4, 5):
+            raise ValueError(f"a link is NBYTES,INTRA,INTER,PER_HOST[,ALPHA], got {text!r}")
+        return cls(int(float(f[0])), float(f[1]), float(f[2]), int(f[3]),
+                   float(f[4]) if len(f) > 4 else 0.0)
+
 
 def efficiency(batch: float, noise_scale: float, base: float) -> float:
     """Pollux's statistical efficiency of a global batch against the base batch, in (0, 1] for

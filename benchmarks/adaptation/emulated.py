@@ -3,7 +3,7 @@ machine of 2 cores): each experiment against its baseline, in one run.
 
     python benchmarks/adaptation/emulated.py --experiment EXPERIMENT
 
-(EXPERIMENT: calibration, autoscaler, straggler, lbbsp, gns, spot, arbiter.)
+(EXPERIMENT: calibration, autoscaler, bound, straggler, lbbsp, gns, spot, arbiter.)
 
 Every worker is a real kungfu worker (kungfu-run, the runtime, the gradients' allreduce, resize,
 recovery, warm spares, checkpoints, kungfu's policies) whose compute is an emulated accelerator
@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
 from _arbiter import Curve, decide, goodput, resized_peers  # noqa: E402
-from _emulator import Device, fit_device  # noqa: E402
+from _emulator import Device, Link, fit_device  # noqa: E402
 from kungfu._ports import free_port_range, free_ports  # noqa: E402
 from kungfu.store import connect  # noqa: E402
 
@@ -170,6 +170,34 @@ def exp_autoscaler(args):
         "jct_vs_smallest": round(auto["jct_s"] / small["jct_s"], 3),
         "met": auto["jct_s"] <= 1.05 * best["jct_s"] and auto["worker_s"] <= 0.8 * best[
             "worker_s"] and auto["jct_s"] <= 0.6 * small["jct_s"]}})
+
+
+def exp_bound(args):
+    """Whether the autoscaler's three targets can be met together at all in this model (strong
+    scaling, the sizes 4-16, the V100 device and the ResNet-50 link), by an oracle that runs at
+    the right size from the first step and resizes for free: for each global batch B, the
+    emulated step time of every static size, and the sizes m that would meet "within 5% of
+    the fastest static size's time at <= 0.8x its worker-seconds" and ">= 40% less time than
+    static 4". No training: arithmetic on the models that the other experiments run."""
+    device, link = Device.parse(V100_RESNET50), Link.parse(RESNET50_LINK)
+    sizes = (4, 8, 12, 16)
+    met = []
+    for batch in range(64, 65536 + 1, 64):
+        t = {n: device.step_time(batch // n) + link.allreduce_time(n) for n in sizes}
+        best = min(sizes, key=t.get)
+        near = [m for m in sizes if t[m] <= 1.05 * t[best] and m * t[m] <= 0.8 * best * t[best]]
+        faster = [m for m in sizes if t[m] <= 0.6 * t[4]]
+        both = sorted(set(near) & set(faster))
+        if both:
+            met.append(batch)
+        if batch & (batch - 1) == 0:  # powers of two: the table
+            emit({"experiment": "bound", "global_batch": batch,
+                  "step_s": {n: round(t[n], 4) for n in sizes}, "fastest": best,
+                  "within_5pct_at_0.8x_worker_s": near, "40pct_less_than_4": faster,
+                  "both": both})
+    emit({"experiment": "bound", "check": {"batches": "64-65536, every 64",
+                                           "batches_where_an_oracle_meets_all": met,
+                                           "met": bool(met)}})
 
 
 def step_median(rows, own=False, skip=5):
@@ -518,7 +546,8 @@ def exp_arbiter(args):
             "makespan_s"]}})
 
 
-EXPERIMENTS = {"arbiter": exp_arbiter, "autoscaler": exp_autoscaler, "calibration": exp_calibration,
+EXPERIMENTS = {"arbiter": exp_arbiter, "autoscaler": exp_autoscaler, "bound": exp_bound,
+               "calibration": exp_calibration,
                "straggler": exp_straggler, "lbbsp": exp_lbbsp, "gns": exp_gns,
                "spot": exp_spot}
 

@@ -67,6 +67,11 @@ def test_the_link_is_a_ring_inside_each_host_then_a_ring_across_hosts():
     assert link.allreduce_time(5) == link.allreduce_time(8)
     with_alpha = emu.Link(100, 10.0, 1.0, 4, alpha=0.5)
     assert with_alpha.allreduce_time(8) == pytest.approx(115 + 2 * 3 * 0.5 + 2 * 1 * 0.5)
+    assert emu.Link.parse("1e2,10,1,4") == link
+    assert emu.Link.parse("100,10,1,4,0.5") == with_alpha
+    for bad in ("100,10,1", "100,10,1,4,0.5,9"):
+        with pytest.raises(ValueError, match="NBYTES,INTRA,INTER,PER_HOST"):
+            emu.Link.parse(bad)
 
 
 def test_statistical_efficiency_is_pollux_s_and_progress_counts_base_batch_samples():
