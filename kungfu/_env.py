@@ -188,6 +188,10 @@ MAX_RESTARTS = Var("KUNGFU_MAX_RESTARTS", int, 3,
 REPLACE = Var("KUNGFU_REPLACE", _bool, True,
               "set by kungfu-run -replace: after a failure, start new workers in place of the "
               "lost ones")
+LEAVE_GRACE = Var("KUNGFU_LEAVE_GRACE", _positive_duration, 10.0,
+                  "read by kungfu-run -w: how long a worker that the latest cluster version "
+                  "leaves out may take to exit on its own before it is stopped (SIGTERM, then "
+                  "SIGKILL)")
 RECOVERY_WINDOW = Var("KUNGFU_RECOVERY_WINDOW", _positive_duration, 5.0,
                       "after a failure, how long the survivors wait for a peer that neither "
                       "checked in nor was reported dead by its launcher (then it is left out)")

@@ -10,7 +10,7 @@ version (kungfu/elastic/ has the workers' side of a resize):
    KUNGFU_ELASTIC_JOINING=1; but never in the place of a worker that died while a version
    still lists it as a member (only after the survivors recovered without it: _may_start);
 3. running workers that a new version leaves out detach themselves and exit 0; one still running
-   LEAVE_GRACE seconds later (a joiner of an abandoned resize, stuck connecting) is stopped.
+   KUNGFU_LEAVE_GRACE (10 s) later (a joiner of an abandoned resize, stuck connecting) is stopped.
 
 A worker that exits 0, or that was left out and stopped, is expected. A joiner that fails
 before it reported ready is reported and the job goes on (its resize is abandoned). Any other
@@ -49,7 +49,6 @@ from kungfu.store import (
     shown_url,
 )
 
-LEAVE_GRACE = 10.0  # seconds a worker left out of the latest version may take to exit
 STORE_WAIT = 60.0  # how long a launcher waits for the store to answer at start
 STORE_PROGRESS = 10.0  # seconds between the lines that say it is still waiting
 DEFAULT_HOST_COOLDOWN = 60.0  # seconds; kungfu-run -host-cooldown
@@ -212,7 +211,7 @@ class ElasticLauncher(Launcher):
         now = time.monotonic()
         for spec, key in self.by_spec.items():
             if spec not in wanted and key not in self.leaving:
-                self.leaving[key] = now + LEAVE_GRACE
+                self.leaving[key] = now + self.opts.leave_grace
         return None
 
     def _may_start(self, store, w: Worker, cfg: ClusterConfig) -> bool:
@@ -438,7 +437,7 @@ class ElasticLauncher(Launcher):
 
     def _poll(self, now: float) -> None:
         """Follows the stored configuration (starting this host's workers that it lists) and
-        stops the workers it left out that are still running after LEAVE_GRACE."""
+        stops the workers it left out that are still running after KUNGFU_LEAVE_GRACE."""
         store = self.store
         try:
             cfg, _ = store.config()
@@ -470,10 +469,14 @@ class ElasticLauncher(Launcher):
                           f"any more; stopping it")
                 self.stopped.add(key)
                 run.proc.terminate()
+                try:  # a stopped (SIGSTOP) worker takes the SIGTERM once it runs again
+                    run.proc.send_signal(signal.SIGCONT)
+                except OSError:
+                    pass
                 if self._left_by_recovery(store, key):
                     self._failed(run, "stopped answering", 1)
             elif run.returncode is None and now >= when + GRACE_SECONDS:
-                run.proc.kill()  # a stopped (SIGSTOP) process ignores SIGTERM
+                run.proc.kill()  # one that ignores SIGTERM
 
     def _renumber(self, cfg: ClusterConfig) -> None:
         """The running workers that `cfg` lists take their rank in it (the prefix of their

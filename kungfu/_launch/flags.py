@@ -53,6 +53,7 @@ class Options:
     config_server_credentials: Optional[str] = None  # a file with etcd's USER:PASSWORD
     job_token_file: Optional[str] = None
     job_token: str = ""  # resolved by run(), never printed
+    leave_grace: float = 10.0  # -w: KUNGFU_LEAVE_GRACE, resolved by plan.prepare
     min_np: Optional[int] = None  # -w: the fewest workers a failure may leave
     max_restarts: Optional[int] = None  # -w: how many failures the job survives
     replace: Optional[bool] = None  # -w: start new workers in place of lost ones

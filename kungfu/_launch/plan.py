@@ -53,11 +53,13 @@ def prepare(opts: Options) -> Plan:
     hosts = parse_hosts(opts.hosts) if opts.hosts is not None else [
         HostSpec("127.0.0.1", opts.np)
     ]
-    if opts.gpu_per_worker:
-        try:
+    try:
+        if opts.gpu_per_worker:
             _env.GPU_COUNT.get()
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        if opts.elastic:
+            opts.leave_grace = _env.LEAVE_GRACE.get()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     peers = plan_workers(opts.np, hosts, opts.port_range)
     here = set(local_hosts(opts, hosts))
     mine = [w for w in peers if w.host in here]

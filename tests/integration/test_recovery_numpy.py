@@ -248,7 +248,8 @@ def test_a_stopped_worker_that_wakes_up_leaves_with_a_clear_error(tmp_path):
     # 1 s) and the launcher gives it 10 s to leave; its next collective fails, it checks in,
     # finds the decision without it and exits.
     r, _, _ = _recovered(tmp_path, 3, "--hang", "2@5", "--wake-after", "5",
-                         env={"KUNGFU_PEER_TIMEOUT": "2s", "KUNGFU_RECOVERY_WINDOW": "1s"})
+                         env={"KUNGFU_PEER_TIMEOUT": "2s", "KUNGFU_RECOVERY_WINDOW": "1s",
+                              "KUNGFU_LEAVE_GRACE": "10s"})
     assert "without this one" in r.stderr and "ExpelledError" in r.stderr, r.stderr[-4000:]
     assert "no longer in the cluster, exited with code 1" in r.stderr, r.stderr[-4000:]
 

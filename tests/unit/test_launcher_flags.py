@@ -22,7 +22,7 @@ from kungfu import _env
 from kungfu import _hosts
 from kungfu._launch import flags, plan, processes
 from kungfu._launch.launcher import Launcher
-from kungfu._ports import free_port_range
+from kungfu._ports import free_port_range, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 STRONG_TOKEN = secrets.token_hex(32)
@@ -668,6 +668,17 @@ def test_gpu_count_override():
     assert plan.gpu_count({_env.GPU_COUNT.name: "0"}) == 0
     with pytest.raises(ValueError, match="KUNGFU_GPU_COUNT"):
         plan.gpu_count({_env.GPU_COUNT.name: "-1"})
+
+
+def test_a_bad_leave_grace_is_a_usage_error_before_anything_starts():
+    for bad in ("0", "-3s", "soon"):
+        r = launcher("-w", "-np", "1", "-H", "127.0.0.1:1", "-port-range", free_port_range(1),
+                     "-builtin-config-port", str(free_ports(1)[0]), sys.executable, "-c",
+                     "print('started')",
+                     env_extra={_env.LEAVE_GRACE.name: bad})
+        assert r.returncode == 2, (bad, r.stderr)
+        assert f"KUNGFU_LEAVE_GRACE={bad!r} is invalid" in r.stderr, r.stderr
+        assert "started" not in r.stdout
 
 
 def test_etcd_password_in_the_url_is_warned_about_and_never_shown(tmp_path):
