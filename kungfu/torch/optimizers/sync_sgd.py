@@ -299,8 +299,9 @@ def SynchronousSGDOptimizer(optimizer: torch.optim.Optimizer, named_parameters=N
     as the original KungFu did by default), in buckets of up to `bucket_bytes` of gradients
     (default 25 MiB, as DDP's; 0: one parameter per allreduce). named_parameters
     (model.named_parameters()) names the parameters in errors (it must name each of them, each
-    name once: a ValueError otherwise, as Horovod's); without it they are named by their place. Every worker must wrap the same model in the same order: the workers check
-    that they agree and fail at once if not. Use the returned optimizer (it shares the state of
+    name once: a ValueError otherwise, as Horovod's); without it they are named by their place.
+    Every worker must wrap the same model in the same order: the workers check that they agree
+    and fail at once if not. Use the returned optimizer (it shares the state of
     the one passed in).
 
     process_set: only its workers wrap and step (averaging over them). backward_passes_per_step
