@@ -348,6 +348,46 @@ TEST(ListenTakesThePortBeforeStart) {
   OnEveryRank(2, [&](int r) { peers[r]->Stop(); });
 }
 
+TEST(ProgressLinesKeepOneScheduleAcrossDialingAndAccepting) {
+  // Peer 0 waits first to dial peer 1 (not listening until 2.5 s), then for peer 1's own stream
+  // (it starts at 4.5 s). A line is due every second from the start of the wait, whichever part
+  // of it is under way: 1 and 2 s while dialing, 3 and 4 s while accepting. Each part keeping a
+  // schedule of its own printed a second line for 2 s as soon as the accepting began.
+  auto ports = kftest::FreePorts({"127.0.0.1", "127.0.0.1"});
+  std::vector<std::unique_ptr<Peer>> peers(2);
+  std::mutex mu;
+  std::vector<std::string> lines;
+  for (int r = 0; r < 2; ++r) {
+    PeerConfig c = TwoPeers(ports[0], ports[1], r);
+    c.connect_timeout_ms = 20000;
+    c.progress_ms = r == 0 ? 1000 : 0;
+    c.progress = [&](const std::string& line) {
+      std::lock_guard<std::mutex> lk(mu);
+      lines.push_back(line);
+    };
+    REQUIRE_OK(Peer::Create(c, &peers[r]));
+  }
+  kungfu::Status started;
+  std::thread first([&] { started = peers[0]->Start(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  REQUIRE_OK(peers[1]->Listen());
+  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  CHECK_OK(peers[1]->Start());
+  first.join();
+  CHECK_OK(started);
+  std::lock_guard<std::mutex> lk(mu);
+  std::string all;
+  for (const auto& l : lines) all += "\n  " + l;
+  if (CHECK_MSG(lines.size() == 4, "expected 4 progress lines, got:" + all)) {
+    for (int i = 0; i < 4; ++i) {
+      CHECK_CONTAINS(lines[i], "(" + std::to_string(i + 1) + " s so far; gives up after 20 s)");
+      CHECK_CONTAINS(lines[i], i < 2 ? "to accept a connection" : "these peers to connect");
+      CHECK_CONTAINS(lines[i], "127.0.0.1:" + std::to_string(ports[1]));
+    }
+  }
+  OnEveryRank(2, [&](int r) { peers[r]->Stop(); });
+}
+
 TEST(PeersOfAnotherClusterVersionDoNotConnect) {
   auto ports = kftest::FreePorts({"127.0.0.1", "127.0.0.1"});
   std::vector<std::unique_ptr<Peer>> peers(2);

@@ -77,10 +77,11 @@ class StreamTransport : public RendezvousTransport {
   };
   struct PendingHandshake;
   // Dials every other peer until `deadline`, retrying while they are not up yet. `since`: when
-  // the wait for peers began, for the progress lines.
-  Status ConnectAll(TimePoint since, TimePoint deadline);
+  // the wait for peers began, for the progress lines; `*next_report`: when the next one is due
+  // (ReportWait), shared with WaitIncoming so that the line of one second is not printed twice.
+  Status ConnectAll(TimePoint since, TimePoint deadline, TimePoint* next_report);
   // Waits until every peer's incoming stream is attached.
-  Status WaitIncoming(TimePoint since, TimePoint deadline);
+  Status WaitIncoming(TimePoint since, TimePoint deadline, TimePoint* next_report);
   Status DialHandshake(int fd, int dst);  // steps 1-4 below, the dialer's side
   // The listener's side (stream_connect.cc): the acceptor thread runs every handshake itself, so
   // a stranger costs no thread.

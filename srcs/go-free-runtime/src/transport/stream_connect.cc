@@ -18,13 +18,15 @@ namespace kungfu {
 // 1. Listen, and start the acceptor (Listen, unless the caller did already). 2. Dial every
 // other peer (ConnectAll); a peer that refused this one for good leaves it answering hellos a
 // moment (LingerForHellos). 3. Wait until every other peer's stream has been accepted
-// (WaitIncoming).
+// (WaitIncoming). The two waits keep one schedule of progress lines: a line is due every
+// progress_ms from `since`, however the wait is split between them.
 Status StreamTransport::Connect(TimePoint since, TimePoint deadline) {
   KF_RETURN_IF_ERROR(Listen());
-  Status s = ConnectAll(since, deadline);
+  TimePoint next_report;
+  Status s = ConnectAll(since, deadline, &next_report);
   if (s.code() == Code::kInvalidArgument) LingerForHellos(std::chrono::milliseconds(2000));
   KF_RETURN_IF_ERROR(s);
-  return WaitIncoming(since, deadline);
+  return WaitIncoming(since, deadline, &next_report);
 }
 
 Status StreamTransport::Listen() {
@@ -80,9 +82,8 @@ void StreamTransport::ReportWait(TimePoint since, TimePoint deadline, TimePoint 
                     " s so far; gives up after " + secs(deadline - since) + " s)");
 }
 
-Status StreamTransport::ConnectAll(TimePoint since, TimePoint deadline) {
+Status StreamTransport::ConnectAll(TimePoint since, TimePoint deadline, TimePoint* next_report) {
   const PeerID& self = peers_[rank_];
-  TimePoint next_report;
   for (int dst = 0; dst < size(); ++dst) {
     if (dst == rank_) continue;
     bool local = peers_[dst].host == self.host;
@@ -119,7 +120,7 @@ Status StreamTransport::ConnectAll(TimePoint since, TimePoint deadline) {
       }
       int unreached = 0;  // dst and every later peer but this one
       for (int r = dst; r < size(); ++r) unreached += r != rank_;
-      ReportWait(since, deadline, now, &next_report,
+      ReportWait(since, deadline, now, next_report,
                  "peer " + Describe(dst) + " to accept a connection (" + last.message() + ")" +
                      (unreached > 1
                           ? "; " + std::to_string(unreached - 1) + " later peer(s) not dialed yet"
@@ -139,7 +140,8 @@ Status StreamTransport::ConnectAll(TimePoint since, TimePoint deadline) {
   return Status::OK();
 }
 
-Status StreamTransport::WaitIncoming(TimePoint since, TimePoint deadline) {
+Status StreamTransport::WaitIncoming(TimePoint since, TimePoint deadline,
+                                     TimePoint* next_report) {
   std::unique_lock<std::mutex> lk(mu_);
   const int want = size() - 1;
   auto missing = [&] {
@@ -149,13 +151,12 @@ Status StreamTransport::WaitIncoming(TimePoint since, TimePoint deadline) {
     }
     return m;
   };
-  TimePoint next_report;
   while (incoming_count_ < want && failure_.ok() && !closed_) {
     const TimePoint now = Clock::now();
     if (now >= deadline) break;
-    ReportWait(since, deadline, now, &next_report, "these peers to connect: " + missing());
+    ReportWait(since, deadline, now, next_report, "these peers to connect: " + missing());
     TimePoint until = deadline;
-    if (next_report != TimePoint() && next_report < until) until = next_report;
+    if (*next_report != TimePoint() && *next_report < until) until = *next_report;
     incoming_cv_.wait_until(lk, until);
   }
   if (!failure_.ok()) return failure_;
