@@ -140,8 +140,7 @@ Status StreamTransport::ConnectAll(TimePoint since, TimePoint deadline, TimePoin
   return Status::OK();
 }
 
-Status StreamTransport::WaitIncoming(TimePoint since, TimePoint deadline,
-                                     TimePoint* next_report) {
+Status StreamTransport::WaitIncoming(TimePoint since, TimePoint deadline, TimePoint* next_report) {
   std::unique_lock<std::mutex> lk(mu_);
   const int want = size() - 1;
   auto missing = [&] {
