@@ -424,10 +424,12 @@ def server_main(argv=None) -> int:
         server = ConfigServer(args.host, args.port, token=token).start()
     except OSError as e:
         p.exit(1, f"kungfu-config-server: cannot listen on {args.host}:{args.port}: {e}\n")
-    print(f"kungfu-config-server: serving {server.url}", flush=True)
+    # The handlers come first: whoever read the line may stop the server at once, and it then
+    # stops as asked (exit 0), not by the signal's default action.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    print(f"kungfu-config-server: serving {server.url}", flush=True)
     stop.wait()
     server.stop()
     return 0
