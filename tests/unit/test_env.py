@@ -168,7 +168,17 @@ def test_set_worker_env_joining_spare_and_unchanged():
     assert not set(env) & set(_env.IDENTITY_VARS) and env["OTHER"] == "x"
 
 
-def test_a_taken_spare_gets_worker_env(monkeypatch):
+@pytest.fixture
+def environ_restored():
+    """os.environ as it was before the test, afterwards: what the code under test writes there
+    itself (monkeypatch restores only what it set or removed) does not reach later tests."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_a_taken_spare_gets_worker_env(monkeypatch, environ_restored):
     """A warm spare's identity (one JSON line on its socket) goes into os.environ through
     set_worker_env: a null removes a variable the spare inherited; the listening socket sent
     with it becomes KUNGFU_LISTEN_FD, the one its peer listens on."""
