@@ -174,11 +174,16 @@ def pair_averaging(lr: float, steps: int):
     shard = slice(r * 8, (r + 1) * 8)
     with torch.no_grad():  # before any step: each worker's own initial model
         losses = [float(torch.nn.functional.mse_loss(model(x), y))]
-    for _ in range(steps):
+    for step in range(steps):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x[shard]), y[shard])
         loss.backward()
         opt.step()
         losses.append(float(torch.nn.functional.mse_loss(model(x), y)))
+        if step % 5 == 4:
+            # The steps take microseconds: on a busy machine one worker could take all of them
+            # while the other is descheduled, averaging with the same stale model every time.
+            # Within five steps of each other they still average asynchronously.
+            kf.all_reduce(torch.zeros(1), name=f"pace-{step}")
     kf.all_reduce(torch.zeros(1), name="done")  # no worker leaves while others may fetch
     return initial, [p.detach().numpy().copy() for p in model.parameters()], losses
