@@ -162,12 +162,14 @@ def run_elastic(tmp_path, np_: int, slots: int, *args: str, timeout: float = 240
 
 def run_recovered(tmp_path, np_: int, n_steps: int, *args: str, env=None, expect_lost: int = 1,
                   steps_after: bool = True, steps_before: bool = True, replace: bool = False,
-                  script: str = "elastic_train.py", timeout: float = 240):
+                  script: str = "elastic_train.py", timeout: float = 240,
+                  max_recoveries: int = 1):
     """run_elastic of `np_` workers in `np_` slots for `n_steps` steps, with `args` (the faults),
     that goes on with the survivors (-replace=false unless `replace`): it finishes, says what
     it survived, trains every sample of every epoch once with equal weights on every worker
-    after every step, and each finisher recovered once, without the lost ones. Returns the
-    launcher's result, the records and the finishers' last records."""
+    after every step, and each finisher recovered once (up to `max_recoveries` times where the
+    faults may be seen apart), without the lost ones. Returns the launcher's result, the records
+    and the finishers' last records."""
     # A hung worker that the survivors left out is stopped after 4 s, not the default 10 s: the
     # faults here leave none that would exit on its own later (the test that wakes one up sets
     # its own).
@@ -187,8 +189,11 @@ def run_recovered(tmp_path, np_: int, n_steps: int, *args: str, env=None, expect
     assert len(finals) == np_ - expect_lost, log
     for f in finals:
         assert f["size"] == np_ - expect_lost and f["step"] == n_steps, f
-        [rec] = f["recoveries"]
-        assert len(rec["lost"]) == expect_lost and rec["size"] == np_ - expect_lost, rec
+        recs = f["recoveries"]
+        assert 1 <= len(recs) <= max_recoveries, recs
+        lost = [p for rec in recs for p in rec["lost"]]
+        assert len(set(lost)) == len(lost) == expect_lost, recs
+        assert recs[-1]["size"] == np_ - expect_lost, recs
     sizes = [len(rows) for rows in steps.values()]
     assert sizes[0] == (np_ if steps_before else np_ - expect_lost), sizes
     if steps_after:  # the survivors trained on after the loss

@@ -231,7 +231,10 @@ def test_a_worker_killed_after_the_last_step(tmp_path):
 
 @pytest.mark.timeout(160)
 def test_two_workers_killed_at_once(tmp_path):
-    _recovered(tmp_path, 4, "--kill", "1@4+", "--kill", "3@4+", expect_lost=2)
+    # Both die after step 4: mostly one recovery loses both. On a busy machine one of them may
+    # still be finishing step 4 when the other's loss is seen; it then checks in alive, is kept,
+    # and dies in the recovered cluster, which recovers again.
+    _recovered(tmp_path, 4, "--kill", "1@4+", "--kill", "3@4+", expect_lost=2, max_recoveries=2)
 
 
 @pytest.mark.timeout(160)
