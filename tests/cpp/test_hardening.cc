@@ -221,6 +221,30 @@ TEST(TheDeadlineNamesWhatThePeerCalledInstead) {
   CHECK_CONTAINS(s1.message(), "'weights'");
 }
 
+// The same when the other peer gave up first (its deadline was earlier) and went on to another
+// op: the peer that expires later names both, what the other waits on and what it gave up on.
+TEST(TheLaterDeadlineNamesWhatThePeerGaveUpOn) {
+  kftest::ClusterOptions o;
+  o.mismatch_grace_ms = 0;
+  LocalCluster c(2, o);
+  REQUIRE(c.Start());
+  std::vector<float> in(8, 1.f), out0(8), out1(8), out2(8);
+  Handle h0 = c[0].AllReduce(in.data(), out0.data(), 8, DType::kFloat32, ReduceOp::kSum,
+                             Named("weights", -1, 1000));
+  Handle h1 = c[1].AllReduce(in.data(), out1.data(), 8, DType::kFloat32, ReduceOp::kSum,
+                             Named("grads", -1, 2500));
+  Status s0 = WAIT(h0);  // at 1 s
+  Handle h2 = c[0].AllReduce(in.data(), out2.data(), 8, DType::kFloat32, ReduceOp::kSum,
+                             Named("bias", -1, 3000));
+  Status s1 = WAIT(h1), s2 = WAIT(h2);
+  CHECK_EQ(s0.code(), Code::kDeadlineExceeded);
+  CHECK_EQ(s1.code(), Code::kDeadlineExceeded);
+  CHECK_EQ(s2.code(), Code::kDeadlineExceeded);
+  CHECK_CONTAINS(s0.message(), "which waits on 'grads'");
+  CHECK_CONTAINS(s1.message(), "which waits on 'bias' (not issued here)");
+  CHECK_CONTAINS(s1.message(), "which gave up on 'weights' (not issued here)");
+}
+
 // A failing operation retried in a loop keeps nothing: late messages are dropped and the aborts
 // and records of finished operations go (the probe saw +9-19 MB per failed 20 MB allreduce).
 TEST(FailedOperationsLeaveNothingBehind) {

@@ -22,7 +22,8 @@ Fusion::Fusion(std::shared_ptr<Session> session, size_t fusion_bytes, int64_t op
       fusion_bytes_(fusion_bytes),
       op_timeout_ms_(op_timeout_ms),
       hooks_(std::move(hooks)),
-      waits_on_(session_->size()) {}
+      waits_on_(session_->size()),
+      gave_up_(session_->size()) {}
 
 Fusion::~Fusion() { Stop(); }
 
@@ -159,17 +160,28 @@ void Fusion::ExpireLocked(TimePoint now, Done* done) {
       std::string& to = k < 0 ? unknown : missing;
       if (k > 0) continue;
       to += (to.empty() ? "" : ", ") + t.Describe(r);
-      std::string instead;
-      int shown = 0;
-      for (const auto& [hash, name] : waits_on_[r]) {
-        if (queued_.count(hash) || hash == o.hash) continue;
-        if (++shown > 3) {
-          instead += ", ...";
-          break;
+      // What peer r called instead, never issued here: the ops it waits on, and those it gave
+      // up on while this one waited.
+      auto names = [&](const std::vector<std::pair<uint64_t, std::string>>& ops) {
+        std::string listed;
+        int shown = 0;
+        for (const auto& [hash, name] : ops) {
+          if (queued_.count(hash) || hash == o.hash) continue;
+          if (++shown > 3) {
+            listed += ", ...";
+            break;
+          }
+          listed += (listed.empty() ? "'" : ", '") + name + "'";
         }
-        instead += (instead.empty() ? "'" : ", '") + name + "'";
+        return listed;
+      };
+      std::vector<std::pair<uint64_t, std::string>> dropped;
+      for (const GaveUp& g : gave_up_[r]) {
+        if (g.at >= o.called) dropped.emplace_back(g.hash, g.name);
       }
-      if (!instead.empty()) to += ", which waits on " + instead + " (not issued here)";
+      const std::string waits = names(waits_on_[r]), gave = names(dropped);
+      if (!waits.empty()) to += ", which waits on " + waits + " (not issued here)";
+      if (!gave.empty()) to += ", which gave up on " + gave + " (not issued here)";
     }
     std::string why = "not issued by every peer before its deadline (fused allreduce)";
     if (!missing.empty()) why += "; not issued by: " + missing;

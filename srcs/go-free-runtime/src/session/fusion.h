@@ -159,6 +159,16 @@ class Fusion {
   bool running_ = false;    // a pool task runs runs_
   // Per rank: the ops (hash, name) it had queued a while in its last records, for messages.
   std::vector<std::vector<std::pair<uint64_t, std::string>>> waits_on_;
+  // Per rank: the last kMaxGaveUp of those it then gave up on (a tombstone), and when: an op
+  // that expires here later still names what the peer called instead, though the peer no longer
+  // waits on it (the two deadlines are seldom at the same moment).
+  struct GaveUp {
+    uint64_t hash;
+    std::string name;
+    TimePoint at;
+  };
+  static constexpr size_t kMaxGaveUp = 4;
+  std::vector<std::deque<GaveUp>> gave_up_;
 };
 
 }  // namespace kungfu

@@ -98,6 +98,15 @@ void Fusion::NoteListed(int src, const std::vector<Record>& recs, const char* na
     if (!x.tomb()) listed.insert(x.hash);
   }
   std::lock_guard<std::mutex> lk(mu_);
+  const TimePoint now = Clock::now();
+  for (const Record& x : recs) {
+    if (!x.tomb()) continue;
+    for (const auto& [hash, name] : waits_on_[src]) {
+      if (hash != x.hash) continue;
+      gave_up_[src].push_back({hash, name, now});
+      if (gave_up_[src].size() > kMaxGaveUp) gave_up_[src].pop_front();
+    }
+  }
   waits_on_[src] = std::move(named);
   for (const auto& o : queue_) o->seen[src] = listed.count(o->hash) ? 1 : 0;
 }
