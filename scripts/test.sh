@@ -85,9 +85,10 @@ t=$SECONDS
 status=0
 # Two pytest processes, each taking whole files (module fixtures stay shared in a file; the
 # tests start their own worker processes on free ports, and the fault tests' timings leave room
-# for a busy machine): the suite's tests wait on their workers more than they compute (serially
-# on the 2-core machine the CPUs were busy about 55% of pytest's time), and two at a time took
-# 1109 s where one took 1570 s, with the same builds beside it.
+# for a busy machine). Many files wait on their workers more than they compute (alone on the
+# 2-core machine, test_recovery_numpy.py took 113 s and 42 CPU-seconds; test_keras_habits_2.py,
+# 76 s and 129), and two at a time took 1109 s where one took 1570 s, with the same builds
+# beside it.
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadfile tests "$@" \
   || status=$?
 took "pytest" "$t"
